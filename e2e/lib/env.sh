@@ -1,0 +1,34 @@
+# Sourced by .ci/run and e2e/demo.sh: one place that makes the Python environment.
+# The venv lives under the cache, keyed by Python version and the dependency list, so repeated
+# runs reuse it and a fresh machine builds it once.
+PDROLLOUT_CACHE="${PDROLLOUT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdrollout}"
+export PDROLLOUT_CACHE
+
+pdrollout_venv() {
+  local root py key
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  py="${PYTHON:-python3}"
+  # Key on the declared dependencies only, so editing the package list does not rebuild the venv.
+  key="$("$py" - "$root/pyproject.toml" <<'PY'
+import hashlib, json, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+deps = json.dumps([p["dependencies"], p.get("optional-dependencies", {})], sort_keys=True)
+print("py%d%d-%s" % (*sys.version_info[:2], hashlib.sha256(deps.encode()).hexdigest()[:12]))
+PY
+)"
+  PDROLLOUT_VENV="$PDROLLOUT_CACHE/venv-$key"
+  if [ ! -x "$PDROLLOUT_VENV/.ready" ]; then
+    echo "[pdrollout] creating $PDROLLOUT_VENV (first run: downloads PyTorch, a few minutes)" >&2
+    rm -rf "$PDROLLOUT_VENV"
+    "$py" -m venv "$PDROLLOUT_VENV"
+    "$PDROLLOUT_VENV/bin/pip" install -q --upgrade pip
+    "$PDROLLOUT_VENV/bin/pip" install -q "torch==2.11.0"
+    "$PDROLLOUT_VENV/bin/pip" install -q -e "$root[operator,test]"
+    printf '#!/bin/sh\n' > "$PDROLLOUT_VENV/.ready" && chmod +x "$PDROLLOUT_VENV/.ready"
+  else
+    # Cheap: refresh the editable install in case the package list moved.
+    "$PDROLLOUT_VENV/bin/pip" install -q --no-deps -e "$root" >/dev/null
+  fi
+  export PDROLLOUT_VENV
+  export PATH="$PDROLLOUT_VENV/bin:$PATH"
+}
