@@ -25,9 +25,14 @@ PY
     "$PDROLLOUT_VENV/bin/pip" install -q "torch==2.11.0"
     "$PDROLLOUT_VENV/bin/pip" install -q -e "$root[operator,test]"
     printf '#!/bin/sh\n' > "$PDROLLOUT_VENV/.ready" && chmod +x "$PDROLLOUT_VENV/.ready"
-  else
-    # Cheap: refresh the editable install in case the package list moved.
-    "$PDROLLOUT_VENV/bin/pip" install -q --no-deps -e "$root" >/dev/null
+  fi
+  # Refresh the editable install only when pyproject.toml changed (e.g. a new sub-package).
+  local stamp
+  stamp="$(sha256sum "$root/pyproject.toml" | cut -c1-16)@$root"
+  if [ "$(cat "$PDROLLOUT_VENV/.editable" 2>/dev/null)" != "$stamp" ]; then
+    "$PDROLLOUT_VENV/bin/pip" install -q --no-deps -e "$root" >/dev/null 2>&1 \
+      || "$PDROLLOUT_VENV/bin/pip" install --no-deps -e "$root"
+    echo "$stamp" > "$PDROLLOUT_VENV/.editable"
   fi
   export PDROLLOUT_VENV
   export PATH="$PDROLLOUT_VENV/bin:$PATH"

@@ -1,0 +1,1 @@
+"""The rollout HTTP server: SGLang native API, OpenAI completions, metrics, live control."""

@@ -1,0 +1,81 @@
+"""`pdrollout` console script."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_checkpoint(a) -> int:
+    from .checkpoint import write_checkpoint
+    from .config import load_preset
+    out = write_checkpoint(load_preset(a.config), a.out, seed=a.seed, dtype=a.dtype, layout=a.layout)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+
+
+def _cmd_generate(a) -> int:
+    from .config import ControlSettings, EngineConfig
+    from .engine import Engine
+    from .generate import run_requests, read_requests
+    cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, mode=a.mode,
+                       kv_cache_bytes=a.kv_cache_mb << 20, control=ControlSettings())
+    if a.nproc > 1:
+        from .distributed.launch import launch_generate   # multi-rank engine
+        return launch_generate(a, cfg)
+    engine = Engine(cfg)
+    lines = read_requests(a.requests)
+    for rec in run_requests(engine, lines, sequential=a.sequential):
+        print(json.dumps(rec), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdrollout", description="In-place P/D multiplexing rollout engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("checkpoint", help="write a random-weight Qwen3-MoE checkpoint (HF format)")
+    c.add_argument("--config", required=True, help="preset name (tiny, qwen3-30b-a3b) or config.json path")
+    c.add_argument("--out", required=True)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    c.add_argument("--layout", choices=["per-expert", "fused"], default="per-expert")
+    c.set_defaults(func=_cmd_checkpoint)
+
+    g = sub.add_parser("generate", help="run a JSONL file of /generate-shaped requests")
+    g.add_argument("--model", required=True)
+    g.add_argument("--requests", required=True, help="JSONL file, or - for stdin")
+    g.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    g.add_argument("--kv-cache-mb", type=int, default=256)
+    g.add_argument("--sequential", action="store_true",
+                   help="run one request at a time (multi-turn files then reuse earlier turns' KV)")
+    g.add_argument("--nproc", type=int, default=1)
+    g.add_argument("--adp", type=int, default=1)
+    g.add_argument("--ep", type=int, default=1)
+    g.set_defaults(func=_cmd_generate)
+
+    # Subcommands owned by other modules register themselves here.
+    for mod, fns in (("server.cli", ("add_serve_parser",)),
+                     ("workload.cli", ("add_trace_parser", "add_bench_parser"))):
+        try:
+            m = __import__(f"pdrollout.engine.{mod}", fromlist=list(fns))
+        except ModuleNotFoundError as e:
+            if e.name != f"pdrollout.engine.{mod}":
+                raise
+            continue
+        for fn in fns:
+            getattr(m, fn)(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

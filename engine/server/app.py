@@ -1,0 +1,303 @@
+"""The aiohttp application: shared server state, JSON error handling, request submission, and
+the operational routes (/health, /metrics, /control, /rollout/finish). The SGLang native and
+OpenAI routes live in `routes_native` and `routes_openai`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from ..config import ControlSettings
+from ..request import RequestError, SamplingParams
+from .bridge import EngineBridge, EngineUnavailable, Tracked
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import BadRequest, GenerateItem, RolloutFinishRequest, error_body, parse, validation_message
+from .rollouts import RolloutTracker
+
+log = logging.getLogger("pdrollout.server")
+
+SERVER_KEY = web.AppKey("pdrollout_server", object)
+
+
+@dataclass
+class ServerSettings:
+    model: str
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mode: str = "pd"
+    device: str = "cpu"
+    max_body_bytes: int = 32 << 20
+    drain_timeout_s: float = 30.0
+    rollout_idle_s: float = 5.0
+    incremental_streaming_output: bool = False   # SGLang's default: cumulative chunks
+    health_generate_timeout_s: float = 20.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class Server:
+    """Everything a handler needs; one per app."""
+
+    def __init__(self, settings: ServerSettings, engine_factory: Callable[[], Any],
+                 loop: asyncio.AbstractEventLoop, tokenizer=None):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = ServerMetrics()
+        self.rollouts = RolloutTracker(settings.rollout_idle_s, self._rollout_finished)
+        self.bridge = EngineBridge(engine_factory, loop, self.metrics, on_finished=self._request_finished)
+        self.started = time.time()
+        self.draining = False
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self._background: set[asyncio.Task] = set()
+
+    # --- request lifecycle ------------------------------------------------------------------
+    async def submit(self, items: list[GenerateItem], *, rollout_id: Optional[str] = None,
+                     log_metrics: bool = True) -> tuple[list[Tracked], asyncio.Queue]:
+        """Validates and submits a (batch) request atomically; returns its tracked states and
+        the queue that wakes the handler on every update."""
+        if self.draining:
+            raise EngineUnavailable("server is shutting down")
+        sampling = []
+        for i, item in enumerate(items):
+            try:
+                sampling.append(SamplingParams.from_dict(item.sampling_params))
+            except RequestError as e:
+                raise BadRequest(_where(i, len(items)) + str(e)) from None
+        await self.unpaused.wait()           # SGLang: requests wait while generation is paused
+        if self.draining:
+            raise EngineUnavailable("server is shutting down")
+        queue: asyncio.Queue = asyncio.Queue()
+        now = time.monotonic()
+        tracked = [Tracked(rid=item.rid or uuid.uuid4().hex, arrival=now, rollout_id=rollout_id,
+                           log_metrics=log_metrics, return_logprob=item.return_logprob, index=i, wake=queue)
+                   for i, item in enumerate(items)]
+        if len({t.rid for t in tracked}) != len(tracked):
+            raise BadRequest("rid values of a batch must be distinct")
+        for k, t in enumerate(tracked):
+            try:
+                self.bridge.track(t)
+            except BadRequest:
+                for done in tracked[:k]:
+                    self.bridge.untrack(done.rid)
+                raise
+
+        def submit_all(engine):
+            for i, (t, item, sp) in enumerate(zip(tracked, items, sampling)):
+                try:
+                    engine.submit(t.rid, item.input_ids, sp, return_logprob=item.return_logprob,
+                                  rollout_id=rollout_id)
+                except RequestError as e:
+                    for prev in tracked[:i]:
+                        engine.abort(prev.rid, "batch rejected")
+                    raise BadRequest(_where(i, len(items)) + str(e)) from None
+        try:
+            await self.bridge.call(submit_all)
+        except BaseException:
+            for t in tracked:
+                self.bridge.untrack(t.rid)
+            raise
+        if rollout_id is not None:
+            for t in tracked:
+                self.rollouts.released(rollout_id, t.arrival)
+            self.metrics.rollouts_active.set(self.rollouts.active)
+        return tracked, queue
+
+    def release(self, tracked: list[Tracked], queue: asyncio.Queue) -> None:
+        """The handler is done with these requests. Unfinished ones (client gone, handler
+        cancelled) are aborted in the background so their KV is freed."""
+        if all(t.finished for t in tracked):
+            for t in tracked:
+                self.bridge.untrack(t.rid)
+            return
+        task = asyncio.ensure_future(self._abandon(tracked, queue))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abandon(self, tracked: list[Tracked], queue: asyncio.Queue) -> None:
+        rids = [t.rid for t in tracked if not t.finished]
+        try:
+            await self.bridge.call(lambda e: [e.abort(rid, "client disconnected") for rid in rids])
+            deadline = time.monotonic() + 5.0
+            while not all(t.finished for t in tracked) and time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    break
+        except EngineUnavailable:
+            pass
+        finally:
+            now = time.monotonic()
+            for t in tracked:
+                if not t.finished:           # engine gone: settle the rollout books anyway
+                    t.finished, t.finished_at = True, now
+                    self._request_finished(t)
+                self.bridge.untrack(t.rid)
+
+    def _request_finished(self, t: Tracked) -> None:
+        if t.rollout_id is not None:
+            self.rollouts.completed(t.rollout_id, t.finished_at or time.monotonic())
+            self.metrics.rollouts_active.set(self.rollouts.active)
+
+    def _rollout_finished(self, summary: dict) -> None:
+        self.metrics.rollout_finished(summary["makespan_s"], summary["num_requests"])
+
+    async def rollout_expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.settings.rollout_idle_s / 4))
+            self.rollouts.expire(time.monotonic())
+            self.metrics.rollouts_active.set(self.rollouts.active)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.bridge.tracked)
+
+    def health(self) -> tuple[int, dict]:
+        b = self.bridge
+        if b.state == "ready" and not self.draining:
+            return 200, {"status": "ok"}
+        status = "draining" if self.draining else b.state
+        body = {"status": status}
+        if b.error:
+            body["error"] = b.error
+        return 503, body
+
+
+def _where(i: int, n: int) -> str:
+    return f"input {i}: " if n > 1 else ""
+
+
+# --- HTTP helpers ---------------------------------------------------------------------------
+def server_of(request: web.Request) -> Server:
+    return request.app[SERVER_KEY]
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int) -> web.Response:
+    return json_response(error_body(message, status), status)
+
+
+async def read_json(request: web.Request, model: Optional[type[BaseModel]] = None, *,
+                    allow_empty: bool = False) -> Any:
+    """The body as `model` (or the plain dict): malformed JSON, non-objects, unknown fields,
+    wrong types -> 400; over the size limit -> 413."""
+    limit = server_of(request).settings.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes", 413)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body exceeds the limit of {limit} bytes", 413) from None
+    if not raw.strip():
+        if allow_empty:
+            return parse(model, {}) if model else {}
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return parse(model, body) if model else body
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return error_response(str(e), e.status)
+    except EngineUnavailable as e:
+        return error_response(str(e), 503)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:   # a bug: report it, keep serving
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+# --- operational routes ---------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    status, body = server_of(request).health()
+    return json_response(body, status)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = server_of(request).metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _latest_control(engine) -> ControlSettings:
+    # set_control applies at the next step boundary; report (and build on) what will apply.
+    return getattr(engine, "_pending_control", None) or engine.control
+
+
+async def get_control(request: web.Request) -> web.Response:
+    control = await server_of(request).bridge.call(_latest_control)
+    return json_response(control.model_dump())
+
+
+async def put_control(request: web.Request) -> web.Response:
+    changes = await read_json(request)
+    server = server_of(request)
+
+    def apply(engine):
+        # Validated as a whole against the latest settings: an invalid key changes nothing.
+        try:
+            new = _latest_control(engine).updated(changes)
+        except ValidationError as e:
+            raise BadRequest(validation_message(e)) from None
+        engine.set_control(new)
+        return new
+    new = await server.bridge.call(apply)
+    log.info("control set to %s", new.model_dump())
+    return json_response(new.model_dump())
+
+
+async def rollout_finish(request: web.Request) -> web.Response:
+    req = await read_json(request, RolloutFinishRequest)
+    server = server_of(request)
+    try:
+        summary = server.rollouts.finish(req.rollout_id)
+    except KeyError:
+        raise BadRequest(f"unknown rollout_id {req.rollout_id!r}", 404) from None
+    server.metrics.rollouts_active.set(server.rollouts.active)
+    return json_response(summary)
+
+
+async def rollouts(request: web.Request) -> web.Response:
+    server = server_of(request)
+    return json_response({"active": server.rollouts.active, "recent": list(server.rollouts.recent)})
+
+
+def build_app(server: Server) -> web.Application:
+    from . import routes_native, routes_openai
+    # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
+    app = web.Application(middlewares=[errors_middleware], client_max_size=server.settings.max_body_bytes)
+    app[SERVER_KEY] = server
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/control", get_control)
+    app.router.add_put("/control", put_control)
+    app.router.add_post("/rollout/finish", rollout_finish)
+    app.router.add_get("/rollouts", rollouts)
+    routes_native.add_routes(app)
+    routes_openai.add_routes(app)
+    return app

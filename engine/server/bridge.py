@@ -1,0 +1,220 @@
+"""The engine thread and its bridge to asyncio.
+
+The Engine is synchronous and not thread-safe, so exactly one thread touches it: it runs queued
+commands (submit, abort, control, ...) between steps, runs `engine.step()` while there is work,
+and sleeps on a condition when idle. Outputs go back to the event loop with `call_soon_threadsafe`,
+where `Tracked` keeps each request's cumulative state and wakes its handler.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .metrics import ServerMetrics
+
+log = logging.getLogger("pdrollout.server")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is loading, failed, or stopped: the server answers 503."""
+
+
+@dataclass
+class Tracked:
+    """One request as the HTTP side sees it (cumulative; lives on the event loop)."""
+
+    rid: str
+    arrival: float
+    rollout_id: Optional[str] = None
+    log_metrics: bool = True
+    return_logprob: bool = False
+    index: int = 0                       # position in a batch request
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[dict] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    wake: Optional[asyncio.Queue] = None  # gets `self` after every update
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        return None if self.finished_at is None else self.finished_at - self.arrival
+
+
+class EngineBridge:
+    def __init__(self, engine_factory: Callable[[], Any], loop: asyncio.AbstractEventLoop,
+                 metrics: ServerMetrics, on_finished: Callable[[Tracked], None] = lambda t: None):
+        self._factory = engine_factory
+        self._loop = loop
+        self._metrics = metrics
+        self._on_finished = on_finished
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[Callable, asyncio.Future]] = deque()
+        self._stopping = False
+        self._paused = False               # in-place pause: no steps, KV kept
+        self._thread = threading.Thread(target=self._run, name="pdrollout-engine", daemon=True)
+        self.engine = None                 # touched only by the engine thread after start()
+        self.state = "loading"             # loading | ready | failed | stopped
+        self.error: Optional[str] = None
+        self.ready = asyncio.Event()
+        self.failed = asyncio.Event()
+        self.tracked: dict[str, Tracked] = {}
+        self.last_stats: dict = {}
+
+    # --- lifecycle (event loop side) --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # --- commands ---------------------------------------------------------------------------
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between steps; returns or raises its result."""
+        if self.state != "ready":
+            raise EngineUnavailable(self.error or f"engine is {self.state}")
+        fut = self._loop.create_future()
+        with self._cond:
+            self._inbox.append((fn, fut))
+            self._cond.notify()
+        return await fut
+
+    async def set_paused(self, paused: bool) -> None:
+        def apply(engine):
+            self._paused = paused
+        await self.call(apply)
+
+    def track(self, t: Tracked) -> None:
+        if t.rid in self.tracked:
+            from .protocol import BadRequest
+            raise BadRequest(f"request id {t.rid!r} is already running")
+        self.tracked[t.rid] = t
+
+    def untrack(self, rid: str) -> None:
+        self.tracked.pop(rid, None)
+
+    # --- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # the server stays up and reports why on /health
+            self._fail(f"engine failed to load: {type(e).__name__}: {e}")
+            log.error("engine failed to load\n%s", traceback.format_exc())
+            return
+        self._publish_stats()
+        self._loop.call_soon_threadsafe(self._set_ready)
+        engine = self.engine
+        while True:
+            with self._cond:
+                while (not self._inbox and not self._stopping
+                       and (self._paused or not engine.has_unfinished())):
+                    self._cond.wait()
+                cmds = list(self._inbox)
+                self._inbox.clear()
+                stopping = self._stopping
+            for fn, fut in cmds:
+                try:
+                    res, exc = fn(engine), None
+                except Exception as e:   # handed to the awaiting handler (RequestError -> 400)
+                    res, exc = None, e
+                self._loop.call_soon_threadsafe(_settle, fut, res, exc)
+            if stopping:
+                break
+            try:
+                # Paused in place: no new step, but aborted requests still get their final output.
+                outs = engine.finish(None) if self._paused else (
+                    engine.step() if engine.has_unfinished() else [])
+            except Exception as e:
+                log.error("engine step failed\n%s", traceback.format_exc())
+                self._fail(f"engine step failed: {type(e).__name__}: {e}")
+                return
+            events = engine.events[:]
+            engine.events.clear()
+            if events:
+                self._metrics.record_steps(events)
+            if outs:
+                self._loop.call_soon_threadsafe(self._dispatch, outs, time.monotonic())
+            if cmds or outs or events:
+                self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        stats = dict(self.engine.stats())
+        stats["paused"] = self._paused
+        self.last_stats = stats          # a dict swap: readers on the loop see old or new
+        self._metrics.set_engine_stats(stats)
+
+    def _fail(self, message: str) -> None:
+        def on_loop():
+            self.state, self.error = "failed", message
+            self.failed.set()
+            for t in list(self.tracked.values()):
+                if not t.finished:
+                    self._finish(t, {"type": "abort", "message": message}, time.monotonic())
+            with self._cond:
+                for _, fut in self._inbox:
+                    _settle(fut, None, EngineUnavailable(message))
+                self._inbox.clear()
+        self._loop.call_soon_threadsafe(on_loop)
+
+    def _set_ready(self) -> None:
+        if self.state == "loading":
+            self.state = "ready"
+            self.ready.set()
+
+    # --- event loop side --------------------------------------------------------------------
+    def _dispatch(self, outs: list, now: float) -> None:
+        for o in outs:
+            t = self.tracked.get(o.rid)
+            if t is None or t.finished:
+                continue
+            t.prompt_tokens, t.cached_tokens = o.prompt_tokens, o.cached_tokens
+            if o.new_token_ids:
+                if t.first_token_at is None:
+                    t.first_token_at = now
+                    if t.log_metrics:
+                        self._metrics.first_token(now - t.arrival)
+                elif t.log_metrics and t.last_token_at is not None:
+                    self._metrics.inter_token(now - t.last_token_at, len(o.new_token_ids))
+                t.last_token_at = now
+                t.output_ids.extend(o.new_token_ids)
+                if t.return_logprob and o.new_logprobs:
+                    t.logprobs.extend(o.new_logprobs)
+                if t.log_metrics:
+                    self._metrics.generated(len(o.new_token_ids))
+            if o.finished:
+                self._finish(t, o.finish_reason, now)
+            elif t.wake is not None:
+                t.wake.put_nowait(t)
+
+    def _finish(self, t: Tracked, reason: Optional[dict], now: float) -> None:
+        t.finished, t.finish_reason, t.finished_at = True, reason or {"type": "abort"}, now
+        if t.log_metrics:
+            self._metrics.request_finished(t.e2e_latency, t.prompt_tokens, t.cached_tokens,
+                                           t.finish_reason.get("type", "abort"))
+        self._on_finished(t)
+        if t.wake is not None:
+            t.wake.put_nowait(t)
+
+
+def _settle(fut: asyncio.Future, res: Any, exc: Optional[BaseException]) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(res)

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one server: the one place that names them (`pdrollout:` prefix, the same
+meanings as SGLang's `sglang:` metrics, plus the P/D multiplexing signals).
+
+Each server owns a CollectorRegistry, so several servers can live in one process (tests).
+prometheus-client metrics are thread-safe: the engine thread records step events and engine
+stats, the event loop records request latencies and token counts.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+P = "pdrollout:"
+
+_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0,
+            20.0, 40.0, 60.0, 120.0, 300.0)
+_SHORT = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_MAKESPAN = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, registry: Optional[CollectorRegistry] = None):
+        self.registry = r = registry or CollectorRegistry()
+        # Load (the three the Gateway API inference extension routes on).
+        self.num_running = Gauge(P + "num_running_reqs", "Requests holding KV (prefill or decode)", registry=r)
+        self.num_queue = Gauge(P + "num_queue_reqs", "Requests waiting for admission", registry=r)
+        self.token_usage = Gauge(P + "token_usage", "Fraction of KV blocks held by requests", registry=r)
+        self.paused = Gauge(P + "paused", "1 while generation is paused (/pause_generation)", registry=r)
+        # Requests.
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between output tokens",
+                             buckets=_SHORT, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(P + "cached_tokens", "Prompt tokens found in the prefix cache", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Output tokens generated", registry=r)
+        self.requests = Counter(P + "requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        # Planner and turnstile (from the engine's per-step records).
+        self.steps = Counter(P + "engine_steps", "Engine steps that ran work", registry=r)
+        self.decode_wait = Histogram(P + "decode_wait_seconds", "Decode row ready to enqueued",
+                                     buckets=_SHORT, registry=r)
+        self.rendezvous = Histogram(P + "turnstile_rendezvous_seconds", "One turnstile rendezvous",
+                                    buckets=_SHORT, registry=r)
+        self.rounds = Counter(P + "turnstile_rounds", "Turnstile rounds (D ordered inside a P epoch)", registry=r)
+        self.stalls = Counter(P + "stalls", "Collective stalls detected", registry=r)
+        self.multiplexing = Gauge(P + "multiplexing_active", "1 if the last step multiplexed P and D", registry=r)
+        self.span = Gauge(P + "segment_span", "Segment span K of the last step", registry=r)
+        # Rollouts (makespan of a client-declared batch of requests).
+        self.rollout_makespan = Gauge(P + "rollout_makespan_seconds",
+                                      "Makespan of the most recently finished rollout", registry=r)
+        self.rollout_makespan_hist = Histogram(P + "rollout_makespan_seconds_hist", "Makespan of finished rollouts",
+                                               buckets=_MAKESPAN, registry=r)
+        self.rollout_requests = Gauge(P + "rollout_requests", "Requests of the most recently finished rollout",
+                                      registry=r)
+        self.rollouts_finished = Counter(P + "rollouts_finished", "Finished rollouts", registry=r)
+        self.rollouts_active = Gauge(P + "rollouts_active", "Rollouts with requests not yet finished", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- event loop -------------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(max(tokens, 1)):
+            self.itl.observe(seconds / max(tokens, 1))
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+
+    def request_finished(self, e2e: Optional[float], prompt_tokens: int, cached_tokens: int, reason: str) -> None:
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.requests.labels(finish_reason=reason).inc()
+
+    def rollout_finished(self, makespan: float, num_requests: int) -> None:
+        self.rollout_makespan.set(makespan)
+        self.rollout_makespan_hist.observe(makespan)
+        self.rollout_requests.set(num_requests)
+        self.rollouts_finished.inc()
+
+    # --- engine thread ----------------------------------------------------------------------
+    def set_engine_stats(self, stats: dict) -> None:
+        self.num_running.set(stats.get("num_running_reqs", 0))
+        self.num_queue.set(stats.get("num_queue_reqs", 0))
+        self.token_usage.set(stats.get("token_usage", 0.0))
+        self.paused.set(1 if stats.get("paused") else 0)
+
+    def record_steps(self, events: Iterable[dict]) -> None:
+        """Consumes the engine's per-step records. Fields: decode_wait_s (list of seconds),
+        multiplexing_active (bool), span (int|None); when present (turnstile): rendezvous_s
+        (list of seconds, one per rendezvous), turnstile_rounds (int), stalls (int)."""
+        last = None
+        for ev in events:
+            last = ev
+            self.steps.inc()
+            for w in ev.get("decode_wait_s") or ():
+                self.decode_wait.observe(w)
+            for s in _as_list(ev.get("rendezvous_s")):
+                self.rendezvous.observe(s)
+            if ev.get("turnstile_rounds"):
+                self.rounds.inc(ev["turnstile_rounds"])
+            if ev.get("stalls"):
+                self.stalls.inc(ev["stalls"])
+        if last is not None:
+            self.multiplexing.set(1 if last.get("multiplexing_active") else 0)
+            self.span.set(last.get("span") or 0)
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    return list(v) if isinstance(v, (list, tuple)) else [v]

@@ -1,0 +1,249 @@
+"""Request bodies of the HTTP API (pydantic, unknown fields rejected) and the SGLang-shaped
+response builders. Pure: no engine, no aiohttp."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+TokenIds = list[StrictInt]
+
+
+class BadRequest(ValueError):
+    """A request the server rejects with a 4xx; `status` picks the code."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def validation_message(err: ValidationError) -> str:
+    """One line per problem: `field.path: what is wrong`."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise BadRequest(validation_message(e)) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _neutral(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported (only {allowed[0]!r})")
+
+
+class GenerateRequest(_Strict):
+    """SGLang `GenerateReqInput`, the fields RL clients send. Fields SGLang clients send at their
+    default (image_data=None, lora_path=None, ...) are accepted at that value only."""
+
+    input_ids: Optional[Union[TokenIds, list[TokenIds]]] = None
+    text: Optional[Union[str, list[str]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    return_logprob: Optional[Union[StrictBool, list[StrictBool]]] = None
+    logprob_start_len: Optional[Union[StrictInt, list[StrictInt]]] = None
+    top_logprobs_num: Optional[Union[StrictInt, list[StrictInt]]] = None
+    token_ids_logprob: Optional[Any] = None
+    return_text_in_logprobs: StrictBool = False
+    stream: StrictBool = False
+    log_metrics: StrictBool = True
+    image_data: Optional[Any] = None
+    lora_path: Optional[Any] = None
+    return_routed_experts: StrictBool = False
+    return_hidden_states: StrictBool = False
+    custom_logit_processor: Optional[Any] = None
+    data_parallel_rank: Optional[StrictInt] = None
+    rollout_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("exactly one of input_ids or text is required")
+        if isinstance(self.input_ids, list) and len(self.input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        for name, allowed in (("image_data", (None, [])), ("lora_path", (None,)),
+                              ("token_ids_logprob", (None,)), ("custom_logit_processor", (None,)),
+                              ("return_routed_experts", (False,)), ("return_hidden_states", (False,))):
+            _neutral(name, getattr(self, name), allowed)
+        tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
+        if any(t not in (None, 0) for t in tops):
+            raise ValueError("top_logprobs_num > 0 is not supported (only the sampled token's logprob)")
+        return self
+
+    def items(self, tokenize=None) -> list["GenerateItem"]:
+        """Splits a (possibly batched) request into one item per prompt."""
+        if self.input_ids is not None:
+            batched = isinstance(self.input_ids[0], list)
+            prompts = self.input_ids if batched else [self.input_ids]
+        else:
+            if tokenize is None:
+                raise BadRequest("text prompts need a tokenizer: start the server with --tokenizer DIR, "
+                                 "or send input_ids")
+            batched = isinstance(self.text, list)
+            prompts = [tokenize(t) for t in (self.text if batched else [self.text])]
+        n = len(prompts)
+        if batched and n == 0:
+            raise BadRequest("empty batch")
+
+        def per_item(name: str, value, default):
+            if isinstance(value, list):
+                if not batched or len(value) != n:
+                    raise BadRequest(f"{name} is a list of {len(value)}, but the request has {n} "
+                                     f"{'prompts' if batched else 'prompt (not a batch)'}")
+                return value
+            return [default if value is None else value] * n
+
+        sps = per_item("sampling_params", self.sampling_params, {})
+        lps = per_item("return_logprob", self.return_logprob, False)
+        if isinstance(self.rid, list):
+            rids = per_item("rid", self.rid, None)
+        elif self.rid is not None and batched:
+            raise BadRequest("rid must be a list of strings for a batch request")
+        else:
+            rids = [self.rid] * n
+        for ids in prompts:
+            if len(ids) == 0:
+                raise BadRequest("a prompt has no tokens")
+        return [GenerateItem(input_ids=list(p), sampling_params=sp, rid=r, return_logprob=lp)
+                for p, sp, r, lp in zip(prompts, sps, rids, lps)]
+
+    @property
+    def batched(self) -> bool:
+        if self.input_ids is not None:
+            return isinstance(self.input_ids[0], list)
+        return isinstance(self.text, list)
+
+
+class GenerateItem(BaseModel):
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    rid: Optional[str]
+    return_logprob: bool
+
+
+class AbortRequest(_Strict):
+    rid: str = ""
+    abort_all: StrictBool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.rid and not self.abort_all:
+            raise ValueError("give rid or abort_all=true")
+        return self
+
+
+class PauseRequest(_Strict):
+    # SGLang's modes; `retract` behaves as `in_place` here (KV kept instead of recomputed).
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class RolloutFinishRequest(_Strict):
+    rollout_id: str = Field(min_length=1)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class CompletionRequest(_Strict):
+    """OpenAI `/v1/completions` with token-id prompts; `ignore_eos`, `top_k`, `stop_token_ids`,
+    `min_tokens` and `rollout_id` are the usual vLLM/SGLang extensions."""
+
+    model: Optional[str] = None
+    prompt: Union[TokenIds, list[TokenIds], str, list[str]]
+    max_tokens: Optional[StrictInt] = 16
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[StrictInt] = None
+    echo: StrictBool = False
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[TokenIds] = None
+    ignore_eos: StrictBool = False
+    seed: Optional[StrictInt] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    best_of: Optional[StrictInt] = None
+    logit_bias: Optional[dict[str, float]] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+    rollout_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _neutral("n", self.n, (1,))
+        _neutral("echo", self.echo, (False,))
+        _neutral("best_of", self.best_of, (None, 1))
+        _neutral("suffix", self.suffix, (None,))
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise ValueError("logprobs must be between 0 and 5")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt is empty")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.prompt, list) and isinstance(self.prompt[0], (list, str))
+
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang `sampling_params` keys; the engine validates the values."""
+        sp: dict[str, Any] = {"max_new_tokens": self.max_tokens}
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("min_tokens", "min_new_tokens"), ("seed", "seed"),
+                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
+                         ("logit_bias", "logit_bias"), ("stop", "stop")):
+            v = getattr(self, src)
+            if v is not None:
+                sp[dst] = v
+        if self.stop_token_ids:
+            sp["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            sp["ignore_eos"] = True
+        return sp
+
+
+def _clean_finish_reason(fr: Optional[dict]) -> Optional[dict]:
+    if fr is None:
+        return None
+    return {k: v for k, v in fr.items() if v is not None or k == "type"}
+
+
+def generate_response(*, rid: str, output_ids: list[int], logprobs: Optional[list[float]],
+                      finish_reason: Optional[dict], prompt_tokens: int, cached_tokens: int,
+                      e2e_latency: Optional[float], text: str = "") -> dict:
+    """SGLang's `/generate` item: cumulative `output_ids`, `meta_info` with SGLang's keys."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _clean_finish_reason(finish_reason),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": cached_tokens,
+        "weight_version": "default",
+    }
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
+    if logprobs is not None:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)]
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+
+def error_body(message: str, status: int) -> dict:
+    """OpenAI's error shape, which the `openai` client and SGLang clients both read."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}

@@ -1,0 +1,192 @@
+"""SGLang's native HTTP API, the subset RL clients (verl, slime, AReaL) and
+`sglang.bench_serving` use. Streaming follows SGLang's default: every SSE chunk carries the
+cumulative `output_ids` (and cumulative `output_token_logprobs`), unless the server runs with
+`--incremental-streaming-output`, where each chunk carries only the new tokens."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from importlib import metadata
+
+from aiohttp import web
+
+from .app import Server, json_response, read_json, server_of
+from .bridge import Tracked
+from .protocol import (AbortRequest, BadRequest, GenerateItem, GenerateRequest, PauseRequest,
+                       generate_response)
+
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pdrollout")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+async def wait_finished(tracked: list[Tracked], queue: asyncio.Queue) -> None:
+    while not all(t.finished for t in tracked):
+        await queue.get()
+
+
+def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
+    ids = t.output_ids[since:]
+    lps = t.logprobs[since:] if t.return_logprob else None
+    text = server.tokenizer.decode(ids) if server.tokenizer else ""
+    body = generate_response(rid=t.rid, output_ids=ids, logprobs=lps,
+                             finish_reason=t.finish_reason if t.finished else None,
+                             prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
+                             e2e_latency=t.e2e_latency, text=text)
+    body["meta_info"]["completion_tokens"] = len(t.output_ids)
+    return body
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    server = server_of(request)
+    req = await read_json(request, GenerateRequest)
+    rollout_id = req.rollout_id or request.headers.get("X-Rollout-Id")
+    items = req.items(server.tokenizer.encode if server.tokenizer else None)
+    tracked, queue = await server.submit(items, rollout_id=rollout_id, log_metrics=req.log_metrics)
+    try:
+        if req.stream:
+            return await _stream(request, server, tracked, queue, batched=req.batched)
+        await wait_finished(tracked, queue)
+        bodies = [item_body(server, t) for t in tracked]
+        return json_response(bodies if req.batched else bodies[0])
+    finally:
+        server.release(tracked, queue)
+
+
+async def _stream(request, server: Server, tracked: list[Tracked], queue: asyncio.Queue,
+                  *, batched: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    incremental = server.settings.incremental_streaming_output
+    sent = {t.rid: 0 for t in tracked}
+    done: set[str] = set()
+    try:
+        while len(done) < len(tracked):
+            updated = {id(t): t for t in [await queue.get()]}
+            while not queue.empty():          # coalesce what piled up while we were writing
+                t = queue.get_nowait()
+                updated[id(t)] = t
+            for t in updated.values():
+                if t.rid in done or (len(t.output_ids) == sent[t.rid] and not t.finished):
+                    continue
+                body = item_body(server, t, since=sent[t.rid] if incremental else 0)
+                if batched:
+                    body["index"] = t.index
+                sent[t.rid] = len(t.output_ids)
+                if t.finished:
+                    done.add(t.rid)
+                await resp.write(sse(body))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        return resp                           # client gone: release() aborts the rest
+    await resp.write_eof()
+    return resp
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    req = await read_json(request, AbortRequest)
+    server = server_of(request)
+    if req.abort_all:
+        n = await server.bridge.call(lambda e: e.abort_all())
+    else:
+        n = int(await server.bridge.call(lambda e: e.abort(req.rid, "aborted by /abort_request")))
+    return json_response({"success": True, "aborted": n})
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    req = await read_json(request, PauseRequest, allow_empty=True)
+    server = server_of(request)
+    server.unpaused.clear()                   # new requests wait until /continue_generation
+    if req.mode == "abort":
+        n = await server.bridge.call(lambda e: e.abort_all())
+    else:                                     # in_place (and retract): stop stepping, keep KV
+        await server.bridge.set_paused(True)
+        n = 0
+    return json_response({"success": True, "mode": req.mode, "aborted": n})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await read_json(request, allow_empty=True)
+    server = server_of(request)
+    await server.bridge.set_paused(False)
+    server.unpaused.set()
+    return json_response({"success": True})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    await read_json(request, allow_empty=True)
+    ok = await server_of(request).bridge.call(lambda e: e.flush_cache())
+    if not ok:
+        raise BadRequest("cache not flushed: requests are still running")
+    return json_response({"success": True, "message": "Cache flushed."})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Runs a one-token generation through the engine (skipped while paused)."""
+    server = server_of(request)
+    status, body = server.health()
+    if status != 200:
+        return json_response(body, status)
+    if not server.unpaused.is_set():
+        return json_response({"status": "ok", "paused": True})
+    item = GenerateItem(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True},
+                        rid=HEALTH_CHECK_PREFIX + uuid.uuid4().hex, return_logprob=False)
+    tracked, queue = await server.submit([item], log_metrics=False)
+    try:
+        await asyncio.wait_for(wait_finished(tracked, queue), server.settings.health_generate_timeout_s)
+    except asyncio.TimeoutError:
+        return json_response({"status": "generation timed out"}, 503)
+    finally:
+        server.release(tracked, queue)
+    if len(tracked[0].output_ids) != 1:
+        return json_response({"status": "generation failed", "finish_reason": tracked[0].finish_reason}, 503)
+    return json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    server = server_of(request)
+    info = await server.bridge.call(lambda e: e.model_info())
+    tok = server.tokenizer.path if server.tokenizer else None
+    return json_response({**info, "tokenizer_path": tok, "served_model_name": server.settings.model_name,
+                          "is_generation": True, "weight_version": "default",
+                          "has_image_understanding": False, "has_audio_understanding": False,
+                          "preferred_sampling_params": None})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    server = server_of(request)
+    stats = await server.bridge.call(lambda e: e.stats())
+    control = (await server.bridge.call(lambda e: getattr(e, "_pending_control", None) or e.control)).model_dump()
+    return json_response({**dataclasses.asdict(server.settings), "version": _version(),
+                          "served_model_name": server.settings.model_name,
+                          "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),
+                          "in_flight": server.in_flight, "uptime_s": time.time() - server.started,
+                          "control": control, "internal_states": [stats]})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    for path in ("/flush_cache",):
+        r.add_post(path, flush_cache)
+        r.add_get(path, flush_cache)
+    r.add_get("/health_generate", health_generate)
+    for path in ("/get_model_info", "/model_info"):      # newer SGLang names without get_
+        r.add_get(path, get_model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, get_server_info)

@@ -1,0 +1,84 @@
+"""Runs the server: listen at once (/health says 503 while the engine loads), load the engine
+on its thread, serve until SIGTERM/SIGINT, then shut down gracefully: stop accepting, let
+in-flight requests finish for up to `drain_timeout_s`, abort the rest (they end with
+finish_reason abort), close connections, exit 0. Exit 1 if the engine fails."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from .app import Server, ServerSettings, build_app
+
+log = logging.getLogger("pdrollout.server")
+
+
+async def start(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None
+                ) -> tuple[Server, web.AppRunner, str]:
+    """Starts listening and loading; returns the server, its runner and its base URL."""
+    server = Server(settings, engine_factory, asyncio.get_running_loop(), tokenizer)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    settings.port = port                     # --port 0: report the port actually bound
+    server.bridge.start()
+    return server, runner, f"http://{host}:{port}"
+
+
+async def shutdown(server: Server, runner: web.AppRunner) -> None:
+    server.draining = True
+    server.unpaused.set()                    # requests parked by a pause now get 503
+    for site in list(runner.sites):
+        await site.stop()                    # stop accepting connections
+    if server.bridge.state == "ready":
+        await server.bridge.set_paused(False)   # paused-in-place work must be able to drain
+    deadline = time.monotonic() + server.settings.drain_timeout_s
+    if server.in_flight:
+        log.info("draining %d in-flight request(s) for up to %.0f s", server.in_flight,
+                 server.settings.drain_timeout_s)
+    while server.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if server.in_flight and server.bridge.state == "ready":
+        n = await server.bridge.call(lambda e: e.abort_all())
+        log.info("drain timeout: aborted %d request(s)", n)
+        deadline = time.monotonic() + 5.0
+        while server.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await server.bridge.stop()
+
+
+async def run(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None,
+              ready_message: Optional[Callable[[str], None]] = print) -> int:
+    loop = asyncio.get_running_loop()
+    server, runner, url = await start(settings, engine_factory, tokenizer)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_message:
+        ready_message(f"pdrollout serve: listening on {url} (loading {settings.model})")
+    expiry = asyncio.create_task(server.rollout_expiry_loop())
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.bridge.ready.wait()),
+             asyncio.create_task(server.bridge.failed.wait())]
+    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if waits[1] in done and ready_message:
+        ready_message(f"pdrollout serve: ready on {url}")
+        done, _ = await asyncio.wait([waits[0], waits[2]], return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    failed = server.bridge.state == "failed"
+    if failed:
+        log.error("%s", server.bridge.error)
+    else:
+        log.info("shutting down")
+    expiry.cancel()
+    await shutdown(server, runner)
+    return 1 if failed else 0

@@ -1,0 +1,227 @@
+"""Closed-loop replay of a trace against a running server over HTTP (SGLang native API).
+
+Turn k+1 of a session is released only after turn k completed plus its client wait (scaled by the
+pressure point). Its input is the session's whole context so far (earlier inputs and the server's
+own output ids, then the new synthetic tokens), so prefix reuse does the rest. `ignore_eos` and
+the trace's output lengths make every system do exactly the same work.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import aiohttp
+import numpy as np
+
+from .measures import BenchError, RequestRecord, metric_sums, summarize
+from .trace import PRESSURE, sessions
+
+_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
+
+
+def synthetic_ids(seed: int, session_index: int, turn: int, n: int, vocab_size: int) -> list[int]:
+    """The new tokens of one turn: deterministic in (seed, session, turn)."""
+    rng = np.random.default_rng([seed, session_index, turn])
+    return rng.integers(0, vocab_size, size=n).tolist()
+
+
+def _sse_events(buf: bytearray):
+    """Pop complete SSE `data:` payloads (bytes) from buf."""
+    while True:
+        cut = buf.find(b"\n\n")
+        if cut < 0:
+            return
+        event = bytes(buf[:cut])
+        del buf[:cut + 2]
+        data = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+        if data:
+            yield b"\n".join(data)
+
+
+class Replay:
+    """One bench run: a closed loop per session over one aiohttp client session."""
+
+    def __init__(self, url: str, rows: list[dict], *, pressure: str = "trace", seed: int = 0,
+                 rollout_id: str | None = None, progress: bool = True):
+        if pressure not in PRESSURE:
+            raise BenchError(f"unknown pressure {pressure!r}; choose one of {', '.join(PRESSURE)}")
+        self.url = url.rstrip("/")
+        self.sessions = sessions(rows)
+        self.wait_scale = PRESSURE[pressure]
+        self.seed = seed
+        self.rollout_id = rollout_id or f"bench-{uuid.uuid4().hex[:12]}"
+        self.progress = progress
+        self.records: list[RequestRecord] = []
+        self._t0 = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    async def _get(self, http, path: str) -> tuple[int, str]:
+        async with http.get(self.url + path) as resp:
+            return resp.status, await resp.text()
+
+    async def model_info(self, http) -> dict:
+        status, body = await self._get(http, "/get_model_info")
+        if status != 200:
+            raise BenchError(f"GET /get_model_info -> {status}: {body[:200]}")
+        info = json.loads(body)
+        if not isinstance(info.get("vocab_size"), int) or info["vocab_size"] < 2:
+            raise BenchError(f"/get_model_info has no usable vocab_size: {body[:200]}")
+        return info
+
+    async def scrape(self, http) -> dict[str, float]:
+        status, body = await self._get(http, "/metrics")
+        return metric_sums(body) if status == 200 else {}
+
+    async def _generate(self, http, rid: str, ids: list[int], out_len: int) -> dict:
+        """POST /generate with stream=true; returns first-token time, output ids and meta_info."""
+        payload = {
+            "rid": rid,
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0},
+            "stream": True,
+            "rollout_id": self.rollout_id,
+        }
+        first, cum, cat, meta = None, [], [], {}
+        async with http.post(self.url + "/generate", json=payload) as resp:
+            if resp.status != 200:
+                raise BenchError(f"POST /generate {rid} -> {resp.status}: {(await resp.text())[:300]}")
+            buf, done = bytearray(), False
+            async for chunk in resp.content.iter_any():
+                buf += chunk.replace(b"\r\n", b"\n")
+                for data in _sse_events(buf):
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    msg = json.loads(data)
+                    if "error" in msg:
+                        raise BenchError(f"/generate {rid} streamed an error: {msg['error']}")
+                    got = msg.get("output_ids") or []
+                    if got and first is None:
+                        first = self.now()
+                    if got:  # SGLang streams cumulative ids; some servers send only new ones
+                        cum = got
+                        cat += got
+                    meta = msg.get("meta_info", meta)
+                if done:
+                    break
+        n = meta.get("completion_tokens", len(cum))
+        return {"first": first, "ids": cum if len(cum) == n else cat, "meta": meta}
+
+    async def _session(self, http, index: int, turns: list[dict], bar) -> None:
+        context: list[int] = []
+        prev_done = None
+        for row in turns:
+            if prev_done is not None:
+                ready = prev_done + row.get("delay_ms", 0) * self.wait_scale / 1000.0
+                await asyncio.sleep(max(0.0, ready - self.now()))
+            ids = context + synthetic_ids(self.seed, index, row["turn"], row["input_length"],
+                                          self.vocab_size)
+            rid = f"{self.rollout_id}-{row['session_id']}-{row['turn']}"
+            release = self.now()
+            res = await self._generate(http, rid, ids, row["output_length"])
+            done = self.now()
+            meta = res["meta"]
+            reason = (meta.get("finish_reason") or {}).get("type")
+            n_out = int(meta.get("completion_tokens", len(res["ids"])))
+            if n_out != row["output_length"] or len(res["ids"]) != n_out or reason == "abort":
+                raise BenchError(
+                    f"{rid}: asked for exactly {row['output_length']} tokens (ignore_eos), got "
+                    f"{n_out} ({len(res['ids'])} ids streamed), finish_reason={reason}")
+            n_in = int(meta.get("prompt_tokens", len(ids)))
+            if n_in != len(ids):
+                raise BenchError(f"{rid}: sent {len(ids)} input tokens, server counted {n_in}")
+            self.records.append(RequestRecord(
+                session_id=row["session_id"], turn=row["turn"], wait_start_s=prev_done,
+                release_s=release, first_token_s=res["first"], done_s=done,
+                prompt_tokens=n_in, completion_tokens=n_out,
+                cached_tokens=int(meta.get("cached_tokens", 0) or 0), finish_reason=reason,
+                output_ids=res["ids"]))
+            context = ids + res["ids"]
+            prev_done = done
+            if bar is not None:
+                bar.update(1)
+
+    async def run(self) -> dict:
+        """Replay the whole trace; returns the summary (records stay on self.records)."""
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=_TIMEOUT) as http:
+            self.vocab_size = (await self.model_info(http))["vocab_size"]
+            before = await self.scrape(http)
+            bar = None
+            if self.progress:
+                from tqdm import tqdm
+                bar = tqdm(total=sum(len(t) for t in self.sessions.values()), unit="req",
+                           desc="replay", leave=False)
+            self._t0 = time.perf_counter()
+            tasks = [asyncio.create_task(self._session(http, i, turns, bar))
+                     for i, turns in enumerate(self.sessions.values())]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                if bar is not None:
+                    bar.close()
+            # Close the rollout so the server exports its makespan; older servers may lack it.
+            async with http.post(self.url + "/rollout/finish",
+                                 json={"rollout_id": self.rollout_id}) as resp:
+                await resp.read()
+            after = await self.scrape(http)
+        self.records.sort(key=lambda r: (r.release_s, r.session_id))
+        return summarize(self.records, before, after)
+
+
+def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]:
+    """Synchronous entry point: (summary, records)."""
+    r = Replay(url, rows, **kw)
+    summary = asyncio.run(r.run())
+    return summary, r.records
+
+
+def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
+              model: str | None = None, url: str | None = None, device: str | None = None,
+              pressure: str = "trace", seed: int = 0, progress: bool = True,
+              serve_args: tuple[str, ...] = (), meta: dict | None = None) -> dict[str, dict]:
+    """Bench each mode on a fresh server (or the one at `url`), write results and plots."""
+    import os
+
+    from .measures import check_same_work, format_table
+    from .report import write_plots, write_results
+    from .servers import serve
+    from .trace import stats
+
+    os.makedirs(out_dir, exist_ok=True)
+    expected = stats(rows)
+    results: dict[str, dict] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    if not url and not (model and modes):
+        raise BenchError("bench needs --url, or --model and at least one mode")
+    for mode in ([modes[0] if modes else "server"] if url else modes):
+        print(f"[bench] mode {mode}: {expected['requests']} requests in "
+              f"{expected['conversations']} sessions, pressure {pressure}", flush=True)
+        if url:
+            summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress)
+        else:
+            log = os.path.join(out_dir, f"server-{mode}.log")
+            with serve(model, mode, log, device=device, extra_args=serve_args) as live:
+                summary, recs = replay(live, rows, pressure=pressure, seed=seed,
+                                       progress=progress)
+        if (summary["total_input_tokens"], summary["total_output_tokens"]) != (
+                expected["input_tokens"], expected["output_tokens"]):
+            raise BenchError(f"mode {mode}: server counted {summary['total_input_tokens']} input /"
+                             f" {summary['total_output_tokens']} output tokens; the trace has "
+                             f"{expected['input_tokens']} / {expected['output_tokens']}")
+        summary.update(mode=mode, pressure=pressure)
+        results[mode], records[mode] = summary, recs
+        print(f"[bench] mode {mode}: makespan {summary['makespan_s']:.2f} s", flush=True)
+    check_same_work(results)
+    info = dict(meta or {}, pressure=pressure, seed=seed, trace=expected)
+    path = write_results(out_dir, results, info, records)
+    plots = write_plots(out_dir, results, records)
+    print(format_table(results))
+    print(f"[bench] wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
+    return results

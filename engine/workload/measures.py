@@ -1,0 +1,186 @@
+"""Pure measures of a benchmark run (DESIGN §6): per-request records in, one summary dict out.
+
+Field names follow `sglang.bench_serving` where they cover the same quantity; ours are added.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# Server metrics scraped before and after a run (docs/CONTRACTS.md).
+DECODE_WAIT = "pdrollout:decode_wait_seconds"
+RENDEZVOUS = "pdrollout:turnstile_rendezvous_seconds"
+ROUNDS = "pdrollout:turnstile_rounds_total"
+STALLS = "pdrollout:stalls_total"
+ROLLOUT_MAKESPAN = "pdrollout:rollout_makespan_seconds"
+
+
+class BenchError(RuntimeError):
+    """A benchmark cannot go on or its result is not trustworthy; the message says why."""
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds from the start of the run."""
+    session_id: str
+    turn: int
+    wait_start_s: float | None  # previous turn's completion (start of the client wait)
+    release_s: float
+    first_token_s: float | None
+    done_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("output_ids")
+        return d
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(np.mean(xs)) if xs else None
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets} (buckets left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket") or s.name.endswith("_created"):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """D wait, rendezvous and stalls over the run, from scrapes before and after it."""
+    def delta(name):
+        if name not in after:
+            return None
+        return after[name] - before.get(name, 0.0)
+
+    def mean_ms(hist):
+        n, s = delta(hist + "_count"), delta(hist + "_sum")
+        return None if not n or s is None else 1000.0 * s / n
+
+    rdv = delta(RENDEZVOUS + "_count")
+    stalls, rounds = delta(STALLS), delta(ROUNDS)
+    return {
+        "mean_decode_wait_ms": mean_ms(DECODE_WAIT),
+        "decode_wait_count": None if delta(DECODE_WAIT + "_count") is None
+        else int(delta(DECODE_WAIT + "_count")),
+        "rendezvous_count": None if rdv is None else int(rdv),
+        "mean_rendezvous_ms": mean_ms(RENDEZVOUS),
+        "turnstile_rounds": None if rounds is None else int(rounds),
+        "stalls": None if stalls is None else int(stalls),
+        "server_rollout_makespan_s": after.get(ROLLOUT_MAKESPAN),
+    }
+
+
+def summarize(records: list[RequestRecord], before: dict | None = None,
+              after: dict | None = None) -> dict:
+    """The run's measures; `before`/`after` are metric_sums() of /metrics around the run."""
+    if not records:
+        raise BenchError("no completed requests to summarize")
+    start = min(r.release_s for r in records)
+    end = max(r.done_s for r in records)
+    makespan = end - start
+    ttft = [1000 * (r.first_token_s - r.release_s) for r in records if r.first_token_s is not None]
+    e2e = [1000 * (r.done_s - r.release_s) for r in records]
+    traj: dict[str, tuple[float, float]] = {}
+    for r in records:
+        lo, hi = traj.get(r.session_id, (r.release_s, r.done_s))
+        traj[r.session_id] = (min(lo, r.release_s), max(hi, r.done_s))
+    traj_s = [hi - lo for lo, hi in traj.values()]
+    waits = [r.release_s - r.wait_start_s for r in records if r.wait_start_s is not None]
+    tin = sum(r.prompt_tokens for r in records)
+    tout = sum(r.completion_tokens for r in records)
+    rate = lambda x: x / makespan if makespan > 0 else None
+    out = {
+        "duration": makespan,
+        "completed": len(records),
+        "total_input_tokens": tin,
+        "total_output_tokens": tout,
+        "total_cached_tokens": sum(r.cached_tokens for r in records),
+        "request_throughput": rate(len(records)),
+        "input_throughput": rate(tin),
+        "output_throughput": rate(tout),
+        "mean_ttft_ms": _mean(ttft),
+        "median_ttft_ms": _pct(ttft, 50),
+        "p99_ttft_ms": _pct(ttft, 99),
+        "mean_e2e_latency_ms": _mean(e2e),
+        "median_e2e_latency_ms": _pct(e2e, 50),
+        "p99_e2e_latency_ms": _pct(e2e, 99),
+        "makespan_s": makespan,
+        "sessions": len(traj),
+        "mean_trajectory_s": _mean(traj_s),
+        "p99_trajectory_s": _pct(traj_s, 99),
+        "mean_client_wait_ms": _mean([1000 * w for w in waits]),
+    }
+    out.update(server_measures(before or {}, after or {}))
+    return out
+
+
+# (label, key, format) rows of the side-by-side table.
+TABLE_ROWS = (
+    ("makespan (s)", "makespan_s", "{:.2f}"),
+    ("requests/s", "request_throughput", "{:.2f}"),
+    ("TTFT p50 (ms)", "median_ttft_ms", "{:.1f}"),
+    ("TTFT p99 (ms)", "p99_ttft_ms", "{:.1f}"),
+    ("request p99 (ms)", "p99_e2e_latency_ms", "{:.1f}"),
+    ("trajectory p99 (s)", "p99_trajectory_s", "{:.2f}"),
+    ("mean D wait (ms)", "mean_decode_wait_ms", "{:.2f}"),
+    ("rendezvous", "rendezvous_count", "{:d}"),
+    ("rendezvous mean (ms)", "mean_rendezvous_ms", "{:.3f}"),
+    ("stalls", "stalls", "{:d}"),
+    ("input tokens", "total_input_tokens", "{:d}"),
+    ("output tokens", "total_output_tokens", "{:d}"),
+)
+
+
+def ratio(value, base) -> float | None:
+    if value is None or base in (None, 0):
+        return None
+    return value / base
+
+
+def format_table(results: dict[str, dict], base: str = "normal") -> str:
+    """Measures per mode; with a `base` mode present, each other mode also gets value/base."""
+    modes = list(results)
+    has_base = base in results and len(modes) > 1
+    head = f"{'':<22}" + "".join(f"{m:>14}" for m in modes)
+    if has_base:
+        head += "".join(f"{m + '/' + base:>16}" for m in modes if m != base)
+    lines = [head]
+    for label, key, fmt in TABLE_ROWS:
+        cells = []
+        for m in modes:
+            v = results[m].get(key)
+            cells.append(f"{'-' if v is None else fmt.format(v):>14}")
+        if has_base:
+            for m in modes:
+                if m != base:
+                    r = ratio(results[m].get(key), results[base].get(key))
+                    cells.append(f"{'-' if r is None else f'x{r:.3f}':>16}")
+        lines.append(f"{label:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def check_same_work(results: dict[str, dict]) -> None:
+    """Every mode must have done identical work; raise BenchError naming the difference."""
+    keys = ("completed", "total_input_tokens", "total_output_tokens")
+    seen = {m: tuple(r[k] for k in keys) for m, r in results.items()}
+    if len(set(seen.values())) > 1:
+        detail = "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in zip(keys, t))
+                           for m, t in seen.items())
+        raise BenchError(f"modes did different work (token totals differ): {detail}")

@@ -1,0 +1,79 @@
+"""A fresh `pdrollout serve` subprocess per benchmarked mode, on 127.0.0.1 and a free port."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from .measures import BenchError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pdrollout() -> list[str]:
+    """The `pdrollout` console script of this interpreter, else the same entry point via -c."""
+    exe = os.path.join(os.path.dirname(sys.executable), "pdrollout")
+    if os.access(exe, os.X_OK):
+        return [exe]
+    found = shutil.which("pdrollout")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())"]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
+          extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0):
+    """Start the server, wait for GET /health 200, yield its URL; SIGTERM and wait on exit."""
+    port = free_port()
+    cmd = _pdrollout() + ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                          "--mode", mode, *(["--device", device] if device else []), *extra_args]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise BenchError(f"`{' '.join(cmd)}` exited with {proc.returncode} before it was "
+                                 f"healthy; log {log_path}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"server for mode {mode} not healthy after {startup_timeout_s:.0f}"
+                                 f" s; log {log_path}:\n{_tail(log_path)}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
