@@ -55,7 +55,9 @@ class Snapshot:
     block_size: int
     max_running: int
     mixed_chunk_tokens: int
-    cached_hint: dict[str, int] = field(default_factory=dict)   # waiting rid -> prefix-hit tokens
+    # waiting rid -> (prefix-hit tokens, hit blocks already referenced by others). Hit blocks
+    # that are only cached (unreferenced) still count against free blocks when taken.
+    cached_hint: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def blocks_for(self, n: int) -> int:
         return -(-n // self.block_size)
@@ -103,8 +105,8 @@ class _Builder:
             if budget <= 0 or running >= self.s.max_running:
                 return
             target = len(r.tokens)
-            hit = self.s.cached_hint.get(r.rid, 0)
-            need = self.s.blocks_for(target) - hit // self.s.block_size
+            hit, shared = self.s.cached_hint.get(r.rid, (0, 0))
+            need = self.s.blocks_for(target) - shared
             if need + headroom > self.free:
                 return          # FCFS: do not let later requests overtake on KV
             self.free -= need

@@ -99,6 +99,10 @@ class EngineBridge:
             self._paused = paused
         await self.call(apply)
 
+    async def snapshot(self) -> dict:
+        """engine.stats() plus whether generation is paused in place."""
+        return await self.call(lambda e: {**e.stats(), "paused": self._paused})
+
     def track(self, t: Tracked) -> None:
         if t.rid in self.tracked:
             from .protocol import BadRequest

@@ -167,7 +167,7 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     server = server_of(request)
-    stats = await server.bridge.call(lambda e: e.stats())
+    stats = await server.bridge.snapshot()
     control = (await server.bridge.call(lambda e: getattr(e, "_pending_control", None) or e.control)).model_dump()
     return json_response({**dataclasses.asdict(server.settings), "version": _version(),
                           "served_model_name": server.settings.model_name,

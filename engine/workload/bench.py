@@ -178,7 +178,10 @@ class Replay:
 def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]:
     """Synchronous entry point: (summary, records)."""
     r = Replay(url, rows, **kw)
-    summary = asyncio.run(r.run())
+    try:
+        summary = asyncio.run(r.run())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise BenchError(f"HTTP to {url} failed: {type(e).__name__}: {e}") from e
     return summary, r.records
 
 

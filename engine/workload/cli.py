@@ -34,18 +34,21 @@ def _cmd_bench(a) -> int:
     from .measures import BenchError
     from .trace import generate, read_jsonl
 
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        print(f"error: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
-        return 2
-    if not a.url and not a.model:
+    modes = [m.strip() for m in (a.modes or "").split(",") if m.strip()]
+    if a.url:
+        if len(modes) > 1:
+            print("error: --url benches one running server: give at most one --modes label",
+                  file=sys.stderr)
+            return 2
+    elif not a.model:
         print("error: give --model DIR (fresh server per mode) or --url URL", file=sys.stderr)
         return 2
-    if a.url and len(modes) > 1:
-        print("error: --url benches one running server: give at most one --modes label",
-              file=sys.stderr)
-        return 2
+    else:
+        modes = modes or list(MODES)
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            print(f"error: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
+            return 2
     rows = read_jsonl(a.trace) if a.trace else generate(a.preset, a.seed)
     meta = {"trace": a.trace or f"preset:{a.preset}", "model": a.model, "url": a.url,
             "device": a.device}
@@ -78,7 +81,8 @@ def add_bench_parser(subparsers) -> None:
     from .trace import PRESETS, PRESSURE
 
     b = subparsers.add_parser("bench", help="closed-loop replay of a trace; side-by-side modes")
-    b.add_argument("--modes", default="normal,mixed,pd", help="comma list of normal,mixed,pd")
+    b.add_argument("--modes", help="comma list of normal,mixed,pd (default: all three); with "
+                                    "--url, one label for the results (default: server)")
     b.add_argument("--model", help="model dir: a fresh `pdrollout serve` per mode")
     b.add_argument("--url", help="bench an already running server instead (one mode)")
     src = b.add_mutually_exclusive_group()

@@ -148,12 +148,13 @@ def read_jsonl(path: str) -> list[dict]:
             if missing:
                 raise ValueError(f"{path}:{lineno}: missing field(s) {sorted(missing)}")
             rows.append(r)
-    order = {}
+    order: dict[str, int] = {}
+    seen: dict[str, int] = {}
     for r in rows:
         order.setdefault(r["session_id"], len(order))
-    for i, r in enumerate(rows):  # turn defaults to file order within a session
-        r.setdefault("turn", sum(1 for x in rows[:i] if x["session_id"] == r["session_id"]))
-        r.setdefault("delay_ms", r.get("delay", 0))
+        r.setdefault("turn", seen.get(r["session_id"], 0))  # default: file order in the session
+        seen[r["session_id"]] = seen.get(r["session_id"], 0) + 1
+        r.setdefault("delay_ms", r.get("delay", 0))  # aiperf names the wait `delay` (ms)
     return sorted(rows, key=lambda r: (order[r["session_id"]], r["turn"]))
 
 

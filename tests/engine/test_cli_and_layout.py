@@ -1,0 +1,76 @@
+"""The console script as a user runs it, the loader's errors, and the package layout."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from hf_reference import hf_greedy
+from pdrollout.engine.loader import CheckpointError, load_model
+
+
+def pdrollout(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "pdrollout.engine.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_checkpoint_and_generate_cli(tmp_path):
+    r = pdrollout("checkpoint", "--config", "tiny", "--out", str(tmp_path / "m"), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "m" / "config.json").is_file()
+    lines = [{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}},
+             {"input_ids": [], "sampling_params": {}},
+             {"input_ids": [9], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+              "return_logprob": True}]
+    req = tmp_path / "req.jsonl"
+    req.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    for mode in ("normal", "mixed", "pd"):
+        r = pdrollout("generate", "--model", str(tmp_path / "m"), "--requests", str(req), "--mode", mode)
+        assert r.returncode == 0, r.stderr
+        out = [json.loads(x) for x in r.stdout.splitlines()]
+        assert [o["index"] for o in out] == [0, 1, 2, 3]
+        ref, _ = hf_greedy(tmp_path / "m", [5, 6, 7], 4)
+        assert out[0]["output_ids"] == ref
+        assert out[0]["meta_info"]["finish_reason"]["type"] == "length"
+        assert out[0]["meta_info"]["prompt_tokens"] == 3 and out[0]["meta_info"]["completion_tokens"] == 4
+        assert out[0]["meta_info"]["cached_tokens"] == 0
+        assert "non-empty" in out[1]["error"]
+        assert len(out[2]["meta_info"]["output_token_logprobs"]) == 2
+        assert "not valid JSON" in out[3]["error"]
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path):
+    r = pdrollout("checkpoint", "--config", "nope", "--out", str(tmp_path))
+    assert r.returncode != 0 and "no config file or preset named 'nope'" in r.stderr
+
+
+def test_loader_names_missing_and_unexpected_keys(tiny_model, tmp_path):
+    tensors = load_file(str(tiny_model / "model.safetensors"))
+    (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.k_norm.weight"]
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+        load_model(tmp_path)
+    extra = dict(tensors)
+    extra["model.layers.0.mlp.shared_expert.weight"] = tensors["model.norm.weight"].clone()
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.shared_expert\.weight'"):
+        load_model(tmp_path)
+    no_expert = {k: v for k, v in tensors.items() if k != "model.layers.2.mlp.experts.5.up_proj.weight"}
+    save_file(no_expert, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.<expert>\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_operator_is_not_a_top_level_import():
+    code = ("import operator, pdrollout.operator, pdrollout.engine, sys;"
+            "assert operator.__file__.startswith(sys.base_prefix) or 'lib/python' in operator.__file__, operator.__file__;"
+            "assert hasattr(operator, 'itemgetter');"
+            "import importlib.util; spec = importlib.util.find_spec('operator');"
+            "assert 'pdrollout' not in (spec.origin or ''), spec.origin")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stderr
