@@ -1,0 +1,98 @@
+"""Bench measures on hand-made records (pure functions)."""
+import pytest
+
+from pdrollout.engine.workload.measures import (BenchError, RequestRecord, check_same_work,
+                                                format_table, metric_sums, server_measures,
+                                                summarize)
+
+
+def rec(sid, turn, release, first, done, wait_start=None, pin=10, pout=5, cached=0):
+    return RequestRecord(session_id=sid, turn=turn, wait_start_s=wait_start, release_s=release,
+                         first_token_s=first, done_s=done, prompt_tokens=pin,
+                         completion_tokens=pout, cached_tokens=cached)
+
+
+RECORDS = [
+    rec("a", 0, 1.0, 1.1, 2.0),
+    rec("a", 1, 2.5, 2.7, 4.0, wait_start=2.0, pin=20, cached=15),
+    rec("b", 0, 1.0, 1.4, 1.5),
+    rec("b", 1, 1.8, 1.9, 6.0, wait_start=1.5, pin=30, pout=7, cached=20),
+]
+
+
+def test_summary_from_records():
+    s = summarize(RECORDS)
+    assert s["makespan_s"] == pytest.approx(5.0) and s["duration"] == pytest.approx(5.0)
+    assert s["completed"] == 4
+    assert s["request_throughput"] == pytest.approx(0.8)
+    assert (s["total_input_tokens"], s["total_output_tokens"], s["total_cached_tokens"]) == (70, 22, 35)
+    # TTFTs 100, 200, 400, 100 ms; e2e 1000, 1500, 500, 4200 ms.
+    assert s["mean_ttft_ms"] == pytest.approx(200.0)
+    assert s["median_ttft_ms"] == pytest.approx(150.0)
+    assert s["p99_ttft_ms"] == pytest.approx(400 - 0.03 * 200)
+    assert s["median_e2e_latency_ms"] == pytest.approx(1250.0)
+    assert s["p99_e2e_latency_ms"] == pytest.approx(4200 - 0.03 * 2700)
+    # Trajectories: a 1.0 -> 4.0 = 3 s, b 1.0 -> 6.0 = 5 s.
+    assert s["mean_trajectory_s"] == pytest.approx(4.0)
+    assert s["p99_trajectory_s"] == pytest.approx(5 - 0.01 * 2)
+    assert s["mean_client_wait_ms"] == pytest.approx(400.0)
+    assert s["stalls"] is None and s["mean_decode_wait_ms"] is None  # no server metrics given
+
+
+def test_empty_run_is_an_error():
+    with pytest.raises(BenchError, match="no completed requests"):
+        summarize([])
+
+
+METRICS_BEFORE = """\
+# TYPE pdrollout:decode_wait_seconds histogram
+pdrollout:decode_wait_seconds_bucket{le="0.01"} 1.0
+pdrollout:decode_wait_seconds_bucket{le="+Inf"} 2.0
+pdrollout:decode_wait_seconds_sum 0.5
+pdrollout:decode_wait_seconds_count 2.0
+# TYPE pdrollout:stalls_total counter
+pdrollout:stalls_total{rank="0"} 1.0
+pdrollout:stalls_total{rank="1"} 2.0
+"""
+METRICS_AFTER = """\
+# TYPE pdrollout:decode_wait_seconds histogram
+pdrollout:decode_wait_seconds_bucket{le="+Inf"} 6.0
+pdrollout:decode_wait_seconds_sum 0.9
+pdrollout:decode_wait_seconds_count 6.0
+# TYPE pdrollout:turnstile_rendezvous_seconds histogram
+pdrollout:turnstile_rendezvous_seconds_bucket{le="+Inf"} 40.0
+pdrollout:turnstile_rendezvous_seconds_sum 0.08
+pdrollout:turnstile_rendezvous_seconds_count 40.0
+# TYPE pdrollout:turnstile_rounds_total counter
+pdrollout:turnstile_rounds_total 41.0
+# TYPE pdrollout:stalls_total counter
+pdrollout:stalls_total{rank="0"} 4.0
+pdrollout:stalls_total{rank="1"} 2.0
+# TYPE pdrollout:rollout_makespan_seconds gauge
+pdrollout:rollout_makespan_seconds 5.25
+"""
+
+
+def test_server_measures_from_scrapes():
+    before, after = metric_sums(METRICS_BEFORE), metric_sums(METRICS_AFTER)
+    assert before["pdrollout:stalls_total"] == 3.0  # summed over label sets
+    m = server_measures(before, after)
+    assert m["mean_decode_wait_ms"] == pytest.approx(100.0)  # 0.4 s over 4 waits
+    assert m["decode_wait_count"] == 4
+    assert m["rendezvous_count"] == 40 and m["mean_rendezvous_ms"] == pytest.approx(2.0)
+    assert m["turnstile_rounds"] == 41 and m["stalls"] == 3
+    assert m["server_rollout_makespan_s"] == 5.25
+    s = summarize(RECORDS, before, after)
+    assert s["stalls"] == 3 and s["rendezvous_count"] == 40
+
+
+def test_same_work_check_and_table():
+    base = summarize(RECORDS)
+    faster = dict(base, makespan_s=2.5, request_throughput=1.6)
+    check_same_work({"normal": base, "pd": faster})
+    table = format_table({"normal": base, "pd": faster})
+    line = next(ln for ln in table.splitlines() if ln.startswith("makespan"))
+    assert "5.00" in line and "2.50" in line and "x0.500" in line
+    other = dict(base, total_output_tokens=base["total_output_tokens"] + 1)
+    with pytest.raises(BenchError, match="different work.*pd: .*total_output_tokens=23"):
+        check_same_work({"normal": base, "pd": other})
