@@ -98,3 +98,38 @@ def write_checkpoint(config: dict, out: str | Path, *, seed: int = 0, dtype: str
     full["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(full, indent=2))
     return out
+
+
+def _init_std(name: str, shape) -> float:
+    if name == "model.embed_tokens.weight":
+        return 1.0
+    if name in ("lm_head.weight",) or name.endswith("mlp.gate.weight"):
+        return 2.0 * shape[-1] ** -0.5
+    if name.endswith(".bias"):
+        return 0.1
+    return shape[-1] ** -0.5          # fan-in scaling keeps activations O(1) through depth
+
+
+@torch.no_grad()
+def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, shard=None, collectives=None):
+    """Builds the model directly on `device` with random weights of the same scales as
+    `random_tensors` (other values): a 30B-parameter benchmark model needs no checkpoint on disk."""
+    from .model import Qwen3MoeModel, Shard
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Qwen3MoeModel(cfg, shard or Shard(), collectives)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.normal_(1.0, 0.1, generator=gen)
+        else:
+            p.normal_(0.0, _init_std(name, p.shape), generator=gen)
+    model.tie_weights_if_needed()
+    d = cfg.head_dim
+    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    return model

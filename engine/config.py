@@ -151,4 +151,6 @@ class EngineConfig(BaseModel):
     max_context_len: int | None = None                   # None: the model's max_position_embeddings
     mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
     seed: int = 0
+    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
+    random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()

@@ -13,6 +13,7 @@ import torch
 
 from .config import ControlSettings, EngineConfig, ModelConfig
 from .kv_cache import BlockPool, KVCache, Reservations
+from .checkpoint import random_model
 from .loader import load_model
 from .planner import Plan, Snapshot, make_policy
 from .request import Req, RequestError, RequestOutput, SamplingParams, Status
@@ -27,7 +28,10 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.load(config.model)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model = model or load_model(config.model, device=config.device, dtype=dtype)
+        if model is None:
+            model = (random_model(self.model_config, config.device, dtype or torch.bfloat16, config.seed)
+                     if config.random_weights else load_model(config.model, device=config.device, dtype=dtype))
+        self.model = model
         cfg = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         attn = self.model.model.layers[0].self_attn
@@ -37,11 +41,13 @@ class Engine:
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, bs, attn.kv_heads, cfg.head_dim, self.dtype, config.device)
         self.pool = BlockPool(num_blocks, bs)
         self.reservations = Reservations(self.pool)
-        self.runner = ModelRunner(self.model, self.kv, bs, config.device)
+        self.max_context_len = min(cfg.max_position_embeddings, config.max_context_len or 1 << 62)
+        self.runner = ModelRunner(self.model, self.kv, bs, config.device, max_batch=config.max_running,
+                                  max_context_len=self.max_context_len, null_slot=self.kv.null_slot,
+                                  cuda_graphs=config.cuda_graphs)
         self.policy = make_policy(config.mode)
         self.control = config.control
         self._pending_control: ControlSettings | None = None
-        self.max_context_len = min(cfg.max_position_embeddings, config.max_context_len or 1 << 62)
         self.reqs: dict[str, Req] = {}       # every unfinished request, by rid
         self.waiting: list[Req] = []         # FCFS
         self.gens: dict[str, torch.Generator] = {}
@@ -164,7 +170,7 @@ class Engine:
             self.waiting.remove(r)
             res = self.reservations.open(rid)
             target = len(r.tokens)
-            res.blocks = self.pool.match_prefix(r.tokens, target - 1)
+            res.blocks = self.pool.match_prefix(r.tokens, target - 1, res.chain)
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:
@@ -184,7 +190,7 @@ class Engine:
     def _apply_row(self, row, token, logprob, now) -> None:
         r = row.req
         r.computed += row.length
-        self.pool.commit(r.reservation.blocks, r.tokens, r.computed)
+        self.pool.commit(r.reservation.blocks, r.tokens, r.computed, r.reservation.chain)
         if row.kind == "prefill" and not row.samples:
             return
         if row.kind == "prefill":

@@ -14,10 +14,12 @@ import torch
 
 
 class KVCache:
-    """Per-layer K and V storage: [num_blocks * block_size, kv_heads, head_dim]."""
+    """Per-layer K and V storage: [(num_blocks + 1) * block_size, kv_heads, head_dim]. The extra
+    block is never handed out: padding rows of a CUDA graph write their K/V into its first slot."""
 
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
-        slots = num_blocks * block_size
+        self.null_slot = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
         self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -91,9 +93,10 @@ class BlockPool:
             yield h, parent, toks
             parent = h
 
-    def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """Takes a reference on the longest run of cached full blocks covering at most max_tokens."""
-        hit = []
+    def match_prefix(self, tokens: list[int], max_tokens: int, chain: list[int] | None = None) -> list[int]:
+        """Takes a reference on the longest run of cached full blocks covering at most max_tokens.
+        `chain` (if given) receives the hit blocks' hashes, so `commit` can continue from there."""
+        hit, hashes = [], []
         for h, parent, toks in self._chain(tokens, max_tokens // self.block_size):
             b = self.by_hash.get(h)
             if b is None:
@@ -102,19 +105,27 @@ class BlockPool:
             if m.parent != parent or m.tokens != toks:
                 break
             hit.append(b)
+            hashes.append(h)
         for b in hit:
             if self.ref[b] == 0:
                 self.evictable.pop(b, None)
             self.ref[b] += 1
+        if chain is not None:
+            chain[:] = hashes
         return hit
 
-    def commit(self, blocks: list[int], tokens: list[int], num_tokens: int) -> None:
-        """Registers every full block among the first num_tokens tokens (idempotent)."""
-        for i, (h, parent, toks) in enumerate(self._chain(tokens, num_tokens // self.block_size)):
+    def commit(self, blocks: list[int], tokens: list[int], num_tokens: int, chain: list[int] | None = None) -> None:
+        """Registers every full block among the first num_tokens tokens (idempotent). With `chain`
+        (the hashes committed so far for these blocks) only the new full blocks are hashed."""
+        chain = [] if chain is None else chain
+        bs = self.block_size
+        for i in range(len(chain), num_tokens // bs):
+            parent = chain[-1] if chain else self.ROOT
+            toks = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((parent, toks))
+            chain.append(h)
             b = blocks[i]
-            if b in self.meta:
-                continue
-            if h in self.by_hash:       # same content already cached in another block
+            if b in self.meta or h in self.by_hash:   # already registered, or same content elsewhere
                 continue
             self.meta[b] = _Meta(h, parent, toks)
             self.by_hash[h] = b
@@ -141,6 +152,7 @@ class Reservation:
     rid: str
     lifetime: int
     blocks: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)    # prefix hashes of the committed full blocks
     inflight: int = 0
     cancelled: bool = False
     released: bool = False

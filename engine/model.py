@@ -34,6 +34,12 @@ class ForwardBatch:
     seqs: list[SeqSlice]
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are wanted
     phase: str = "mixed"          # "prefill" | "decode" | "mixed": passed down to collectives
+    # CUDA path: the first num_decode rows are decode rows (one token each) whose attention runs
+    # from tensors alone (graph-capturable); the remaining seqs are prefill segments.
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks]
+    seq_lens: torch.Tensor | None = None       # int32 [num_decode]
+    block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,18 @@ class Attention(nn.Module):
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-        o = ops.paged_attention(q, k_cache, v_cache, batch.seqs, self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        if batch.block_tables is None:
+            o = ops.paged_attention(q, k_cache, v_cache, batch.seqs, scale)
+        else:
+            from . import kernels
+            nd = batch.num_decode
+            o = torch.empty_like(q)
+            if nd:
+                o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables,
+                                                  batch.seq_lens, batch.block_size, scale)
+            if len(batch.seqs) > nd:
+                kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -175,6 +192,15 @@ class Qwen3MoeModel(nn.Module):
             p.requires_grad_(False)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def use_cuda_kernels(self) -> None:
+        """Grouped-GEMM experts (bf16/fp16 on SM90+); attention kernels follow the batch metadata."""
+        from . import kernels
+        # Grouped GEMM is bf16-only; other dtypes (fp32 exactness runs) get the gathered-bmm path.
+        fn = kernels.experts_grouped if self.lm_head.weight.dtype == torch.bfloat16 else kernels.experts_gathered
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp.expert_kernel = fn
 
     def tie_weights_if_needed(self):
         if self.cfg.tie_word_embeddings:

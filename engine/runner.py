@@ -34,11 +34,21 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, kv, block_size: int, device):
+    def __init__(self, model, kv, block_size: int, device, *, max_batch: int = 64, max_context_len: int = 0,
+                 null_slot: int = 0, cuda_graphs: bool = True):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.graphs = None
+        if self.cuda:
+            model.use_cuda_kernels()
+            if cuda_graphs:
+                from .cuda_graph import DecodeGraphs
+                max_blocks = -(-max_context_len // block_size)
+                self.graphs = DecodeGraphs(model, kv, block_size, max_batch, max_blocks, null_slot)
+                self.graphs.capture()
 
     def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -77,11 +87,39 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             phase=phase,
         )
+        if self.cuda:
+            nd = len(plan.decode)
+            tables = [reqs[rid].reservation.blocks for rid in plan.decode]
+            width = max((len(t) for t in tables), default=1)
+            bt = torch.zeros(nd, width, dtype=torch.int32)
+            for i, t in enumerate(tables):
+                bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            batch.num_decode = nd
+            batch.block_tables = bt.to(dev)
+            batch.seq_lens = torch.tensor([s.ctx_len for s in seqs[:nd]], dtype=torch.int32, device=dev)
+            batch.block_size = self.block_size
         return batch, rows
 
+    def _run_graph(self, plan: Plan, reqs: dict[str, Req]):
+        ids, positions, slots, tables, rows = [], [], [], [], []
+        bs = self.block_size
+        for rid in plan.decode:
+            r = reqs[rid]
+            p = len(r.tokens) - 1
+            blocks = r.reservation.blocks
+            ids.append(r.tokens[p])
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables.append(blocks)
+            rows.append(Row(r, r.reservation, r.lifetime, "decode", 1, True))
+        return self.graphs.run(ids, positions, slots, tables), rows
+
     def run(self, plan: Plan, reqs: dict[str, Req], gens: dict) -> StepResult:
-        batch, rows = self.build(plan, reqs)
-        logits = self.model(batch, self.kv)
+        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode)):
+            logits, rows = self._run_graph(plan, reqs)
+        else:
+            batch, rows = self.build(plan, reqs)
+            logits = self.model(batch, self.kv)
         sampling_rows = [i for i, r in enumerate(rows) if r.samples]
         tokens, lps = {}, {}
         if sampling_rows:

@@ -17,6 +17,10 @@ print("py%d%d-%s" % (*sys.version_info[:2], hashlib.sha256(deps.encode()).hexdig
 PY
 )"
   PDROLLOUT_VENV="$PDROLLOUT_CACHE/venv-$key"
+  mkdir -p "$PDROLLOUT_CACHE"
+  # One builder at a time: concurrent callers wait for the first instead of clobbering its venv.
+  exec 9>"$PDROLLOUT_CACHE/venv.lock"
+  flock 9
   if [ ! -x "$PDROLLOUT_VENV/.ready" ]; then
     echo "[pdrollout] creating $PDROLLOUT_VENV (first run: downloads PyTorch, a few minutes)" >&2
     rm -rf "$PDROLLOUT_VENV"
@@ -34,6 +38,7 @@ PY
       || "$PDROLLOUT_VENV/bin/pip" install --no-deps -e "$root"
     echo "$stamp" > "$PDROLLOUT_VENV/.editable"
   fi
+  flock -u 9
   export PDROLLOUT_VENV
   export PATH="$PDROLLOUT_VENV/bin:$PATH"
 }

@@ -1,0 +1,124 @@
+"""Decode-step and prefill-chunk speed of the engine on one GPU, against their floors.
+
+Builds the Qwen3-30B-A3B shape with random bf16 weights on the device (no checkpoint on disk),
+prefills a batch through the engine in `normal` mode (8k-token chunks), then times decode steps
+(CUDA-graph replay alone, and whole engine steps with planning and sampling).
+Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdrollout.engine.config import ControlSettings, EngineConfig, ModelConfig, load_preset
+from pdrollout.engine.engine import Engine
+from pdrollout.engine.request import SamplingParams
+
+
+def measure_ceilings():
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    flops = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+    return bw, flops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="bench_engine.json")
+    a = ap.parse_args()
+    bw, peak = measure_ceilings()
+    cfg_d = load_preset("qwen3-30b-a3b")
+    cfg_d["num_hidden_layers"] = a.layers
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(cfg_d))
+    cfg = ModelConfig.from_dict(cfg_d)
+    t0 = time.perf_counter()
+    e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
+                            max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
+                            control=ControlSettings(prefill_budget_tokens=a.chunk)))
+    build_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    for i in range(a.batch):
+        ids = torch.randint(2, cfg.vocab_size, (a.ctx,), generator=g).tolist()
+        e.submit(f"r{i}", ids, SamplingParams(max_new_tokens=a.steps + 8, temperature=0.0, ignore_eos=True))
+    prefill_times, prefill_tokens = [], []
+    while any(r.status.value != "decode" for r in e.reqs.values()):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        launched = e.launch()
+        torch.cuda.synchronize()
+        prefill_times.append(time.perf_counter() - t)
+        prefill_tokens.append(launched[0].prefill_tokens)
+        e.finish(launched)
+    # Decode: whole engine steps, then graph replay alone.
+    for _ in range(3):
+        e.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(a.steps):
+        e.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t) / a.steps
+    graph, _ = e.runner.graphs.graphs[a.batch]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(a.steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_s = start.elapsed_time(end) / 1e3 / a.steps
+    # Floors. Decode: every weight is read (64×8 routed rows touch ~all 128 experts) + the KV read.
+    ctx_now = a.ctx + 3 + a.steps
+    kv_bytes = a.batch * ctx_now * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    decode_floor = (weight_bytes + kv_bytes) / bw
+    active = (weight_bytes / 2 - cfg.vocab_size * cfg.hidden_size * 2 -
+              cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size) + \
+        cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size + \
+        cfg.vocab_size * cfg.hidden_size / a.chunk * 4          # lm_head only on the last rows
+    full = [i for i, n in enumerate(prefill_tokens) if n == a.chunk]
+    chunk_s = sorted(prefill_times[i] for i in full)[len(full) // 2] if full else float("nan")
+    attn_flops = 4 * a.chunk * a.ctx / 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    chunk_flops = 2 * active * a.chunk + attn_flops
+    res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
+           "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
+           "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
+           "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,
+           "decode_step_over_floor": step_s / decode_floor, "prefill_chunk_tokens": a.chunk,
+           "prefill_chunk_ms": chunk_s * 1e3, "prefill_tflops": chunk_flops / chunk_s / 1e12,
+           "prefill_fraction_of_peak": chunk_flops / chunk_s / peak}
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{w}}  {v:.4g}" if isinstance(v, float) else f"{k:<{w}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""CUDA fast paths, each tested against its reference in ops.py (tests/engine/test_kernels.py, GPU):
+
+* `decode_attention`: a Triton paged-attention kernel for one query per sequence (GQA groups share
+  each K/V tile), with tensor-only metadata so it can live inside a CUDA graph;
+* `prefill_attention`: SDPA per sequence over the gathered context with a bottom-right causal mask;
+* `experts_grouped`: routed experts through two `torch._grouped_mm` calls (fixed shapes: graph-safe).
+Triton is imported lazily: CPU-only installs never need it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _decode_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, scale,
+               sq_b, sq_h, sk_s, sk_h, sbt_b, so_b, so_h,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+               BLOCK: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq_len = tl.load(len_ptr + b)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        gmask = g < GROUP
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for start in range(0, seq_len, TILE):
+            pos = start + tl.arange(0, TILE)
+            pmask = pos < seq_len
+            blk = tl.load(bt_ptr + b * sbt_b + pos // BLOCK, mask=pmask, other=0)
+            slot = blk.to(tl.int64) * BLOCK + pos % BLOCK
+            k = tl.load(k_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=pmask[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=pmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            s = tl.where(pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m = m_new
+        out = acc / tl.maximum(l, 1e-30)[:, None]    # seq_len 0 (padding rows) → zeros
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+
+    return kernel
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float):
+    """q: [B, H, D]; k/v_cache: [slots, KVH, D]; block_tables: int32 [B, max_blocks];
+    seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[1]
+    group = h // kvh
+    o = torch.empty_like(q)
+    tile = 64 if block_size <= 64 else block_size
+    _decode_kernel()[(b, kvh)](q, k_cache, v_cache, block_tables, seq_lens, o, scale,
+                               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                               block_tables.stride(0), o.stride(0), o.stride(1),
+                               GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d,
+                               BLOCK=block_size, TILE=tile, num_warps=4, num_stages=2,
+                               PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return o
+
+
+def prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None):
+    """Per-sequence SDPA over the gathered context; queries are the last q_len context positions."""
+    from torch.nn.attention.bias import causal_lower_right
+    out = torch.empty_like(q) if out is None else out
+    for s in seqs:
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
+        k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
+        mask = causal_lower_right(s.q_len, s.ctx_len)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s.q_start:s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _sorted_rows(topk_ids, num_local: int, expert_offset: int):
+    """Routed rows sorted by local expert (foreign experts last), group offsets, and the inverse
+    permutation; all fixed-shape so the whole MoE block stays graph-capturable."""
+    local = (topk_ids - expert_offset).flatten()
+    owned = (local >= 0) & (local < num_local)
+    key = torch.where(owned, local, torch.full_like(local, num_local))
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=topk_ids.device)
+    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_local], 0, dtype=torch.int32)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, offs, inverse, owned
+
+
+def experts_grouped(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0):
+    """Same function as ops.experts_reference through two grouped GEMMs (bf16, SM90)."""
+    t, k = topk_ids.shape
+    order, offs, inverse, owned = _sorted_rows(topk_ids, gate_up.shape[0], expert_offset)
+    rows = x.index_select(0, order // k)
+    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    # Back to (token, slot) order; rows of foreign experts (past offs[-1], unwritten) are masked.
+    y = y.index_select(0, inverse).view(t, k, -1)
+    w = torch.where(owned, topk_weights.flatten().float(), 0.0).view(t, k, 1)
+    y = torch.where(w != 0, y.float(), 0.0)
+    return (y * w).sum(1).to(x.dtype)
+
+
+def experts_gathered(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0):
+    """Graph-safe experts for dtypes grouped GEMM lacks (fp32 exactness runs): gathers each routed
+    row's expert weights and uses batched matmuls. Memory grows with rows × expert size: small models."""
+    t, k = topk_ids.shape
+    e = gate_up.shape[0]
+    local = topk_ids - expert_offset
+    owned = (local >= 0) & (local < e)
+    idx = torch.where(owned, local, 0).flatten()
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)                    # [t*k, H, 1]
+    h = torch.bmm(gate_up.index_select(0, idx), rows).squeeze(-1)          # [t*k, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(down.index_select(0, idx), (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    w = torch.where(owned, topk_weights, torch.zeros_like(topk_weights)).view(t, k, 1)
+    return (y.view(t, k, -1) * w).sum(1)

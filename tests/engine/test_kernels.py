@@ -1,0 +1,115 @@
+"""CUDA kernels against the reference ops (GPU machine; deselected on CPU CI by the `gpu` marker)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdrollout.engine import ops
+from pdrollout.engine.model import SeqSlice
+
+pytestmark = pytest.mark.gpu
+cuda = torch.device("cuda")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _paged(ctx_lens, block_size, kvh, d, dtype, g):
+    nblocks = sum(-(-c // block_size) for c in ctx_lens) + 4
+    k = torch.randn(nblocks * block_size, kvh, d, generator=g, device=cuda).to(dtype)
+    v = torch.randn(nblocks * block_size, kvh, d, generator=g, device=cuda).to(dtype)
+    perm = torch.randperm(nblocks, generator=g, device=cuda).tolist()   # scattered blocks
+    tables, at = [], 0
+    for c in ctx_lens:
+        n = -(-c // block_size)
+        tables.append(perm[at:at + n])
+        at += n
+    return k, v, tables
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_attention_matches_reference(dtype, tol, block_size):
+    from pdrollout.engine.kernels import decode_attention
+    g = torch.Generator(device=cuda).manual_seed(0)
+    h, kvh, d = 32, 4, 128
+    ctx = [1, 15, 16, 17, 300, 2049, 5000]
+    k, v, tables = _paged(ctx, block_size, kvh, d, dtype, g)
+    q = torch.randn(len(ctx), h, d, generator=g, device=cuda).to(dtype)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(ctx) + 1, width, dtype=torch.int32, device=cuda)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    lens = torch.tensor(ctx + [0], dtype=torch.int32, device=cuda)     # last row: padding
+    qpad = torch.cat([q, torch.randn(1, h, d, generator=g, device=cuda).to(dtype)])
+    out = decode_attention(qpad, k, v, bt, lens, block_size, d ** -0.5)
+    assert torch.isfinite(out).all() and out[-1].abs().max() == 0
+    seqs = []
+    for i, (c, t) in enumerate(zip(ctx, tables)):
+        pos = torch.arange(c, device=cuda)
+        slots = torch.tensor(t, device=cuda)[pos // block_size] * block_size + pos % block_size
+        seqs.append(SeqSlice(i, 1, c, slots))
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
+    assert rel(out[:-1], ref) < tol
+
+
+def test_prefill_attention_matches_reference():
+    from pdrollout.engine.kernels import prefill_attention
+    g = torch.Generator(device=cuda).manual_seed(1)
+    h, kvh, d, bs = 32, 4, 128, 16
+    # (new tokens, total context): fresh prompts and continuation prefills over a cached prefix.
+    shapes = [(37, 37), (512, 1300), (1, 70), (2048, 2048)]
+    k, v, tables = _paged([c for _, c in shapes], bs, kvh, d, torch.bfloat16, g)
+    seqs, start = [], 0
+    for (n, c), t in zip(shapes, tables):
+        pos = torch.arange(c, device=cuda)
+        seqs.append(SeqSlice(start, n, c, torch.tensor(t, device=cuda)[pos // bs] * bs + pos % bs))
+        start += n
+    q = torch.randn(start, h, d, generator=g, device=cuda).to(torch.bfloat16)
+    out = prefill_attention(q, k, v, seqs, d ** -0.5)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
+    assert rel(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("tokens,offset,num_local", [(64, 0, 128), (4096, 0, 128), (200, 32, 32)])
+def test_grouped_experts_match_reference(tokens, offset, num_local):
+    from pdrollout.engine.kernels import experts_grouped
+    g = torch.Generator(device=cuda).manual_seed(2)
+    hdim, inter, top_k, total = 2048, 768, 8, 128
+    x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
+    gate_up = (torch.randn(num_local, 2 * inter, hdim, generator=g, device=cuda) * hdim ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(num_local, hdim, inter, generator=g, device=cuda) * inter ** -0.5).to(torch.bfloat16)
+    logits = torch.randn(tokens, total, generator=g, device=cuda)
+    w, ids = ops.route(logits, top_k, True, torch.bfloat16)
+    out = experts_grouped(x, ids, w, gate_up, down, offset)
+    ref = ops.experts_reference(x.double(), ids, w.double(), gate_up.double(), down.double(), offset)
+    assert rel(out, ref) < 2e-2
+
+
+def test_grouped_experts_capture_in_a_graph():
+    from pdrollout.engine.kernels import experts_grouped
+    g = torch.Generator(device=cuda).manual_seed(3)
+    x = torch.randn(64, 256, generator=g, device=cuda).to(torch.bfloat16)
+    gu = torch.randn(16, 128, 256, generator=g, device=cuda).to(torch.bfloat16) * 0.06
+    dn = torch.randn(16, 256, 64, generator=g, device=cuda).to(torch.bfloat16) * 0.1
+    w, ids = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
+    experts_grouped(x, ids, w, gu, dn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_grouped(x, ids, w, gu, dn)
+    w2, ids2 = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
+    ids.copy_(ids2), w.copy_(w2)
+    graph.replay()
+    assert rel(out, ops.experts_reference(x.double(), ids2, w2.double(), gu.double(), dn.double())) < 2e-2
+
+
+def test_gathered_experts_match_reference_in_fp32():
+    from pdrollout.engine.kernels import experts_gathered
+    g = torch.Generator(device=cuda).manual_seed(4)
+    x = torch.randn(50, 64, generator=g, device=cuda)
+    gu = torch.randn(8, 64, 64, generator=g, device=cuda) * 0.1
+    dn = torch.randn(8, 64, 32, generator=g, device=cuda) * 0.1
+    w, ids = ops.route(torch.randn(50, 16, generator=g, device=cuda), 2, False, torch.float32)
+    out = experts_gathered(x, ids, w, gu, dn, expert_offset=8)
+    assert rel(out, ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), 8)) < 1e-6
