@@ -60,6 +60,8 @@ PRESETS = {
     "paper": Preset("paper", 128, 1265, 10, 1.0),
     "small": Preset("small", 16, 158, 10, 1 / 8),
     "tiny": Preset("tiny", 8, 30, 4, 1 / 16),
+    # One GPU inside a device lease: a quarter of the conversations, a quarter of the lengths.
+    "gpu": Preset("gpu", 32, 316, 10, 1 / 4),
 }
 
 
