@@ -82,8 +82,11 @@ def prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None):
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
         k = k_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
         v = v_cache.index_select(0, s.slots).transpose(0, 1).unsqueeze(0)
-        mask = causal_lower_right(s.q_len, s.ctx_len)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if s.q_len == s.ctx_len:     # fresh prompt: plain causal keeps SDPA on its flash kernel
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:                        # continuation: queries are the last q_len of ctx_len positions
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal_lower_right(s.q_len, s.ctx_len),
+                                               scale=scale, enable_gqa=True)
         out[s.q_start:s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1)
     return out
 

@@ -102,6 +102,12 @@ class TurnstileController:
             self._note(phase="P:finished", epoch=epoch)
             self._cv.notify_all()
 
+    def retire(self, epoch: int) -> None:
+        """Close a finished epoch without a round (orderings with no turnstile: isolation-only)."""
+        with self._cv:
+            if self.ts.epoch == epoch and self.ts.producer is ProducerState.FINISHED:
+                self.ts.cancel(epoch)
+
     def cancel(self, epoch: int) -> None:
         """Plan-driven (same step on every rank): drop the epoch; a waiting producer is released."""
         with self._cv:

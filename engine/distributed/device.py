@@ -175,13 +175,13 @@ class CpuDevice:
         """Wait for completion; `check` (e.g. the watchdog) is polled so a stall raises, not hangs."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if check:
+                check()  # first: a peer's exit after a stall also fails our collectives
             with self._cv:
                 if self.failed is not None:
                     raise DeviceError(f"device failed: {self.failed!r}")
             if self.pending(stream) == 0:
                 return
-            if check:
-                check()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"device not idle after {timeout}s: {self.frontier()}")
             with self._cv:

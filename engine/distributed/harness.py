@@ -13,11 +13,11 @@ import queue
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .controller import TurnstileController
-from .device import CpuDevice
-from .launch import EXIT_STALL, RankContext
+from .device import CpuDevice, DeviceError
+from .launch import EXIT_ERROR, EXIT_STALL, RankContext
 from .rendezvous import Rendezvous
 from .topology import Topology
 from .trace import Trace
@@ -121,7 +121,8 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
         last = dev.compute("d", sc.d_compute_s if ready else 0.0, name=f"D:{j}:compute")
         if d_pg is not None:
             group = topo.dp_group(rank)
-            inp, mid, out = torch.ones(2 * sc.elems), torch.empty(sc.elems), [torch.empty(sc.elems) for _ in group]
+            inp, mid = torch.ones(len(group) * sc.elems), torch.empty(sc.elems)
+            out = [torch.empty(sc.elems) for _ in group]
             for coll, fn in (("rs", lambda: dist.reduce_scatter_tensor(mid, inp, group=d_pg)),
                              ("ag", lambda: dist.all_gather(out, mid, group=d_pg))):
                 last = dev.collective("d", fn, f"D:{j}:{coll}", group, deps=[last],
@@ -161,6 +162,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
             per_epoch = max(1, sc.d_iters // max(1, sc.epochs))
             for e in range(sc.epochs):
                 p_first = sc.crossed and topo.replica(rank) % 2 == 1
+                ctl.begin(e)  # no turnstile: the permit is unbounded
                 if p_first:
                     pq.put(e)
                     while not started[e].wait(0.05):
@@ -170,6 +172,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
                     if k == 0 and not p_first:
                         pq.put(e)
                 _wait_queue(finished, wd, p_error)
+                ctl.retire(e)
         else:
             e_next, d_left = 0, sc.d_iters
             while e_next < sc.epochs or ctl.active or d_left > 0:
@@ -194,11 +197,22 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
         if p_error:
             raise p_error[0]
         res["makespan_s"] = time.monotonic() - t_start
+    except DeviceError:
+        deadline = time.monotonic() + 1.0  # a peer that exited on a stall broke our collective
+        while wd.stall is None and time.monotonic() < deadline:
+            time.sleep(wd.poll_s)
+        if wd.stall is None:
+            raise
+        err = wd.stall
+        res.update(stalled=True, stall_report=err.report, stall_waited_s=err.waited_s,
+                   stall_detected_s=time.monotonic() - t_start, stall_frontiers=err.frontiers)
     except StallError as err:
         res.update(stalled=True, stall_report=err.report, stall_waited_s=err.waited_s,
                    stall_detected_s=time.monotonic() - t_start, stall_frontiers=err.frontiers)
-    except TurnstileError as err:
-        res["protocol_error"] = f"{type(err).__name__}: {err}"
+    except TurnstileError as err:  # peers will stall on us: report and leave now
+        res.update(protocol_error=f"{type(err).__name__}: {err}", trace=trace.records)
+        ctx.write_result(done + [res])
+        os._exit(EXIT_ERROR)
     rs = ctl.results
     res.update(rounds=len(rs), rendezvous=rdv.stats(), d_iterations=d_count[0],
                rendezvous_rounds=sum(r.rendezvous for r in rs),
@@ -212,7 +226,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
         os._exit(EXIT_STALL)
     wd.stop()
     dev.close()
-    dist.barrier(group=rdv_pg)  # nobody tears down groups a peer still uses
+    _store_barrier(ctx.store(f"end/{sc.name}"), sc.world, max(10.0, 3 * sc.watchdog_bound_s))
     return res
 
 
@@ -234,3 +248,12 @@ def _wait_queue(q: "queue.Queue[int]", wd: Watchdog, err: list) -> None:
             wd.check()
     if err:
         raise err[0]
+
+
+def _store_barrier(store, world: int, timeout_s: float) -> None:
+    store.add("arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add("arrived", 0)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"end-of-scenario barrier: peers missing after {timeout_s}s")
+        time.sleep(0.01)

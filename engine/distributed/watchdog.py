@@ -99,6 +99,9 @@ class Watchdog:
                 return
             sig = tuple(fs.get(r, {}).get("progress") for r in range(self.world))
             now = time.monotonic()
+            if self.store.check(["stall"]):  # a peer saw it first: adopt its report
+                self._declare(json.loads(self.store.get("stall")), fs, now - since)
+                return
             if sig != last_sig or not any(f.get("busy") for f in fs.values()):
                 last_sig, since = sig, now
                 continue
@@ -106,8 +109,12 @@ class Watchdog:
             if waited >= self.bound_s and self.stall is None:
                 report = (f"stall: no rank made progress for {waited:.2f}s (bound {self.bound_s}s) "
                           f"while work was outstanding; frontiers:\n{format_frontiers(fs)}")
-                self.stall = StallError(report, fs, waited)
-                print(f"[watchdog rank {self.rank}] {report}", file=sys.stderr, flush=True)
-                if self.on_stall_exit is not None and not self._stop.wait(self.grace_s):
-                    self.on_stall_exit(self.stall)
+                self.store.set("stall", json.dumps({"report": report, "by": self.rank}))
+                self._declare({"report": report, "by": self.rank}, fs, waited)
                 return
+
+    def _declare(self, stall: dict, fs: dict[int, dict], waited: float) -> None:
+        self.stall = StallError(stall["report"], fs, waited)
+        print(f"[watchdog rank {self.rank}] {stall['report']}", file=sys.stderr, flush=True)
+        if self.on_stall_exit is not None and not self._stop.wait(self.grace_s):
+            self.on_stall_exit(self.stall)

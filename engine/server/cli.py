@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 
 
@@ -68,7 +70,13 @@ def run_serve(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, flush=True)
 
-    return asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
+    rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
+    # Interpreter teardown with torch loaded takes seconds; the server is already shut down
+    # cleanly, so leave now (a SIGTERM'd pod should exit fast).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv=None) -> int:
