@@ -1,0 +1,318 @@
+"""Phase-owned expert communication (DESIGN §4; paper Table 1, Figure 5).
+
+Shared by both phases: the process-level runtime, topology and links. Owned per phase, never
+shared: buffers, counters, workspace, execution lane (its own process group here, its own
+stream on GPU), events and QP index range (D [0,s), P [s,2s)); D also owns its double-buffer
+index. The phase is always an explicit argument (Phase.PREFILL / Phase.DECODE).
+
+P uses the normal path, split at the safe boundary:
+  notify (exchange receive counts, async) -> counts arrive in the background ->
+  wait for counts AND the turnstile permit -> move routed data.
+At most one pending dispatch per P buffer; a cancelled dispatch retires its buffer until a
+quiescent cleanup point (`quiesce`), because peers already acted on its notification.
+D uses the low-latency path: one fixed-capacity exchange into stable, double-buffered slots.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+from .netenv import QPSplit, local_experts, qp_split
+
+
+class Phase(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ExpertCommError(RuntimeError):
+    pass
+
+
+class PendingDispatchError(ExpertCommError):
+    """No free P buffer: a dispatch is already pending (or retired) on every one."""
+
+
+class PermitMissingError(ExpertCommError):
+    """move() before wait_permit(): routed data must not move without the turnstile permit."""
+
+
+@dataclass
+class RecvMeta:
+    layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots
+    expert_ids: Any             # rows: local expert id per row; ll: None
+    counts: Any                 # rows: rows received per source rank; ll: [E_local] valid rows per expert
+
+
+@dataclass
+class Handle:
+    phase: Phase
+    buffer: int
+    tokens: int
+    state: dict
+
+
+@dataclass
+class PhaseState:
+    """Everything one phase mutates. `disjoint(p, d)` audits Table 1."""
+    phase: Phase
+    group: Any
+    qp_range: range
+    lane: str
+    buffers: list[dict]           # name -> tensor, per buffer
+    counters: list[Any]           # per buffer
+    workspace: Any
+    events: list = field(default_factory=list)
+    status: list[str] = field(default_factory=list)   # per buffer: free | pending | moved | retired
+    ll_index: int = 0             # D only: double-buffer index
+
+
+@dataclass
+class PendingDispatch:
+    buffer: int
+    tokens: int
+    work: Any
+    state: dict
+    permitted: bool = False
+    cancelled: bool = False
+
+    def counts_ready(self) -> bool:
+        return self.work.is_completed()
+
+
+def disjoint(a: PhaseState, b: PhaseState) -> list[str]:
+    """Problems (empty when the two phases share no mutable state)."""
+    def spans(s: PhaseState):
+        ts = [t for buf in s.buffers for t in buf.values()] + list(s.counters) + [s.workspace]
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                for t in ts]
+    out = []
+    for x0, x1 in spans(a):
+        for y0, y1 in spans(b):
+            if x0 < y1 and y0 < x1:
+                out.append(f"storage [{x0:#x},{x1:#x}) of {a.phase.value} overlaps {b.phase.value}")
+    if set(a.qp_range) & set(b.qp_range):
+        out.append(f"QP ranges overlap: {a.qp_range} vs {b.qp_range}")
+    if a.group is b.group:
+        out.append("phases share one communicator")
+    if a.lane == b.lane:
+        out.append(f"phases share lane {a.lane}")
+    if a.events is b.events:
+        out.append("phases share an event list")
+    return out
+
+
+class ExpertComm:
+    """Interface both backends implement."""
+
+    def dispatch(self, phase: Phase, hidden, topk_ids, topk_weights):  # -> (recv_hidden, RecvMeta, Handle)
+        raise NotImplementedError
+
+    def combine(self, phase: Phase, expert_out, handle: Handle):       # -> [T, H]
+        raise NotImplementedError
+
+    def notify(self, phase: Phase, hidden, topk_ids, topk_weights) -> PendingDispatch:
+        raise NotImplementedError
+
+    def wait_permit(self, pending: PendingDispatch, permit: Callable[[], None]) -> None:
+        """Block in `permit` (e.g. controller.boundary(epoch, i)); counts keep arriving meanwhile."""
+        permit()
+        pending.permitted = True
+
+    def move(self, pending: PendingDispatch):                          # -> (recv_hidden, RecvMeta, Handle)
+        raise NotImplementedError
+
+    def state(self, phase: Phase) -> PhaseState:
+        raise NotImplementedError
+
+
+class TorchExpertComm(ExpertComm):
+    """torch.distributed backend: all_to_all_single over one EP group per phase (gloo or NCCL).
+    Collective: every member must call the same methods in the same order per phase."""
+
+    def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
+                 max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        self.dtype = dtype or torch.float32
+        mine = next(g for g in ep_ranks if rank in g)
+        self.ep, self.rank_in_ep = len(mine), mine.index(rank)
+        self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
+        self.e_local = local_experts(num_experts, self.ep)
+        self.qps: QPSplit = qp_split(self.e_local)
+        groups = {}
+        for ph in (Phase.DECODE, Phase.PREFILL):  # one communicator per phase = its own QP set
+            for g in ep_ranks:
+                pg = dist.new_group(list(g))
+                if g is mine:
+                    groups[ph] = pg
+        cap_p = p_capacity_rows or max_tokens * topk * self.ep
+        z = lambda *s, dt=None: torch.zeros(*s, dtype=dt or self.dtype)
+        self._p = PhaseState(
+            Phase.PREFILL, groups[Phase.PREFILL], self.qps.prefill, "p-expert",
+            buffers=[{"recv": z(cap_p, hidden), "back": z(max_tokens * topk, hidden)} for _ in range(p_buffers)],
+            counters=[z(2, self.ep, dt=torch.int64) for _ in range(p_buffers)],
+            workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers)
+        cap = max_tokens * topk  # LL slots per peer: worst case every pair goes to one peer
+        self._d = PhaseState(
+            Phase.DECODE, groups[Phase.DECODE], self.qps.decode, "d-expert",
+            buffers=[{"send": z(self.ep, cap, hidden), "recv": z(self.ep, cap, hidden),
+                      "send_meta": z(self.ep, cap + 1, dt=torch.int64),
+                      "recv_meta": z(self.ep, cap + 1, dt=torch.int64)} for _ in range(2)],
+            counters=[z(self.ep, dt=torch.int64) for _ in range(2)],
+            workspace=z(max_tokens * topk, dt=torch.int64), status=["free", "free"])
+        self._lock = threading.Lock()
+        self.cap = cap
+
+    def state(self, phase: Phase) -> PhaseState:
+        return self._p if Phase(phase) is Phase.PREFILL else self._d
+
+    def _route(self, topk_ids):
+        torch = self.torch
+        flat = topk_ids.reshape(-1).long()
+        dest = flat // self.e_local
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=self.ep)
+        token_of = order // self.topk
+        return flat, order, send_counts, token_of
+
+    # ---- P: normal path, split ------------------------------------------------------
+    def notify(self, phase, hidden, topk_ids, topk_weights) -> PendingDispatch:
+        if Phase(phase) is not Phase.PREFILL:
+            raise ExpertCommError("the split notify/move dispatch is the P (normal) path")
+        st = self._p
+        with self._lock:
+            try:
+                b = st.status.index("free")
+            except ValueError:
+                raise PendingDispatchError(f"no free P buffer (status {st.status}): one pending dispatch "
+                                           "per buffer; retired buffers free at quiesce()") from None
+            st.status[b] = "pending"
+        flat, order, send_counts, token_of = self._route(topk_ids)
+        cnt = st.counters[b]
+        cnt[0].copy_(send_counts)
+        work = self.dist.all_to_all_single(cnt[1], cnt[0], group=st.group, async_op=True)
+        state = {"hidden": hidden, "order": order, "flat": flat, "token_of": token_of,
+                 "weights": topk_weights.reshape(-1)[order], "send_counts": send_counts.tolist()}
+        return PendingDispatch(b, hidden.shape[0], work, state)
+
+    def wait_counts(self, pending: PendingDispatch) -> list[int]:
+        pending.work.wait()
+        return self._p.counters[pending.buffer][1].tolist()
+
+    def move(self, pending: PendingDispatch):
+        if pending.cancelled:
+            raise ExpertCommError("move() of a cancelled dispatch")
+        if not pending.permitted:
+            raise PermitMissingError("move() before the turnstile permit (wait_permit first)")
+        st, s = self._p, pending.state
+        recv_counts = self.wait_counts(pending)
+        n_recv = sum(recv_counts)
+        buf = st.buffers[pending.buffer]
+        if n_recv > buf["recv"].shape[0]:
+            raise ExpertCommError(f"P buffer holds {buf['recv'].shape[0]} rows, {n_recv} routed here")
+        rows = s["hidden"].index_select(0, s["token_of"]).to(self.dtype)
+        recv = buf["recv"][:n_recv]
+        self.dist.all_to_all_single(recv, rows, recv_counts, s["send_counts"], group=st.group)
+        ids = self.torch.empty(n_recv, dtype=self.torch.int64)
+        self.dist.all_to_all_single(ids, s["flat"][s["order"]] % self.e_local, recv_counts, s["send_counts"],
+                                    group=st.group)
+        st.status[pending.buffer] = "moved"
+        s["recv_counts"] = recv_counts
+        return recv, RecvMeta("rows", ids, recv_counts), Handle(Phase.PREFILL, pending.buffer, pending.tokens, s)
+
+    def cancel(self, pending: PendingDispatch) -> None:
+        """Plan-driven on every rank alike. The notification cannot be revoked: retire the buffer."""
+        pending.cancelled = True
+        self._p.status[pending.buffer] = "retired"
+        self._p.events.append(pending.work)
+
+    def quiesce(self) -> int:
+        """Cleanup point with no P dispatch in flight: drain retired notifications, free buffers."""
+        st, n = self._p, 0
+        for w in st.events:
+            w.wait()
+        st.events.clear()
+        for i, s in enumerate(st.status):
+            if s == "retired":
+                st.status[i], n = "free", n + 1
+        return n
+
+    # ---- D: low-latency path ---------------------------------------------------------
+    def _dispatch_ll(self, hidden, topk_ids, topk_weights):
+        torch, st = self.torch, self._d
+        b = st.ll_index
+        st.ll_index ^= 1                              # D-owned double-buffer index
+        buf, cnt = st.buffers[b], st.counters[b]
+        flat, order, send_counts, token_of = self._route(topk_ids)
+        if int(send_counts.max()) > self.cap:
+            raise ExpertCommError(f"LL capacity {self.cap} per peer exceeded")
+        starts = torch.cumsum(send_counts, 0) - send_counts
+        dest_sorted = flat[order] // self.e_local
+        slot = torch.arange(order.numel()) - starts[dest_sorted]
+        buf["send"].zero_()
+        buf["send"][dest_sorted, slot] = hidden.index_select(0, token_of).to(self.dtype)
+        buf["send_meta"].fill_(-1)
+        buf["send_meta"][:, 0] = send_counts
+        buf["send_meta"][dest_sorted, slot + 1] = flat[order] % self.e_local
+        self.dist.all_to_all_single(buf["recv"], buf["send"], group=st.group)
+        self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"], group=st.group)
+        cnt.copy_(buf["recv_meta"][:, 0])
+        counts = cnt.tolist()
+        src = torch.cat([torch.full((c,), r, dtype=torch.int64) for r, c in enumerate(counts)]) if sum(counts) else \
+            torch.zeros(0, dtype=torch.int64)
+        pos = torch.cat([torch.arange(c) for c in counts]) if sum(counts) else torch.zeros(0, dtype=torch.int64)
+        recv = buf["recv"][src, pos]
+        ids = buf["recv_meta"][src, pos + 1]
+        state = {"order": order, "token_of": token_of, "weights": topk_weights.reshape(-1)[order],
+                 "dest_sorted": dest_sorted, "slot": slot, "src": src, "pos": pos, "send_counts": send_counts}
+        return recv, RecvMeta("rows", ids, counts), Handle(Phase.DECODE, b, hidden.shape[0], state)
+
+    # ---- both -------------------------------------------------------------------------
+    def dispatch(self, phase, hidden, topk_ids, topk_weights):
+        if Phase(phase) is Phase.DECODE:
+            return self._dispatch_ll(hidden, topk_ids, topk_weights)
+        p = self.notify(phase, hidden, topk_ids, topk_weights)
+        p.permitted = True  # unsplit call: the caller holds the permit already
+        return self.move(p)
+
+    def combine(self, phase, expert_out, handle: Handle):
+        torch, s = self.torch, handle.state
+        if Phase(phase) is not handle.phase:
+            raise ExpertCommError(f"combine({Phase(phase).value}) of a {handle.phase.value} handle")
+        if handle.phase is Phase.PREFILL:
+            st = self._p
+            back = st.buffers[handle.buffer]["back"][:s["order"].numel()]
+            self.dist.all_to_all_single(back, expert_out.to(self.dtype).contiguous(), s["send_counts"],
+                                        s["recv_counts"], group=st.group)
+            st.status[handle.buffer] = "free"
+        else:
+            st = self._d
+            buf = st.buffers[handle.buffer]
+            buf["recv"][s["src"], s["pos"]] = expert_out.to(self.dtype)
+            self.dist.all_to_all_single(buf["send"], buf["recv"], group=st.group)
+            back = buf["send"][s["dest_sorted"], s["slot"]]
+        out = torch.zeros(handle.tokens, self.hidden, dtype=self.dtype)
+        out.index_add_(0, s["token_of"], back * s["weights"].to(self.dtype)[:, None])
+        return out
+
+    def apply_experts(self, recv_hidden, meta: RecvMeta, fn: Callable[[int, Any], Any]):
+        """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows."""
+        out = self.torch.empty_like(recv_hidden)
+        for e in meta.expert_ids.unique().tolist():
+            m = meta.expert_ids == e
+            out[m] = fn(int(e), recv_hidden[m])
+        return out
+
+
+def make_expert_comm(backend: str, **kw) -> ExpertComm:
+    """backend: 'torch' (everywhere) or 'deepep' (GPU images with deep_ep importable)."""
+    if backend == "torch":
+        return TorchExpertComm(**kw)
+    if backend == "deepep":
+        from .deepep_comm import DeepEPExpertComm
+        return DeepEPExpertComm(**kw)
+    raise ValueError(f"expert backend must be torch|deepep, got {backend!r}")
