@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from .config import ControlSettings
+from .distributed.turnstile import auto_span
 from .request import Req, Status
 
 SPAN_MAX = 4
@@ -156,22 +157,16 @@ class MixedPolicy:
         return b.build(step, control)
 
 
-def auto_span(n_decode: int, max_running: int, pending_prefill: int, budget: int) -> int:
-    """K from D occupancy and P pressure: few decode rows → long segments (little to protect);
-    a full decode batch → short segments unless prefill is piling up (then TTFT needs room)."""
-    if n_decode == 0:
-        return SPAN_MAX
-    occupancy = n_decode / max_running
-    pressure = pending_prefill / budget
-    if occupancy < 0.125:
-        return SPAN_MAX
-    if occupancy >= 0.5:
-        return 2 if pressure >= 2 else 1
-    return 3 if pressure >= 2 else 2
+SEGMENT_UNITS = 16     # with decode rows running, one span unit is budget/16 prefill tokens
 
 
 class PDPolicy:
-    """Decode first; a prefill segment of `span` units rides in the remaining capacity."""
+    """Decode first; the P segment rides in the remaining capacity of the same step.
+
+    With no decode row the whole prefill budget runs (nothing to protect). With decode rows the
+    segment is span × budget/16 tokens, so one fused step stays a small multiple of a decode step;
+    `auto` picks the span from D occupancy and P pressure with the turnstile's rule (one rule for
+    one rank and many)."""
     name = "pd"
 
     def plan(self, step, s, control):
@@ -179,16 +174,18 @@ class PDPolicy:
             return NormalPolicy().plan(step, s, control)
         b = _Builder(s)
         b.take_decode()
-        pending = sum(r.prefill_remaining for r in s.prefilling) + sum(len(r.tokens) for r in s.waiting)
         budget = control.prefill_budget_tokens
+        if not b.decode:
+            b.take_prefill(budget)
+            return b.build(step, control, SPAN_MAX, control.activation == "on")
+        pending = sum(r.prefill_remaining for r in s.prefilling) + sum(len(r.tokens) for r in s.waiting)
         if control.span == "auto":
-            span = auto_span(len(b.decode), s.max_running, pending, budget)
+            span = auto_span(len(b.decode) / s.max_running, pending / budget, SPAN_MAX)
         else:
             span = control.span
-        unit = max(budget // SPAN_MAX, 1)
         # Headroom: one block per decode row so admitted P cannot starve the running D rows.
-        b.take_prefill(span * unit, headroom=len(b.decode))
-        both = bool(b.decode) and bool(b.segments)
+        b.take_prefill(span * max(budget // SEGMENT_UNITS, 1), headroom=len(b.decode))
+        both = bool(b.segments)
         return b.build(step, control, span, both or control.activation == "on")
 
 

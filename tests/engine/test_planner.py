@@ -1,0 +1,89 @@
+"""The planner's policies on hand-built snapshots (pure: no model, no KV pool)."""
+from __future__ import annotations
+
+import pytest
+
+from pdrollout.engine.config import ControlSettings
+from pdrollout.engine.planner import SEGMENT_UNITS, Snapshot, make_policy
+from pdrollout.engine.request import Req, SamplingParams, Status
+
+SP = SamplingParams(max_new_tokens=8)
+
+
+def req(rid, n, status=Status.WAITING, computed=0, out=0, t=0.0):
+    r = Req(rid, list(range(2, 2 + n)), SP, arrival=t)
+    r.status, r.computed, r.output = status, computed, [7] * out
+    return r
+
+
+def snap(waiting=(), prefilling=(), decoding=(), free=1000, max_running=8):
+    return Snapshot(list(waiting), list(prefilling), list(decoding), free, 4, max_running, 20)
+
+
+def control(**kw):
+    return ControlSettings(prefill_budget_tokens=kw.pop("budget", 64), **kw)
+
+
+def decoding(k, ctx=9):
+    return [req(f"d{i}", ctx, Status.DECODE, computed=ctx, out=1, t=i) for i in range(k)]
+
+
+def test_normal_runs_every_prefill_before_any_decode():
+    plan = make_policy("normal").plan(0, snap([req("w", 30)], decoding=decoding(3)), control())
+    assert plan.decode == () and [s.rid for s in plan.prefill] == ["w"]
+    plan = make_policy("normal").plan(1, snap(decoding=decoding(3)), control())
+    assert len(plan.decode) == 3 and plan.prefill == ()
+
+
+def test_normal_decodes_when_no_prefill_fits_in_kv():
+    plan = make_policy("normal").plan(0, snap([req("w", 300)], decoding=decoding(2), free=5), control())
+    assert len(plan.decode) == 2 and plan.prefill == ()
+
+
+def test_mixed_rides_decode_rows_with_a_fixed_chunk():
+    plan = make_policy("mixed").plan(0, snap([req("w", 100)], decoding=decoding(3)), control())
+    assert len(plan.decode) == 3
+    assert plan.prefill_tokens == 20 - 3 and not plan.prefill[0].completes
+
+
+@pytest.mark.parametrize("span", [1, 2, 3, 4])
+def test_pd_segment_is_span_units_with_decode_rows(span):
+    plan = make_policy("pd").plan(0, snap([req("w", 500)], decoding=decoding(3)), control(span=span))
+    assert len(plan.decode) == 3 and plan.multiplexing
+    assert plan.prefill_tokens == span * 64 // SEGMENT_UNITS and plan.span == span
+
+
+def test_pd_without_decode_rows_runs_the_whole_budget():
+    plan = make_policy("pd").plan(0, snap([req("a", 40), req("b", 40)]), control())
+    assert plan.prefill_tokens == 64 and plan.decode == ()
+
+
+def test_pd_keeps_kv_headroom_for_decode_rows():
+    # 12 free blocks: 3 decode rows take one each now; the 8-block prompt fits only without headroom.
+    s = snap([req("w", 32)], decoding=decoding(3, ctx=8), free=12)
+    assert make_policy("mixed").plan(0, s, control()).admit == ("w",)
+    assert make_policy("pd").plan(0, s, control(span=4)).admit == ()
+
+
+def test_pd_activation_off_is_normal():
+    s = snap([req("w", 30)], decoding=decoding(2))
+    assert make_policy("pd").plan(0, s, control(activation="off")).decode == ()
+
+
+def test_auto_span_shrinks_with_decode_occupancy():
+    s_busy = snap([req("w", 5000)], decoding=decoding(8), max_running=8)
+    s_idle = snap([req("w", 5000)], decoding=decoding(1), max_running=8)
+    busy = make_policy("pd").plan(0, s_busy, control(budget=1600)).span
+    idle = make_policy("pd").plan(0, s_idle, control(budget=1600)).span
+    assert busy == 1 and idle > busy
+
+
+def test_decode_rows_retract_youngest_first_under_kv_pressure():
+    rows = decoding(4, ctx=8)           # 9 tokens: position 8 starts a new block
+    plan = make_policy("pd").plan(0, snap(decoding=rows, free=2), control())
+    assert plan.decode == ("d0", "d1") and plan.retract == ("d3", "d2")
+
+
+def test_fcfs_admission_does_not_let_later_requests_overtake():
+    plan = make_policy("mixed").plan(0, snap([req("big", 400), req("small", 4)], free=50), control())
+    assert plan.admit == ()
