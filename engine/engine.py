@@ -39,12 +39,17 @@ class Engine:
         per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, bs, attn.kv_heads, cfg.head_dim, self.dtype)
         num_blocks = config.num_blocks or max(config.kv_cache_bytes // per_block, 1)
         self.kv = KVCache(cfg.num_hidden_layers, num_blocks, bs, attn.kv_heads, cfg.head_dim, self.dtype, config.device)
-        self.pool = BlockPool(num_blocks, bs)
-        self.reservations = Reservations(self.pool)
-        self.max_context_len = min(cfg.max_position_embeddings, config.max_context_len or 1 << 62)
+        self._init_state(num_blocks)
         self.runner = ModelRunner(self.model, self.kv, bs, config.device, max_batch=config.max_running,
                                   max_context_len=self.max_context_len, null_slot=self.kv.null_slot,
                                   cuda_graphs=config.cuda_graphs)
+
+    def _init_state(self, num_blocks: int) -> None:
+        """Request and KV bookkeeping (no tensors): also what the multi-rank planner keeps per replica."""
+        cfg, config = self.model_config, self.config
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.reservations = Reservations(self.pool)
+        self.max_context_len = min(cfg.max_position_embeddings, config.max_context_len or 1 << 62)
         self.policy = make_policy(config.mode)
         self.control = config.control
         self._pending_control: ControlSettings | None = None
@@ -97,6 +102,11 @@ class Engine:
     def set_control(self, control: ControlSettings) -> None:
         self._pending_control = control       # applied at the next step boundary
 
+    @property
+    def requested_control(self) -> ControlSettings:
+        """The settings the next step will run with (a pending change, else the current ones)."""
+        return self._pending_control or self.control
+
     def flush_cache(self) -> bool:
         if self.reqs:
             return False
@@ -108,6 +118,20 @@ class Engine:
         return self.finish(self.launch())
 
     def launch(self):
+        planned = self.plan_step()
+        if planned is None:
+            return None
+        plan, t0, waits = planned
+        result = self.runner.run(plan, self.reqs, self.gens)
+        self.events.append({"step": plan.step, "t": t0, "decode_rows": len(plan.decode),
+                            "prefill_tokens": plan.prefill_tokens, "decode_wait_s": waits,
+                            "multiplexing_active": plan.multiplexing, "span": plan.span,
+                            "mode": self.policy.name})
+        return plan, result, t0
+
+    def plan_step(self):
+        """Control change, plan, admission: everything of a step before the forward.
+        Returns (plan, t0, decode waits) or None for an empty plan."""
         if self._pending_control is not None:
             self.control, self._pending_control = self._pending_control, None
         plan = self.policy.plan(self.step_id, self._snapshot(), self.control)
@@ -119,25 +143,23 @@ class Engine:
         waits = [t0 - self.reqs[rid].d_ready_at for rid in plan.decode if self.reqs[rid].d_ready_at]
         for rid in (*plan.decode, *(s.rid for s in plan.prefill)):
             self.reservations.begin_work(self.reqs[rid].reservation)   # submitted from here on
-        result = self.runner.run(plan, self.reqs, self.gens)
-        self.events.append({"step": plan.step, "t": t0, "decode_rows": len(plan.decode),
-                            "prefill_tokens": plan.prefill_tokens, "decode_wait_s": waits,
-                            "multiplexing_active": plan.multiplexing, "span": plan.span,
-                            "mode": self.policy.name})
-        return plan, result, t0
+        return plan, t0, waits
 
     def finish(self, launched) -> list[RequestOutput]:
         if launched is not None:
             plan, result, t0 = launched
             now = time.monotonic()
             self.events[-1]["duration_s"] = now - t0
-            for i, row in enumerate(result.rows):
-                self.reservations.end_work(row.reservation)
-                if not self.reservations.is_current(row.req.rid, row.lifetime) or self.reqs.get(row.req.rid) is not row.req:
-                    continue    # an earlier lifetime's result: discard
-                self._apply_row(row, result.tokens.get(i), result.logprobs.get(i), now)
+            self.apply_result(result, now)
         out, self._outbox = self._outbox, []
         return out
+
+    def apply_result(self, result: StepResult, now: float) -> None:
+        for i, row in enumerate(result.rows):
+            self.reservations.end_work(row.reservation)
+            if not self.reservations.is_current(row.req.rid, row.lifetime) or self.reqs.get(row.req.rid) is not row.req:
+                continue    # an earlier lifetime's result: discard
+            self._apply_row(row, result.tokens.get(i), result.logprobs.get(i), now)
 
     # --- internals --------------------------------------------------------------------------
     def _snapshot(self) -> Snapshot:

@@ -16,7 +16,7 @@ class RequestError(ValueError):
 # SGLang keys we accept only at their neutral value (clients often send the defaults).
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "min_p": 0.0, "n": 1, "stop": None, "regex": None, "json_schema": None, "ebnf": None,
-            "logit_bias": None, "custom_params": None, "stream_interval": None}
+            "logit_bias": None, "stream_interval": None}
 # Text-only SGLang keys: no tokenizer here, so they do not change token output.
 _TEXT_ONLY = {"skip_special_tokens": bool, "spaces_between_special_tokens": bool, "no_stop_trim": bool}
 
@@ -89,6 +89,12 @@ class SamplingParams:
                 if not isinstance(v, typ):
                     raise RequestError(f"sampling_params.{key} must be a boolean, got {v!r}")
                 kw[key] = v
+        # SGLang hands custom_params to a server-side custom logit processor; with none
+        # configured it has no effect there either (slime sends it whenever top_p != 1).
+        if "custom_params" in d:
+            v = d.pop("custom_params")
+            if v is not None and not isinstance(v, dict):
+                raise RequestError(f"sampling_params.custom_params must be an object, got {v!r}")
         for key, neutral in _NEUTRAL.items():
             if key in d:
                 v = d.pop(key)

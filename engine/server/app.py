@@ -103,13 +103,18 @@ class Server:
                     raise BadRequest(_where(i, len(items)) + str(e)) from None
         try:
             await self.bridge.call(submit_all)
-        except BaseException:
+        except (BadRequest, EngineUnavailable):
             for t in tracked:
                 self.bridge.untrack(t.rid)
+            raise
+        except BaseException:
+            # Cancelled (client gone) while the engine thread may already have submitted: abort.
+            self.release(tracked, queue)
             raise
         if rollout_id is not None:
             for t in tracked:
                 self.rollouts.released(rollout_id, t.arrival)
+                t.in_rollout = True
             self.metrics.rollouts_active.set(self.rollouts.active)
         return tracked, queue
 
@@ -126,6 +131,7 @@ class Server:
 
     async def _abandon(self, tracked: list[Tracked], queue: asyncio.Queue) -> None:
         rids = [t.rid for t in tracked if not t.finished]
+        log.info("client gone: aborting %s", ", ".join(rids))
         try:
             await self.bridge.call(lambda e: [e.abort(rid, "client disconnected") for rid in rids])
             deadline = time.monotonic() + 5.0
@@ -145,7 +151,8 @@ class Server:
                 self.bridge.untrack(t.rid)
 
     def _request_finished(self, t: Tracked) -> None:
-        if t.rollout_id is not None:
+        if t.in_rollout:
+            t.in_rollout = False
             self.rollouts.completed(t.rollout_id, t.finished_at or time.monotonic())
             self.metrics.rollouts_active.set(self.rollouts.active)
 
@@ -246,7 +253,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _latest_control(engine) -> ControlSettings:
     # set_control applies at the next step boundary; report (and build on) what will apply.
-    return getattr(engine, "_pending_control", None) or engine.control
+    return engine.requested_control
 
 
 async def get_control(request: web.Request) -> web.Response:

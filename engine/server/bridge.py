@@ -35,6 +35,7 @@ class Tracked:
     log_metrics: bool = True
     return_logprob: bool = False
     index: int = 0                       # position in a batch request
+    in_rollout: bool = False             # counted in its rollout's in-flight requests
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
@@ -151,10 +152,10 @@ class EngineBridge:
             engine.events.clear()
             if events:
                 self._metrics.record_steps(events)
+            if cmds or outs or events:
+                self._publish_stats()        # before the outputs: a client never sees stale gauges
             if outs:
                 self._loop.call_soon_threadsafe(self._dispatch, outs, time.monotonic())
-            if cmds or outs or events:
-                self._publish_stats()
 
     def _publish_stats(self) -> None:
         stats = dict(self.engine.stats())

@@ -32,6 +32,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream only new tokens per chunk (SGLang's flag; default: cumulative)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (rank 0 serves HTTP, the others are workers)")
+    p.add_argument("--adp", type=int, default=1, help="attention data-parallel width")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel width")
+    from ..cli import add_rank_args
+    add_rank_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -62,8 +67,21 @@ def run_serve(args: argparse.Namespace) -> int:
                               rollout_idle_s=args.rollout_idle,
                               incremental_streaming_output=args.incremental_streaming_output)
     tokenizer = find_tokenizer(args.model, args.tokenizer)
+    made: list = []
+    topo = None
+    if args.nproc > 1:
+        from ..distributed.entry import check_topology
+        from ..distributed.topology import TopologyError
+        try:
+            topo = check_topology(args.model, args.nproc, args.adp, args.ep)
+        except TopologyError as e:   # before any process starts
+            raise SystemExit(f"pdrollout serve: {e}")
 
     def make_engine():
+        if topo is not None:   # rank 0 here, ranks 1..N-1 spawned (or torchrun's)
+            from ..distributed.entry import options_from_args, start_engine
+            made.append(start_engine(config, topo, options_from_args(args)))
+            return made[-1]
         from ..engine import Engine
         return Engine(config)
 
@@ -71,6 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(msg, flush=True)
 
     rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
+    for engine in made:   # the engine thread has stopped: tell the workers, then reap them
+        from ..distributed.entry import stop_engine
+        stop_engine(engine)
     # Interpreter teardown with torch loaded takes seconds; the server is already shut down
     # cleanly, so leave now (a SIGTERM'd pod should exit fast).
     logging.shutdown()

@@ -168,7 +168,7 @@ async def get_model_info(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     server = server_of(request)
     stats = await server.bridge.snapshot()
-    control = (await server.bridge.call(lambda e: getattr(e, "_pending_control", None) or e.control)).model_dump()
+    control = (await server.bridge.call(lambda e: e.requested_control)).model_dump()
     return json_response({**dataclasses.asdict(server.settings), "version": _version(),
                           "served_model_name": server.settings.model_name,
                           "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),

@@ -1,0 +1,98 @@
+"""`sglang.bench_serving` (PyPI `sglang`) as an external client against our server.
+
+sglang pins its own torch (and CUDA wheels), so it lives in a separate venv under
+${PDROLLOUT_CACHE:-~/.cache/pdrollout}/sglang-bench-<version>, built once (~11 GB, ~10 min) and reused.
+bench_serving needs a Hugging Face tokenizer: it builds text prompts from a dataset and counts
+output tokens from the streamed `text`. We write a local word-level tokenizer over the tiny
+model's 512-token vocabulary and give the same one to the server (`--tokenizer`), so no hub
+access is needed; `--dataset-path` points `random` at a local ShareGPT-shaped file.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SGLANG_VERSION = "0.5.23"
+VOCAB = 512
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+
+def _sglang_venv() -> Path:
+    cache = Path(os.environ.get("PDROLLOUT_CACHE") or Path.home() / ".cache" / "pdrollout")
+    venv = cache / f"sglang-bench-{SGLANG_VERSION}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"sglang-bench-{SGLANG_VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one builder at a time
+        if (venv / ".ready").exists():
+            return venv
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"sglang=={SGLANG_VERSION}"],
+                           capture_output=True, text=True, timeout=3000)
+        if r.returncode != 0:
+            pytest.skip(f"cannot install sglang=={SGLANG_VERSION}: {r.stderr[-2000:]}")
+        (venv / ".ready").write_text("")
+    return venv
+
+
+def _word_tokenizer(out: Path) -> Path:
+    """token id i <-> word `tNNN` (fixed width: no word is a prefix of another)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out.mkdir()
+    tok = Tokenizer(models.WordLevel({f"t{i:03d}": i for i in range(VOCAB)}, unk_token="t002"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+        "unk_token": "t002", "bos_token": "t000", "eos_token": "t001"}))
+    return out
+
+
+def _sharegpt(path: Path) -> Path:
+    convs = [{"conversations": [{"from": "human", "value": " ".join(f"t{(7 * i + j) % 500 + 10:03d}" for j in range(40))},
+                                {"from": "gpt", "value": "t011 t012"}]} for i in range(16)]
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def _counter(server, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    for fam in text_string_to_metric_families(server.http.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == name and (labels is None or s.labels == labels):
+                return s.value
+    return 0.0
+
+
+def test_sglang_bench_serving_against_our_server(start_server, tmp_path):
+    venv = _sglang_venv()
+    tok = _word_tokenizer(tmp_path / "tok")
+    srv = start_server("--tokenizer", str(tok))
+    gen_before = _counter(srv, "pdrollout:generation_tokens_total")
+    out = tmp_path / "bench.jsonl"
+    num_prompts = 8
+    cmd = [str(venv / "bin" / "python"), "-m", "sglang.bench_serving", "--backend", "sglang",
+           "--base-url", srv.url, "--dataset-name", "random", "--dataset-path", str(_sharegpt(tmp_path / "sg.json")),
+           "--num-prompts", str(num_prompts), "--random-input-len", "32", "--random-output-len", "8",
+           "--tokenizer", str(tok), "--output-file", str(out), "--seed", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                       env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}\n{srv.log[-3000:]}"
+    res = json.loads(out.read_text().splitlines()[-1])
+    assert res["completed"] == num_prompts
+    assert res["total_output_tokens"] > 0
+    # The streamed text decodes back to exactly the tokens we generated.
+    assert res["total_output_tokens_retokenized"] == res["total_output_tokens"]
+    assert 0 < res["median_ttft_ms"] <= res["median_e2e_latency_ms"]
+    # Every token bench_serving counted came out of our engine (plus its warm-up request).
+    assert _counter(srv, "pdrollout:generation_tokens_total") - gen_before >= res["total_output_tokens"]
+    assert _counter(srv, "pdrollout:requests_total", {"finish_reason": "length"}) >= num_prompts
+    assert srv.stop() == 0

@@ -1,0 +1,121 @@
+"""/control (live, validated as a whole), /metrics (parsed by prometheus-client) and rollout makespan."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT = {"activation": "auto", "span": "auto", "prefill_budget_tokens": 32768, "ordering": "fine-grained"}
+BODY = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+
+
+def _metrics(server) -> dict:
+    r = server.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+@pytest.fixture
+def restore_control(server):
+    yield
+    assert server.http.put("/control", json=DEFAULT).status_code == 200
+
+
+def test_control_changes_apply_live(server, restore_control):
+    assert server.http.get("/control").json() == DEFAULT
+    r = server.http.put("/control", json={"span": 2, "ordering": "global-enqueue"})
+    assert r.status_code == 200
+    want = {**DEFAULT, "span": 2, "ordering": "global-enqueue"}
+    assert r.json() == want and server.http.get("/control").json() == want
+    # It reaches the planner at the next step boundary: the next steps run with span 2.
+    assert server.http.post("/generate", json=BODY).status_code == 200
+    assert _metrics(server)["pdrollout:segment_span"] == 2
+    r = server.http.put("/control", json={"activation": "off", "span": "auto", "prefill_budget_tokens": 4096})
+    assert r.json() == {"activation": "off", "span": "auto", "prefill_budget_tokens": 4096,
+                        "ordering": "global-enqueue"}
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"span": 5}, "span"), ({"span": 0}, "span"), ({"span": "2"}, "span"), ({"activation": "sometimes"}, "activation"),
+    ({"ordering": "random"}, "ordering"), ({"prefill_budget_tokens": 0}, "prefill_budget_tokens"),
+    ({"span": 2, "bogus": 1}, "bogus"),
+])
+def test_invalid_control_is_rejected_and_changes_nothing(server, restore_control, bad, needle):
+    before = server.http.get("/control").json()
+    r = server.http.put("/control", json=bad)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+    assert server.http.get("/control").json() == before
+
+
+def test_invalid_control_bodies(server):
+    for raw in (b"{not json", b"[1, 2]", b""):
+        r = server.http.put("/control", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, raw
+    assert server.http.get("/control").json() == DEFAULT
+
+
+CONTRACT = {
+    "gauge": ["num_running_reqs", "num_queue_reqs", "token_usage", "multiplexing_active", "segment_span",
+              "rollout_makespan_seconds"],
+    "histogram": ["time_to_first_token_seconds", "e2e_request_latency_seconds", "decode_wait_seconds",
+                  "turnstile_rendezvous_seconds", "rollout_makespan_seconds_hist"],
+    "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished"],
+}
+
+
+def test_metrics_families_and_counters_move(server):
+    r = server.http.get("/metrics")
+    families = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+    for kind, names in CONTRACT.items():
+        for n in names:
+            assert families.get("pdrollout:" + n) == kind, (n, families.get("pdrollout:" + n))
+    before = _metrics(server)
+    out = server.http.post("/generate", json=BODY).json()
+    after = _metrics(server)
+    assert after["pdrollout:prompt_tokens_total"] - before["pdrollout:prompt_tokens_total"] == 5
+    assert after["pdrollout:generation_tokens_total"] - before["pdrollout:generation_tokens_total"] == 4
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"pdrollout:{h}_count"] == before[f"pdrollout:{h}_count"] + 1
+    # One decode wait per decode row: 3 decode steps after the prefill step sampled token 1.
+    assert after["pdrollout:decode_wait_seconds_count"] - before["pdrollout:decode_wait_seconds_count"] == 3
+    assert after["pdrollout:requests_total{finish_reason=length}"] == \
+        before.get("pdrollout:requests_total{finish_reason=length}", 0) + 1
+    e2e = after["pdrollout:e2e_request_latency_seconds_sum"] - before["pdrollout:e2e_request_latency_seconds_sum"]
+    assert e2e == pytest.approx(out["meta_info"]["e2e_latency"], abs=0.05)
+    assert after["pdrollout:num_running_reqs"] == 0 and after["pdrollout:token_usage"] == 0
+
+
+def test_rollout_makespan(server):
+    before = _metrics(server)
+    t0 = time.monotonic()
+    a = server.http.post("/generate", json={**BODY, "rollout_id": "step-7"})
+    b = server.http.post("/generate", json=BODY, headers={"X-Rollout-Id": "step-7"})
+    elapsed = time.monotonic() - t0
+    assert a.status_code == b.status_code == 200
+    r = server.http.post("/rollout/finish", json={"rollout_id": "step-7"})
+    summary = r.json()
+    assert r.status_code == 200 and summary["finished"] and summary["num_requests"] == 2
+    assert 0 < summary["makespan_s"] <= elapsed
+    assert summary["makespan_s"] >= a.json()["meta_info"]["e2e_latency"] + b.json()["meta_info"]["e2e_latency"] - 0.01
+    after = _metrics(server)
+    assert after["pdrollout:rollouts_finished_total"] == before["pdrollout:rollouts_finished_total"] + 1
+    assert after["pdrollout:rollout_makespan_seconds"] == pytest.approx(summary["makespan_s"])
+    assert after["pdrollout:rollout_requests"] == 2
+    assert server.http.post("/rollout/finish", json={"rollout_id": "never-seen"}).status_code == 404
+
+
+def test_rollout_finishes_when_idle(server):
+    before = _metrics(server)["pdrollout:rollouts_finished_total"]
+    assert server.http.post("/generate", json={**BODY, "rollout_id": "idle-one"}).status_code == 200
+    deadline = time.monotonic() + 15          # rollout_idle_s defaults to 5 s
+    while _metrics(server)["pdrollout:rollouts_finished_total"] == before:
+        assert time.monotonic() < deadline, "idle rollout never finished"
+        time.sleep(0.2)
+    recent = server.http.get("/rollouts").json()["recent"]
+    assert recent[-1]["rollout_id"] == "idle-one" and recent[-1]["num_requests"] == 1
