@@ -55,3 +55,12 @@ def test_stop_token_ids_and_min_new_tokens(tiny_model):
     later, _ = run(tiny_model, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True,
                                               stop_token_ids=(stop,), min_new_tokens=first + 2))
     assert len(later) > first + 1 and later[:first + 1] == free[:first + 1]
+
+
+def test_slime_custom_params_accepted_and_checked():
+    import pytest
+    from pdrollout.engine.request import RequestError
+    sp = SamplingParams.from_dict({"top_p": 0.9, "temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}})
+    assert sp.top_p == 0.9
+    with pytest.raises(RequestError, match="custom_params must be an object"):
+        SamplingParams.from_dict({"custom_params": 3})
