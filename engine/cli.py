@@ -20,16 +20,27 @@ def _cmd_generate(a) -> int:
     from .config import ControlSettings, EngineConfig
     from .engine import Engine
     from .generate import run_requests, read_requests
+    extra = json.loads(a.engine_config) if a.engine_config else {}
+    control = ControlSettings.model_validate(json.loads(a.control)) if a.control else ControlSettings()
     cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, mode=a.mode,
-                       kv_cache_bytes=a.kv_cache_mb << 20, control=ControlSettings())
+                       kv_cache_bytes=a.kv_cache_mb << 20, control=control, **extra)
     if a.nproc > 1:
-        from .distributed.launch import launch_generate   # multi-rank engine
+        from .distributed.entry import launch_generate   # multi-rank engine
         return launch_generate(a, cfg)
     engine = Engine(cfg)
     lines = read_requests(a.requests)
     for rec in run_requests(engine, lines, sequential=a.sequential):
         print(json.dumps(rec), flush=True)
     return 0
+
+
+def add_rank_args(p: argparse.ArgumentParser) -> None:
+    """Knobs of the multi-rank engine's device model and watchdog (--nproc > 1)."""
+    p.add_argument("--slots", type=int, default=2, help="CPU device execution slots per rank (1 = full SM residency)")
+    p.add_argument("--watchdog-bound", type=float, default=30.0, help="seconds without progress that are a stall")
+    p.add_argument("--step-log", help="directory for per-rank step logs (rankN.jsonl)")
+    p.add_argument("--cross-isolation", action="store_true",
+                   help="isolation-only diagnostic: odd replicas enqueue P before D (shows the stall)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nproc", type=int, default=1)
     g.add_argument("--adp", type=int, default=1)
     g.add_argument("--ep", type=int, default=1)
+    g.add_argument("--control", help="initial ControlSettings as JSON, e.g. '{\"ordering\": \"fine-grained\"}'")
+    g.add_argument("--engine-config", help="extra EngineConfig fields as JSON, e.g. '{\"block_size\": 4}'")
+    add_rank_args(g)
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands owned by other modules register themselves here.

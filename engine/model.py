@@ -103,7 +103,7 @@ class Attention(nn.Module):
                                                   batch.seq_lens, batch.block_size, scale)
             if len(batch.seqs) > nd:
                 kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))   # t may be 0 on a rank
 
 
 class RMSNorm(nn.Module):

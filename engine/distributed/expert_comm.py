@@ -133,7 +133,8 @@ class TorchExpertComm(ExpertComm):
     Collective: every member must call the same methods in the same order per phase."""
 
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
-                 max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None):
+                 max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
+                 d_max_tokens: int | None = None):
         import torch
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
@@ -156,14 +157,16 @@ class TorchExpertComm(ExpertComm):
             buffers=[{"recv": z(cap_p, hidden), "back": z(max_tokens * topk, hidden)} for _ in range(p_buffers)],
             counters=[z(2, self.ep, dt=torch.int64) for _ in range(p_buffers)],
             workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers)
-        cap = max_tokens * topk  # LL slots per peer: worst case every pair goes to one peer
+        # LL slots per peer: worst case every pair goes to one peer. D sends whole buffers, so it is
+        # sized by the decode batch (d_max_tokens), not by P's segment.
+        cap = (d_max_tokens or max_tokens) * topk
         self._d = PhaseState(
             Phase.DECODE, groups[Phase.DECODE], self.qps.decode, "d-expert",
             buffers=[{"send": z(self.ep, cap, hidden), "recv": z(self.ep, cap, hidden),
                       "send_meta": z(self.ep, cap + 1, dt=torch.int64),
                       "recv_meta": z(self.ep, cap + 1, dt=torch.int64)} for _ in range(2)],
             counters=[z(self.ep, dt=torch.int64) for _ in range(2)],
-            workspace=z(max_tokens * topk, dt=torch.int64), status=["free", "free"])
+            workspace=z(cap, dt=torch.int64), status=["free", "free"])
         self._lock = threading.Lock()
         self.cap = cap
 

@@ -1,0 +1,285 @@
+"""One rank of the multi-rank engine: its shard of the model, its KV cache (one per rank, shared
+by P and D), the device model, the turnstile controller, and the execution of a StepPlan.
+
+Every rank executes the same plan. Modes `normal` and `mixed` run P and D in one forward (P path,
+no turnstile). Mode `pd` runs the P segment on the P thread as epoch = step, stopping at each MoE
+layer's safe boundary, while the foreground runs the D iteration through `ctl.round` (the
+ordering, span and activation are the plan's control, so a change lands at the same step on
+every rank). Replica leaders (local index 0) sample; rank 0 gathers the tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ControlSettings, EngineConfig, ModelConfig
+from ..kv_cache import KVCache
+from ..loader import load_model
+from ..model import ForwardBatch, SeqSlice, Shard
+from ..sampling import make_generator, sample
+from .collectives import PathContext, RankCollectives, make_groups
+from .controller import TurnstileController
+from .device import CpuDevice
+from .expert_comm import TorchExpertComm
+from .launch import EXIT_ERROR, EXIT_STALL
+from .rendezvous import Rendezvous
+from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
+from .topology import Topology
+from .turnstile import END, Ordering
+from .watchdog import Watchdog
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RankOptions:
+    """Per-run knobs of the multi-rank engine that are not EngineConfig fields."""
+    slots: int = 2                  # device execution slots per rank (1 = full SM residency)
+    watchdog_bound_s: float = 30.0
+    step_log: str | None = None     # directory for per-rank step logs (JSONL)
+    cross_isolation: bool = False   # isolation-only diagnostic: odd replicas enqueue P before D
+
+
+def shard_of(topo: Topology, rank: int) -> Shard:
+    # ETP>1 replicates each expert shard over its ETP group (no expert tensor parallelism).
+    return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
+
+
+def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
+    """The same block count on every rank: each rank's KV budget over its share of the KV heads."""
+    per = KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
+                                  cfg.num_key_value_heads // topo.atp, cfg.head_dim, dtype)
+    return config.num_blocks or max(config.kv_cache_bytes // per, 1)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, topo: Topology, rank: int, store, options: RankOptions) -> None:
+        self.config, self.topo, self.rank, self.opt = config, topo, rank, options
+        self.cfg = ModelConfig.load(config.model)
+        self.replica, self.leader = topo.replica(rank), topo.local_index(rank) == 0
+        groups = make_groups(topo, rank)
+        self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit)
+        self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
+                             on_enqueue=self._on_enqueue)
+        self.wd.extra = self.dev.frontier
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        shard = shard_of(topo, rank)
+        self.model = load_model(config.model, device=config.device, dtype=dtype, shard=shard)
+        self.dtype = next(self.model.parameters()).dtype
+        p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + config.max_running, 4096)
+        comm = TorchExpertComm([list(g) for g in topo.ep_groups], rank, self.cfg.num_experts, self.cfg.hidden_size,
+                               max_tokens=p_rows, topk=self.cfg.num_experts_per_tok, dtype=self.dtype,
+                               d_max_tokens=config.max_running)
+        self.col = RankCollectives(topo, rank, groups, comm, self.dev, self.wd.check, self.cfg.hidden_size,
+                                   self.cfg.num_experts_per_tok, p_rows)
+        self.model.collectives = self.col
+        self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
+        kv_heads = self.model.model.layers[0].self_attn.kv_heads
+        self.kv = KVCache(self.cfg.num_hidden_layers, self.num_blocks, config.block_size, kv_heads,
+                          self.cfg.head_dim, self.dtype, config.device)
+        self.rdv = Rendezvous(groups.rendezvous, world=topo.world)
+        c = config.control
+        self.ctl = TurnstileController(self.rdv, c.ordering, c.span, c.activation, watchdog=self.wd,
+                                       p_pending=lambda: self.dev.pending("p"))
+        self.control = c
+        self.gens: dict[str, torch.Generator] = {}
+        self.sampling: dict[str, object] = {}
+        self._pq: "queue.Queue" = queue.Queue()
+        self._p_done: "queue.Queue" = queue.Queue()
+        threading.Thread(target=self._producer, name="P", daemon=True).start()
+        self._gate = {"p": threading.Event(), "d": threading.Event()}
+        self._log = None
+        if options.step_log:
+            os.makedirs(options.step_log, exist_ok=True)
+            self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
+        self.wd.start()
+
+    # ---- stalls -------------------------------------------------------------------------
+    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
+        sys.stderr.flush()
+        os._exit(EXIT_STALL)
+
+    def _on_enqueue(self, meta: dict) -> None:
+        if meta.get("collective"):
+            self.wd.update(last_collective=meta["collective"], phase=meta.get("phase"))
+            group = meta.get("group") or []
+            if meta.get("phase") == "P" or len({self.topo.replica(r) for r in group}) > 1:
+                self._gate["p" if meta.get("phase") == "P" else "d"].set()
+
+    # ---- one step ----------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepReport:
+        for nr in plan.new:
+            if nr.replica == self.replica:
+                seed = self.config.seed ^ zlib.crc32(nr.rid.encode())
+                self.gens[nr.rid], self.sampling[nr.rid] = make_generator(nr.sampling, seed), nr.sampling
+        for rid in plan.drop:
+            self.gens.pop(rid, None)
+            self.sampling.pop(rid, None)
+        control = ControlSettings.model_validate(plan.control)
+        if control != self.control:
+            self.ctl.set_control(ordering=control.ordering, span=control.span, activation=control.activation)
+            self.control = control
+        mine = plan.replicas[self.replica]
+        self.wd.update(busy=True, phase="step", epoch=plan.step)
+        n_results, n_rdv = len(self.ctl.results), len(self.rdv.latencies)
+        if self.config.mode == "pd":
+            logits_d, logits_p = self._run_pd(plan, mine)
+        else:
+            logits_d, logits_p = None, self._forward("p", plan, plan.replicas,
+                                                     lambda w: w.decode + w.prefill)
+        rs = self.ctl.results[n_results:]
+        report = StepReport(self.rank, plan.step, rounds=sum(r.rendezvous for r in rs),
+                            rendezvous_s=self.rdv.latencies[n_rdv:],
+                            ordering=self.ctl.ordering.value, span=self.control.span,
+                            multiplexed=any(r.rendezvous for r in rs))
+        if self.leader:
+            rows = list(mine.decode) + list(mine.prefill) if logits_d is None else list(mine.prefill)
+            self._sample(rows, logits_p, report)
+            if logits_d is not None:
+                self._sample(list(mine.decode), logits_d, report)
+        self.wd.update(busy=False, phase="idle")
+        if self._log:
+            self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
+                                        "ordering": report.ordering, "rounds": report.rounds,
+                                        "decode_rows": mine.decode_rows,
+                                        "prefill_tokens": mine.prefill_tokens}) + "\n")
+            self._log.flush()
+        return report
+
+    def _run_pd(self, plan: StepPlan, mine: ReplicaWork):
+        """D through the turnstile, P on the P thread as epoch `plan.step`."""
+        out: dict[str, torch.Tensor] = {}
+        order = self.ctl.ordering if self.control.activation != "off" else Ordering.NORMAL
+        self.col.p_lane = self.ctl.registered_lane
+
+        def enqueue_d(ready: bool) -> None:
+            out["d"] = self._forward("d", plan, plan.replicas, lambda w: w.decode)
+
+        occupancy = max(w.decode_rows for w in plan.replicas) / self.config.max_running
+        if not plan.p_any:
+            if plan.d_any:
+                self.ctl.round(True, enqueue_d, d_occupancy=occupancy)
+            return out.get("d"), None
+        epoch = plan.step
+        self.ctl.begin(epoch, d_active=plan.d_any)
+        for g in self._gate.values():
+            g.clear()
+        # The crossed diagnostic: odd replicas enqueue P before D, even ones D before P.
+        d_first = self.opt.cross_isolation and order is Ordering.ISOLATION_ONLY and plan.d_any \
+            and self.replica % 2 == 0
+        if not d_first:
+            self._pq.put((plan, epoch))
+        if order is Ordering.ISOLATION_ONLY:
+            if self.opt.cross_isolation and not d_first and plan.d_any:
+                self._wait(self._gate["p"])
+            if d_first:   # release P once D holds a cross-replica collective
+                threading.Thread(target=lambda: (self._wait(self._gate["d"]), self._pq.put((plan, epoch))),
+                                 daemon=True).start()
+            if plan.d_any:
+                self.ctl.round(True, enqueue_d)
+            out["p"] = self._wait_p()
+            self.ctl.retire(epoch)
+            return out.get("d"), out["p"]
+        first = True
+        pressure = sum(w.prefill_tokens for w in plan.replicas) / max(1, self.control.prefill_budget_tokens)
+        while True:
+            r = self.ctl.round(first and plan.d_any, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
+            first = False
+            if r.epoch == epoch and r.boundary == END:
+                break
+        return out.get("d"), self._wait_p()
+
+    def _wait(self, ev: threading.Event) -> None:
+        while not ev.wait(0.05):
+            self.wd.check()
+
+    def _wait_p(self):
+        while True:
+            try:
+                return self._p_done.get(timeout=0.05)
+            except queue.Empty:
+                self.wd.check()
+
+    def _producer(self) -> None:
+        while True:
+            plan, epoch = self._pq.get()
+            try:
+                def boundary(i: int) -> None:
+                    self.ctl.boundary(epoch, i)
+                logits = self._forward("p", plan, plan.replicas, lambda w: w.prefill, boundary=boundary)
+                self.ctl.finish(epoch)
+                self._p_done.put(logits)
+            except BaseException:   # fail fast: peers see the closed connections and stop too
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(EXIT_STALL if self.wd.stall is not None else EXIT_ERROR)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _forward(self, path: str, plan: StepPlan, replicas, pick, boundary=None) -> torch.Tensor:
+        rows_all = [pick(w) for w in replicas]
+        self.col.begin(path, PathContext(plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary))
+        batch = self._batch(rows_all[self.replica], "decode" if path == "d" else
+                            ("mixed" if self.config.mode != "pd" else "prefill"))
+        return self.model(batch, self.kv)
+
+    def _batch(self, rows: list[RowSpec], phase: str) -> ForwardBatch:
+        bs = self.config.block_size
+        ids, pos, slot_map, seqs, logit_rows, t = [], [], [], [], [], 0
+        for r in rows:
+            table = torch.tensor(r.blocks, dtype=torch.long)
+            ctx_pos = torch.arange(r.start + r.length)
+            slots = table[ctx_pos // bs] * bs + ctx_pos % bs
+            ids.extend(r.tokens)
+            pos.extend(range(r.start, r.start + r.length))
+            slot_map.append(slots[r.start:])
+            seqs.append(SeqSlice(t, r.length, r.start + r.length, slots))
+            if r.samples:
+                logit_rows.append(t + r.length - 1)
+            t += r.length
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        return ForwardBatch(long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), seqs,
+                            long(logit_rows), phase=phase)
+
+    def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
+        rows = [r for r in rows if r.samples]
+        if not rows:
+            return
+        want = any(r.logprob for r in rows)
+        toks, lps = sample(logits, [self.sampling[r.rid] for r in rows], [self.gens[r.rid] for r in rows], want)
+        for i, r in enumerate(rows):
+            report.tokens[r.rid] = (toks[i], lps[i] if lps is not None else None)
+
+    def close(self) -> None:
+        self.wd.stop()
+        self.dev.close()
+        if self._log:
+            self._log.close()
+
+
+def worker_loop(worker: Worker) -> int:
+    """Ranks other than 0: execute broadcast plans until the stop plan."""
+    import torch.distributed as dist
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        plan: StepPlan = box[0]
+        if plan.stop:
+            worker.close()
+            dist.barrier()   # rank 0's broadcast has completed everywhere before anyone leaves
+            return 0
+        try:
+            report = worker.execute(plan)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(EXIT_ERROR)
+        dist.gather_object(report, None, dst=0)

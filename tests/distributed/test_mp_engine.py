@@ -1,0 +1,172 @@
+"""The multi-rank engine through the real CLI: rank processes over gloo, the tiny model.
+
+Greedy outputs on several topologies equal one rank's; a /control change lands at the same step
+on every rank; a bad topology fails before any process starts; the crossed isolation-only order
+stalls on the real model and the watchdog reports every rank's frontier. Every run has a hard
+timeout that kills its whole process group."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pdrollout.engine.checkpoint import write_checkpoint
+from pdrollout.engine.config import load_preset
+
+pytestmark = pytest.mark.timeout(900)
+ENGINE = {"block_size": 4, "num_blocks": 256, "mixed_chunk_tokens": 20}
+BUDGET = {"prefill_budget_tokens": 24}
+PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(3 + 9 * i)] for i in range(4)]
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`pdrollout ARGS` in its own session; on timeout the whole group dies (no rank survives)."""
+    p = subprocess.Popen([sys.executable, "-m", "pdrollout.engine.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"pdrollout {' '.join(args)} ran past {timeout}s\n{err[-3000:]}")
+    return subprocess.CompletedProcess(args, p.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mp")
+    model = write_checkpoint(load_preset("tiny"), d / "tiny", seed=0)
+    reqs = d / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"rid": f"r{i}", "input_ids": p, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
+    return str(model), str(reqs), d
+
+
+def _generate(setup, mode, control=None, ranks=None, extra=(), timeout=240):
+    model, reqs, _ = setup
+    args = ["generate", "--model", model, "--requests", reqs, "--mode", mode,
+            "--engine-config", json.dumps(ENGINE), "--control", json.dumps({**BUDGET, **(control or {})})]
+    if ranks:
+        n, adp, ep = ranks
+        args += ["--nproc", str(n), "--adp", str(adp), "--ep", str(ep), *extra]
+    return _run(args, timeout)
+
+
+def _outputs(res) -> list[list[int]]:
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
+
+
+_REF: dict[str, list] = {}
+
+
+def _reference(setup, mode):
+    if mode not in _REF:
+        _REF[mode] = _outputs(_generate(setup, mode, timeout=120))
+    return _REF[mode]
+
+
+FINE = {"ordering": "fine-grained", "activation": "on", "span": 1}
+CASES = [((4, 2, 4), "pd", FINE, ["--slots", "1"]),          # crossed ATP2/ADP2, one slot
+         ((4, 2, 4), "normal", {}, []),
+         ((4, 4, 4), "pd", FINE, []),
+         ((4, 4, 4), "normal", {}, []),
+         ((2, 1, 2), "pd", {"ordering": "fine-grained", "span": "auto"}, [])]
+
+
+@pytest.mark.parametrize("ranks,mode,control,extra", CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}-{c[1]}" for c in CASES])
+def test_greedy_equals_one_rank(setup, ranks, mode, control, extra):
+    ref = _reference(setup, mode)
+    got = _outputs(_generate(setup, mode, control, ranks, extra))
+    assert len(ref) == len(PROMPTS) and all(len(r) == 5 for r in ref)
+    assert got == ref
+
+
+def test_bad_topology_is_a_clear_error_before_any_rank(setup):
+    t0 = time.monotonic()
+    res = _generate(setup, "pd", ranks=(4, 3, 4), timeout=60)
+    assert res.returncode == 2 and "ADP 3 does not divide world 4" in res.stderr
+    res = _generate(setup, "pd", ranks=(4, 1, 4), timeout=60)   # ATP4 but the tiny model has 2 kv heads
+    assert res.returncode == 2 and "must divide the attention heads" in res.stderr
+    assert "Traceback" not in res.stderr and time.monotonic() - t0 < 60
+
+
+def test_isolation_only_one_slot_stalls_on_the_real_model(setup):
+    t0 = time.monotonic()
+    res = _generate(setup, "pd", {"ordering": "isolation-only", "activation": "on"}, (4, 2, 4),
+                    ["--slots", "1", "--cross-isolation", "--watchdog-bound", "2"], timeout=180)
+    assert res.returncode == 3, res.stderr[-3000:]
+    report = res.stderr[res.stderr.index("stall: no rank made progress"):]
+    for k in range(4):
+        assert f"rank {k}:" in report
+    # the crossed pair: replica 0 holds D's DP-group AllGather, replica 1 P's model-wide AllReduce
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"  rank (\d): (.*)", report)}
+    assert "'running': ['D:" in lines[0] and "dp-allgather" in lines[0]
+    assert "'running': ['P:" in lines[2] and "attn-allreduce" in lines[2]
+    assert time.monotonic() - t0 < 150
+
+
+def _http(url, body=None, method=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read().decode()
+
+
+def test_serve_control_change_lands_at_the_same_step_on_every_rank(setup):
+    model, _, d = setup
+    log = d / "steplog"
+    p = subprocess.Popen([sys.executable, "-m", "pdrollout.engine.cli", "serve", "--model", model, "--port", "0",
+                          "--nproc", "4", "--adp", "2", "--ep", "4", "--step-log", str(log),
+                          "--engine-config", json.dumps(ENGINE)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    killer = threading.Timer(300, lambda: os.killpg(p.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        url = None
+        for line in p.stdout:
+            if "ready on" in line:
+                url = line.split()[-1]
+                break
+        assert url, p.stderr.read()[-3000:]
+        _http(url + "/control", {**BUDGET, "span": 1, "ordering": "fine-grained", "activation": "on"}, "PUT")
+        body = lambda i, n: {"input_ids": PROMPTS[i % 4], "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                                           "ignore_eos": True}}
+        outs = {}
+        ts = [threading.Thread(target=lambda i=i: outs.__setitem__(i, _http(url + "/generate", body(i, 12))))
+              for i in range(3)]
+        for t in ts:
+            t.start()
+        time.sleep(1.0)
+        _http(url + "/control", {"span": 2, "ordering": "global-enqueue"}, "PUT")
+        after = json.loads(_http(url + "/generate", body(3, 4)))   # steps after the change, surely
+        for t in ts:
+            t.join(120)
+        assert len(outs) == 3 and len(after["output_ids"]) == 4
+        metrics = _http(url + "/metrics")
+        rounds = float(re.search(r"^pdrollout:turnstile_rounds_total (\S+)", metrics, re.M).group(1))
+        rdv = float(re.search(r"^pdrollout:turnstile_rendezvous_seconds_count (\S+)", metrics, re.M).group(1))
+        assert rounds > 0 and rdv >= 2 * rounds
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        killer.cancel()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    logs = {r: [json.loads(x) for x in (log / f"rank{r}.jsonl").read_text().splitlines()] for r in range(4)}
+    steps = {r: [(e["step"], e["control"]["ordering"], e["control"]["span"], e["rounds"]) for e in logs[r]]
+             for r in logs}
+    assert all(steps[r] == steps[0] for r in steps)            # same plan, same control, same rounds
+    first = {r: next(e["step"] for e in logs[r] if e["control"]["ordering"] == "global-enqueue") for r in logs}
+    assert len(set(first.values())) == 1 and first[0] > 0
+    assert any(e["ordering"] == "fine-grained" and e["rounds"] > 0 for e in logs[0])
