@@ -170,16 +170,8 @@ class Engine:
                         self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint)
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
-        # Read-only look-up: reusable blocks, and how many of them others already reference.
-        hits = shared = 0
-        bs = self.pool.block_size
-        for h, parent, toks in self.pool._chain(r.tokens, (len(r.tokens) - 1) // bs):
-            b = self.pool.by_hash.get(h)
-            if b is None or self.pool.meta[b].tokens != toks:
-                break
-            hits += 1
-            shared += self.pool.ref[b] > 0
-        return hits * bs, shared
+        hits, shared = self.pool.peek_prefix(r.tokens, len(r.tokens) - 1)
+        return hits * self.pool.block_size, shared
 
     def _apply_admission(self, plan: Plan) -> None:
         for rid in plan.retract:

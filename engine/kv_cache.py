@@ -114,6 +114,17 @@ class BlockPool:
             chain[:] = hashes
         return hit
 
+    def peek_prefix(self, tokens: list[int], max_tokens: int) -> tuple[int, int]:
+        """Read-only: (reusable full blocks, how many of them are referenced by someone already)."""
+        hits = shared = 0
+        for h, parent, toks in self._chain(tokens, max_tokens // self.block_size):
+            b = self.by_hash.get(h)
+            if b is None or self.meta[b].parent != parent or self.meta[b].tokens != toks:
+                break
+            hits += 1
+            shared += self.ref[b] > 0
+        return hits, shared
+
     def commit(self, blocks: list[int], tokens: list[int], num_tokens: int, chain: list[int] | None = None) -> None:
         """Registers every full block among the first num_tokens tokens (idempotent). With `chain`
         (the hashes committed so far for these blocks) only the new full blocks are hashed."""
