@@ -27,6 +27,10 @@ def _cmd_generate(a) -> int:
     if a.nproc > 1:
         from .distributed.entry import launch_generate   # multi-rank engine
         return launch_generate(a, cfg)
+    if a.expert_backend != "torch":
+        print(f"pdrollout generate: --expert-backend {a.expert_backend} needs --nproc > 1 (expert parallelism)",
+              file=sys.stderr)
+        return 2
     engine = Engine(cfg)
     lines = read_requests(a.requests)
     for rec in run_requests(engine, lines, sequential=a.sequential):
@@ -41,6 +45,8 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-log", help="directory for per-rank step logs (rankN.jsonl)")
     p.add_argument("--cross-isolation", action="store_true",
                    help="isolation-only diagnostic: odd replicas enqueue P before D (shows the stall)")
+    p.add_argument("--expert-backend", choices=["torch", "deep_ep"], default="torch",
+                   help="expert all-to-all backend of the multi-rank engine (deep_ep: --device cuda)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,9 @@ D path (decode rows; phase "decode"):
   5. AllGather on the ATP group restores the replica's full rows (a>1 only).
 Every collective is enqueued on the device model (a lane of CpuDevice) and waited for with the
 watchdog polled, so a crossed order stalls on the device and is reported, never hangs.
+On CUDA (NCCL data groups) the lane's slot thread issues the collective on the *caller's* current
+CUDA stream (the worker runs P and D on their own streams), so NCCL orders it after the caller's
+kernels and the caller's stream after it; the lane keeps the per-path enqueue order.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class RankCollectives(Collectives):
         self.a, self.d = topo.atp, topo.adp
         self.ctx: dict[str, PathContext] = {}
         self.p_lane = "d"          # the registered P collective's lane (set per step from the controller)
+        self.cuda = False          # set by the worker on CUDA: collectives run on the caller's stream
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:
@@ -101,9 +105,16 @@ class RankCollectives(Collectives):
         box: list = []
         key = f"{path.upper()}:{ctx.step}:{ctx.enqueued}:{name}"
         ctx.enqueued += 1
+        stream = torch.cuda.current_stream() if self.cuda else None
+
         def call() -> None:
             with torch.inference_mode():   # the slot thread writes the forward's inference tensors
-                box.append(fn())
+                if stream is None:
+                    box.append(fn())
+                    return
+                torch.cuda.set_device(stream.device)   # the slot thread's device is thread-local
+                with torch.cuda.stream(stream):        # NCCL orders against the caller's stream
+                    box.append(fn())
         ev = self.dev.collective(self.p_lane if path == "p" else "d", call, key, group,
                                  meta={"phase": path.upper(), "epoch": ctx.step, "boundary": ctx.moe_index,
                                        "key": key})
@@ -131,7 +142,7 @@ class RankCollectives(Collectives):
         """P's model-wide AllReduce of a zero-padded buffer; `part` sits at rows [lo, ...) of this
         replica's segment. Returns the replica's n rows."""
         off, total = self._segment(self.ctx["p"].rows)
-        buf = torch.zeros(total, self.hidden, dtype=part.dtype)
+        buf = torch.zeros(total, self.hidden, dtype=part.dtype, device=part.device)
         buf[off + lo:off + lo + part.shape[0]] = part
         self._run("p", name, self.topo.world_group, lambda: dist.all_reduce(buf, group=self.g.p_world))
         return buf[off:off + n]
@@ -183,7 +194,7 @@ class RankCollectives(Collectives):
         lo = min(n, self.j * m)
         valid = max(0, min(n, lo + m) - lo)
         if self.d > 1:
-            pack = torch.zeros(m, H + 2 * k + 1)
+            pack = torch.zeros(m, H + 2 * k + 1, device=x.device)
             pack[:valid, :H] = x[lo:lo + valid].float()
             pack[:valid, H:H + k] = ids[lo:lo + valid].float()
             pack[:valid, H + k:H + 2 * k] = w[lo:lo + valid].float()
@@ -204,13 +215,13 @@ class RankCollectives(Collectives):
         y_e = self.comm.apply_experts(recv, meta, self._expert_fn(layer))
         y = self._run("d", "combine", self._ep_group(), lambda: self.comm.combine(Phase.DECODE, y_e, handle))
         if self.d > 1:
-            buf = torch.zeros(self.d * m, H, dtype=y.dtype)
+            buf = torch.zeros(self.d * m, H, dtype=y.dtype, device=y.device)
             buf[mine] = y
-            own = torch.empty(m, H, dtype=y.dtype)
+            own = torch.empty(m, H, dtype=y.dtype, device=y.device)
             self._run("d", "dp-reducescatter", self.topo.dp_group(self.rank),
                       lambda: dist.reduce_scatter_tensor(own, buf, group=self.g.dp))
         else:
-            own = torch.zeros(m, H, dtype=y.dtype)
+            own = torch.zeros(m, H, dtype=y.dtype, device=y.device)
             own[:valid] = y
         if self.a > 1:
             parts = [torch.empty_like(own) for _ in range(self.a)]

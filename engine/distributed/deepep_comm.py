@@ -110,14 +110,14 @@ class DeepEPExpertComm(ExpertComm):
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int, max_tokens: int,
                  topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
                  d_max_tokens: int | None = None, *, nodes: int = 1, apply_env: bool = True,
-                 num_nvl_bytes: int | None = None, device=None) -> None:
+                 num_nvl_bytes: int | None = None, device=None, host_sync: bool = False) -> None:
         if nodes > 1:
             raise ExpertCommError("two RDMA DeepEP Buffers in one process need the shared-runtime, "
                                   "split-QP DeepEP of DESIGN §4; stock deep_ep supports one node here")
         import torch
         import torch.distributed as dist
         import deep_ep  # GPU images only
-        self.torch, self.deep_ep = torch, deep_ep
+        self.torch, self.deep_ep, self.dist = torch, deep_ep, dist
         if dtype not in (None, torch.bfloat16):
             raise ExpertCommError(f"DeepEP moves bf16 rows (dtype {dtype})")
         self.dtype = torch.bfloat16
@@ -137,6 +137,17 @@ class DeepEPExpertComm(ExpertComm):
                 pg = dist.new_group(list(g))
                 if g is mine:
                     groups[ph] = pg
+        # host_sync: a CPU (gloo) barrier of P's EP group right before the normal dispatch. The
+        # intranode dispatch waits for the peers' counts spinning with the GIL held; entering it
+        # only once every peer is about to, keeps that spin short, so the process's other threads
+        # (the foreground's turnstile rounds, D's launches) are not starved while a peer is still
+        # waiting for its permit. Opt-in and made on every member alike (a group creation).
+        self._host_group = None
+        if host_sync:
+            for g in ep_ranks:
+                pg = dist.new_group(list(g), backend="gloo")
+                if g is mine:
+                    self._host_group = pg
 
         # P: normal mode over NVLink; sized by DeepEP's own chunked ring-buffer hint (independent of T)
         Buffer = deep_ep.Buffer
@@ -177,6 +188,20 @@ class DeepEPExpertComm(ExpertComm):
             workspace=torch.zeros(2, self.ll_max, hidden, dtype=self.dtype, device=dev),
             status=["free", "free"])
         self._d_out = 0
+
+    def _inputs(self, hidden, topk_ids, topk_weights):
+        """bf16 rows, int64 ids, fp32 weights. An empty chunk (a rank with no rows this step) is
+        padded to one zero row routed with weight 0: stock DeepEP asserts on null data pointers
+        of empty tensors; combine returns the caller's row count."""
+        torch = self.torch
+        x = hidden.to(self.dtype).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        w = topk_weights.to(torch.float32).contiguous()
+        if x.shape[0] == 0:
+            x = torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
+            ids = (torch.arange(self.topk, device=self.device) % self.num_experts).view(1, -1)
+            w = torch.zeros(1, self.topk, dtype=torch.float32, device=self.device)
+        return x, ids, w
 
     # ---- lanes --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -244,9 +269,7 @@ class DeepEPExpertComm(ExpertComm):
                                        "per buffer; retired buffers free at quiesce()") from None
         st.status[b] = "pending"
         with self._lane(self.p_stream):
-            x = hidden.to(self.dtype).contiguous()
-            ids = topk_ids.to(torch.int64).contiguous()
-            w = topk_weights.to(torch.float32).contiguous()
+            x, ids, w = self._inputs(hidden, topk_ids, topk_weights)
             per_rank, per_rdma, per_expert, in_rank, _ = self.p_bufs[b].get_dispatch_layout(ids, self.num_experts)
             cnt = st.counters[b]
             cnt[:self.ep].copy_(per_rank)
@@ -255,7 +278,7 @@ class DeepEPExpertComm(ExpertComm):
             ev.record()
         st.events.append(ev)
         del st.events[:-4]
-        return PendingDispatch(b, x.shape[0], _EventWork(ev),
+        return PendingDispatch(b, hidden.shape[0], _EventWork(ev),
                                {"x": x, "ids": ids, "w": w, "layout": (per_rank, per_rdma, per_expert, in_rank)})
 
     def wait_counts(self, pending: PendingDispatch) -> list[int]:
@@ -270,6 +293,8 @@ class DeepEPExpertComm(ExpertComm):
             raise PermitMissingError("move() before the turnstile permit (wait_permit first)")
         s, b = pending.state, pending.buffer
         per_rank, per_rdma, per_expert, in_rank = s["layout"]
+        if self._host_group is not None:
+            self.dist.barrier(group=self._host_group)   # releases the GIL while it waits
         with self._lane(self.p_stream) as cur:
             recv_x, recv_ids, recv_w, per_local, handle, _ = self.p_bufs[b].dispatch(
                 s["x"], num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
@@ -304,9 +329,7 @@ class DeepEPExpertComm(ExpertComm):
             return self.move(p)
         st = self._d
         with self._lane(self.d_stream) as cur:
-            x = hidden.to(self.dtype).contiguous()
-            ids = topk_ids.to(torch.int64).contiguous()
-            w = topk_weights.to(torch.float32).contiguous()
+            x, ids, w = self._inputs(hidden, topk_ids, topk_weights)
             recv_x, recv_count, handle, _, _ = self.d_buf.low_latency_dispatch(
                 x, ids, self.ll_max, self.num_experts, use_fp8=False)
             idx = st.ll_index
@@ -314,8 +337,9 @@ class DeepEPExpertComm(ExpertComm):
         st.ll_index ^= 1   # mirrors DeepEP's LL buffer index (flips on every LL dispatch and combine)
         self._hand_back(cur, recv_x, recv_count, ids, w)
         # recv_x: [E_local, ep * ll_max, H]; rows past recv_count[e] are padding
-        return recv_x, RecvMeta("ll", None, recv_count), Handle(Phase.DECODE, idx, x.shape[0],
-                                                               {"handle": handle, "ids": ids, "w": w})
+        return recv_x, RecvMeta("ll", None, recv_count), Handle(Phase.DECODE, idx, hidden.shape[0],
+                                                               {"handle": handle, "ids": ids, "w": w,
+                                                                "rows": x.shape[0]})
 
     def combine(self, phase, expert_out, handle: Handle):
         if Phase(phase) is not handle.phase:
@@ -326,14 +350,14 @@ class DeepEPExpertComm(ExpertComm):
                 out, _, _ = self.p_bufs[handle.buffer].combine(expert_out.to(self.dtype).contiguous(), s["handle"])
             self._hand_back(cur, out)
             self._p.status[handle.buffer] = "free"
-            return out
+            return out[:handle.tokens]
         st = self._d
         slot, self._d_out = self._d_out, self._d_out ^ 1
         with self._lane(self.d_stream):
             out, _, _ = self.d_buf.low_latency_combine(expert_out.to(self.dtype).contiguous(), s["ids"], s["w"],
-                                                       s["handle"], out=st.workspace[slot, :handle.tokens])
+                                                       s["handle"], out=st.workspace[slot, :s.get("rows", handle.tokens)])
         st.ll_index ^= 1
-        return out
+        return out[:handle.tokens]
 
     def apply_experts(self, recv_hidden, meta: RecvMeta, fn: Callable[[int, Any], Any]):
         """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows. Normal (P)

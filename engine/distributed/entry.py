@@ -117,8 +117,7 @@ def start_engine(config, topo: Topology, options):
     import torch.distributed as dist
     from .mp_engine import MultiRankEngine
     from .worker import Worker
-    if config.device != "cpu":   # the NCCL/CUDA-stream path of the multi-rank engine is not built yet
-        raise ValueError(f"--nproc > 1 runs on device cpu only for now, got {config.device!r}")
+    check_device(config, options)
     group = start_ranks(topo, config, options)
     try:
         engine = MultiRankEngine(config, Worker(config, topo, 0, dist.PrefixStore("wd", group.store), options))
@@ -138,23 +137,41 @@ def stop_engine(engine) -> None:
     engine.ranks.join()
 
 
+def check_device(config, options) -> None:
+    """--device cpu (gloo everywhere) or cuda (rank r on cuda:<local rank>, NCCL data groups);
+    the deep_ep expert backend needs cuda. A clear error before any process starts."""
+    from .expert_comm import EXPERT_BACKENDS
+    kind = str(config.device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--nproc > 1 runs on device cpu or cuda, got {config.device!r}")
+    backend = getattr(options, "expert_backend", "torch")
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"--expert-backend must be one of {'|'.join(EXPERT_BACKENDS)}, got {backend!r}")
+    if backend == "deep_ep" and kind != "cuda":
+        raise ValueError(f"--expert-backend deep_ep needs --device cuda (got {config.device!r}); "
+                         "the torch backend runs everywhere")
+
+
 def options_from_args(a):
     from .worker import RankOptions
     return RankOptions(slots=getattr(a, "slots", 2), watchdog_bound_s=getattr(a, "watchdog_bound", 30.0),
                        step_log=getattr(a, "step_log", None),
-                       cross_isolation=getattr(a, "cross_isolation", False))
+                       cross_isolation=getattr(a, "cross_isolation", False),
+                       expert_backend=getattr(a, "expert_backend", "torch"))
 
 
 def launch_generate(a, cfg) -> int:
     """`pdrollout generate --nproc N ...`: results on stdout in input order, as with one rank."""
     from ..generate import read_requests, run_requests
+    options = options_from_args(a)
     try:
         topo = check_topology(cfg.model, a.nproc, a.adp, a.ep)
-    except TopologyError as e:
+        check_device(cfg, options)
+    except (TopologyError, ValueError) as e:
         print(f"pdrollout generate: {e}", file=sys.stderr)
         return 2
     lines = read_requests(a.requests)
-    engine = start_engine(cfg, topo, options_from_args(a))
+    engine = start_engine(cfg, topo, options)
     try:
         for rec in run_requests(engine, lines, sequential=a.sequential):
             print(json.dumps(rec), flush=True)
@@ -163,4 +180,8 @@ def launch_generate(a, cfg) -> int:
         engine.ranks.join(0)
         return 3 if type(e).__name__ == "StallError" else 1
     stop_engine(engine)
+    if str(cfg.device).startswith("cuda"):   # skip interpreter teardown of NCCL/NVSHMEM state
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -134,11 +134,14 @@ class TorchExpertComm(ExpertComm):
 
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
                  max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
-                 d_max_tokens: int | None = None):
+                 d_max_tokens: int | None = None, *, device=None, pg_backend: str | None = None):
         import torch
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
         self.dtype = dtype or torch.float32
+        # device: where buffers and index tensors live (cuda for NCCL groups); pg_backend: the EP
+        # groups' process-group backend (None = the default group's)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         mine = next(g for g in ep_ranks if rank in g)
         self.ep, self.rank_in_ep = len(mine), mine.index(rank)
         self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
@@ -147,11 +150,11 @@ class TorchExpertComm(ExpertComm):
         groups = {}
         for ph in (Phase.DECODE, Phase.PREFILL):  # one communicator per phase = its own QP set
             for g in ep_ranks:
-                pg = dist.new_group(list(g))
+                pg = dist.new_group(list(g), backend=pg_backend)
                 if g is mine:
                     groups[ph] = pg
         cap_p = p_capacity_rows or max_tokens * topk * self.ep
-        z = lambda *s, dt=None: torch.zeros(*s, dtype=dt or self.dtype)
+        z = lambda *s, dt=None: torch.zeros(*s, dtype=dt or self.dtype, device=self.device)
         self._p = PhaseState(
             Phase.PREFILL, groups[Phase.PREFILL], self.qps.prefill, "p-expert",
             buffers=[{"recv": z(cap_p, hidden), "back": z(max_tokens * topk, hidden)} for _ in range(p_buffers)],
@@ -220,7 +223,7 @@ class TorchExpertComm(ExpertComm):
         rows = s["hidden"].index_select(0, s["token_of"]).to(self.dtype)
         recv = buf["recv"][:n_recv]
         self.dist.all_to_all_single(recv, rows, recv_counts, s["send_counts"], group=st.group)
-        ids = self.torch.empty(n_recv, dtype=self.torch.int64)
+        ids = self.torch.empty(n_recv, dtype=self.torch.int64, device=self.device)
         self.dist.all_to_all_single(ids, s["flat"][s["order"]] % self.e_local, recv_counts, s["send_counts"],
                                     group=st.group)
         st.status[pending.buffer] = "moved"
@@ -255,7 +258,7 @@ class TorchExpertComm(ExpertComm):
             raise ExpertCommError(f"LL capacity {self.cap} per peer exceeded")
         starts = torch.cumsum(send_counts, 0) - send_counts
         dest_sorted = flat[order] // self.e_local
-        slot = torch.arange(order.numel()) - starts[dest_sorted]
+        slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
         buf["send"].zero_()
         buf["send"][dest_sorted, slot] = hidden.index_select(0, token_of).to(self.dtype)
         buf["send_meta"].fill_(-1)
@@ -265,9 +268,11 @@ class TorchExpertComm(ExpertComm):
         self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"], group=st.group)
         cnt.copy_(buf["recv_meta"][:, 0])
         counts = cnt.tolist()
-        src = torch.cat([torch.full((c,), r, dtype=torch.int64) for r, c in enumerate(counts)]) if sum(counts) else \
-            torch.zeros(0, dtype=torch.int64)
-        pos = torch.cat([torch.arange(c) for c in counts]) if sum(counts) else torch.zeros(0, dtype=torch.int64)
+        dev = self.device
+        src = torch.cat([torch.full((c,), r, dtype=torch.int64, device=dev) for r, c in enumerate(counts)]) \
+            if sum(counts) else torch.zeros(0, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(c, device=dev) for c in counts]) if sum(counts) else \
+            torch.zeros(0, dtype=torch.int64, device=dev)
         recv = buf["recv"][src, pos]
         ids = buf["recv_meta"][src, pos + 1]
         state = {"order": order, "token_of": token_of, "weights": topk_weights.reshape(-1)[order],
@@ -298,9 +303,10 @@ class TorchExpertComm(ExpertComm):
             buf["recv"][s["src"], s["pos"]] = expert_out.to(self.dtype)
             self.dist.all_to_all_single(buf["send"], buf["recv"], group=st.group)
             back = buf["send"][s["dest_sorted"], s["slot"]]
-        out = torch.zeros(handle.tokens, self.hidden, dtype=self.dtype)
-        out.index_add_(0, s["token_of"], back * s["weights"].to(self.dtype)[:, None])
-        return out
+        # weight and sum in fp32, round once (as DeepEP's combine does); unchanged for fp32 rows
+        out = torch.zeros(handle.tokens, self.hidden, dtype=torch.float32, device=self.device)
+        out.index_add_(0, s["token_of"], back.float() * s["weights"].float()[:, None])
+        return out.to(self.dtype)
 
     def apply_experts(self, recv_hidden, meta: RecvMeta, fn: Callable[[int, Any], Any]):
         """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows."""
@@ -311,11 +317,15 @@ class TorchExpertComm(ExpertComm):
         return out
 
 
+EXPERT_BACKENDS = ("torch", "deep_ep")
+
+
 def make_expert_comm(backend: str, **kw) -> ExpertComm:
-    """backend: 'torch' (everywhere) or 'deepep' (GPU images with deep_ep importable)."""
+    """backend: 'torch' (everywhere) or 'deep_ep' (alias 'deepep'; CUDA with deep_ep importable)."""
     if backend == "torch":
         return TorchExpertComm(**kw)
-    if backend == "deepep":
+    if backend in ("deep_ep", "deepep"):
+        kw.pop("pg_backend", None)   # DeepEP makes its own (default-backend) setup groups
         from .deepep_comm import DeepEPExpertComm
         return DeepEPExpertComm(**kw)
-    raise ValueError(f"expert backend must be torch|deepep, got {backend!r}")
+    raise ValueError(f"expert backend must be torch|deep_ep, got {backend!r}")

@@ -29,7 +29,7 @@ from ..sampling import make_generator, sample
 from .collectives import PathContext, RankCollectives, make_groups
 from .controller import TurnstileController
 from .device import CpuDevice
-from .expert_comm import TorchExpertComm
+from .expert_comm import make_expert_comm
 from .launch import EXIT_ERROR, EXIT_STALL
 from .rendezvous import Rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
@@ -47,6 +47,15 @@ class RankOptions:
     watchdog_bound_s: float = 30.0
     step_log: str | None = None     # directory for per-rank step logs (JSONL)
     cross_isolation: bool = False   # isolation-only diagnostic: odd replicas enqueue P before D
+    expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """cpu, or cuda:<local rank> (LOCAL_RANK under torchrun, else rank modulo the visible GPUs)."""
+    if torch.device(config.device).type != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    return torch.device("cuda", local)
 
 
 def shard_of(topo: Topology, rank: int) -> Shard:
@@ -66,26 +75,42 @@ class Worker:
         self.config, self.topo, self.rank, self.opt = config, topo, rank, options
         self.cfg = ModelConfig.load(config.model)
         self.replica, self.leader = topo.replica(rank), topo.local_index(rank) == 0
-        groups = make_groups(topo, rank)
+        self.device = rank_device(config, rank)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:   # before any CUDA or NCCL work of this process (the current device is per thread)
+            torch.cuda.set_device(self.device)
+        # CUDA: the data collectives (attention reduce/gathers, expert all-to-alls) on NCCL groups;
+        # plans, rendezvous and the watchdog stay on gloo (the default group and the store).
+        groups = make_groups(topo, rank, backend="nccl" if self.cuda else None)
         self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit)
         self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
                              on_enqueue=self._on_enqueue)
         self.wd.extra = self.dev.frontier
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         shard = shard_of(topo, rank)
-        self.model = load_model(config.model, device=config.device, dtype=dtype, shard=shard)
+        self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard)
         self.dtype = next(self.model.parameters()).dtype
         p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + config.max_running, 4096)
-        comm = TorchExpertComm([list(g) for g in topo.ep_groups], rank, self.cfg.num_experts, self.cfg.hidden_size,
-                               max_tokens=p_rows, topk=self.cfg.num_experts_per_tok, dtype=self.dtype,
-                               d_max_tokens=config.max_running)
+        extra = {"pg_backend": "nccl" if self.cuda else None}
+        if options.expert_backend != "torch":
+            extra = {"host_sync": True}   # DeepEP: see DeepEPExpertComm (the GIL-held intranode spin)
+        self.comm = comm = make_expert_comm(
+            options.expert_backend, ep_ranks=[list(g) for g in topo.ep_groups], rank=rank,
+            num_experts=self.cfg.num_experts, hidden=self.cfg.hidden_size, max_tokens=p_rows,
+            topk=self.cfg.num_experts_per_tok, dtype=self.dtype, d_max_tokens=config.max_running,
+            device=self.device, **extra)
         self.col = RankCollectives(topo, rank, groups, comm, self.dev, self.wd.check, self.cfg.hidden_size,
                                    self.cfg.num_experts_per_tok, p_rows)
+        self.col.cuda = self.cuda
+        # CUDA: P and D run on their own streams (the P thread's and the foreground's forward)
+        self._streams = {k: torch.cuda.Stream(self.device) for k in ("p", "d")} if self.cuda else {}
+        if self.cuda:
+            self._warm_nccl(groups)
         self.model.collectives = self.col
         self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
         self.kv = KVCache(self.cfg.num_hidden_layers, self.num_blocks, config.block_size, kv_heads,
-                          self.cfg.head_dim, self.dtype, config.device)
+                          self.cfg.head_dim, self.dtype, self.device)
         self.rdv = Rendezvous(groups.rendezvous, world=topo.world)
         c = config.control
         self.ctl = TurnstileController(self.rdv, c.ordering, c.span, c.activation, watchdog=self.wd,
@@ -102,6 +127,18 @@ class Worker:
             os.makedirs(options.step_log, exist_ok=True)
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
         self.wd.start()
+
+    def _warm_nccl(self, groups) -> None:
+        """Create every NCCL communicator now, in one order on every rank, before P and D run
+        concurrently (a lazy first-use init inside a crossed order is avoidable risk)."""
+        import torch.distributed as dist
+        pgs = [groups.p_world, groups.atp, groups.dp]
+        if hasattr(self.comm, "_p") and hasattr(self.comm, "_d"):
+            pgs += [self.comm.state(ph).group for ph in ("decode", "prefill")]
+        for pg in pgs:
+            if pg is not None and dist.get_backend(pg) == "nccl":
+                dist.all_reduce(torch.zeros(1, device=self.device), group=pg)
+        torch.cuda.synchronize(self.device)
 
     # ---- stalls -------------------------------------------------------------------------
     def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
@@ -227,9 +264,15 @@ class Worker:
     def _forward(self, path: str, plan: StepPlan, replicas, pick, boundary=None) -> torch.Tensor:
         rows_all = [pick(w) for w in replicas]
         self.col.begin(path, PathContext(plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary))
-        batch = self._batch(rows_all[self.replica], "decode" if path == "d" else
-                            ("mixed" if self.config.mode != "pd" else "prefill"))
-        return self.model(batch, self.kv)
+        phase = "decode" if path == "d" else ("mixed" if self.config.mode != "pd" else "prefill")
+        if not self.cuda:
+            return self.model(self._batch(rows_all[self.replica], phase), self.kv)
+        torch.cuda.set_device(self.device)    # the P thread's device is its own
+        s = self._streams[path]
+        with torch.cuda.stream(s):
+            logits = self.model(self._batch(rows_all[self.replica], phase), self.kv)
+        s.synchronize()                       # eager: the step's logits are complete for sampling
+        return logits
 
     def _batch(self, rows: list[RowSpec], phase: str) -> ForwardBatch:
         bs = self.config.block_size
@@ -245,8 +288,11 @@ class Worker:
             if r.samples:
                 logit_rows.append(t + r.length - 1)
             t += r.length
-        long = lambda xs: torch.tensor(xs, dtype=torch.long)
-        return ForwardBatch(long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), seqs,
+        dev = self.device
+        if dev.type != "cpu":
+            seqs = [SeqSlice(q.q_start, q.q_len, q.ctx_len, q.slots.to(dev)) for q in seqs]
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)
+        return ForwardBatch(long(ids), long(pos), (torch.cat(slot_map) if slot_map else long([])).to(dev), seqs,
                             long(logit_rows), phase=phase)
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:

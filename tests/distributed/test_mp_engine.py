@@ -170,3 +170,25 @@ def test_serve_control_change_lands_at_the_same_step_on_every_rank(setup):
     first = {r: next(e["step"] for e in logs[r] if e["control"]["ordering"] == "global-enqueue") for r in logs}
     assert len(set(first.values())) == 1 and first[0] > 0
     assert any(e["ordering"] == "fine-grained" and e["rounds"] > 0 for e in logs[0])
+
+
+def test_deep_ep_backend_needs_cuda_a_clear_error_before_any_rank(setup):
+    t0 = time.monotonic()
+    res = _generate(setup, "pd", ranks=(2, 1, 2), extra=["--expert-backend", "deep_ep"], timeout=60)
+    assert res.returncode == 2 and "--expert-backend deep_ep needs --device cuda" in res.stderr
+    model, reqs, _ = setup   # one rank: no expert parallelism
+    res = _run(["generate", "--model", model, "--requests", reqs, "--expert-backend", "deep_ep"], 60)
+    assert res.returncode == 2 and "needs --nproc > 1" in res.stderr
+    assert "Traceback" not in res.stderr and time.monotonic() - t0 < 60
+
+
+def test_check_device():
+    from pdrollout.engine.config import EngineConfig
+    from pdrollout.engine.distributed.entry import check_device
+    from pdrollout.engine.distributed.worker import RankOptions
+    check_device(EngineConfig(model="m", device="cuda"), RankOptions(expert_backend="deep_ep"))
+    check_device(EngineConfig(model="m", device="cpu"), RankOptions())
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        check_device(EngineConfig(model="m", device="mps"), RankOptions())
+    with pytest.raises(ValueError, match="must be one of"):
+        check_device(EngineConfig(model="m", device="cuda"), RankOptions(expert_backend="nccl"))
