@@ -1,0 +1,124 @@
+"""The engine's HTTP contract as the operator uses it (docs/CONTRACTS.md): /health, /metrics, /control.
+Blocking stdlib HTTP, called from kopf's handler threads; every failure becomes an EngineError."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TIMEOUT_S = 3.0
+
+
+class EngineError(Exception):
+    """The engine could not be reached or answered outside its contract."""
+
+
+def _request(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:  # a non-2xx answer is still an answer
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"{method} {url}: {getattr(e, 'reason', e)}") from None
+
+
+def base_url(pod_ip: str, port: int) -> str:
+    return f"http://{pod_ip}:{port}"
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    detail: str
+    reachable: bool = True
+
+
+def health(url: str) -> Health:
+    try:
+        code, raw = _request(f"{url}/health")
+    except EngineError as e:
+        return Health(ok=False, detail=str(e), reachable=False)
+    try:
+        status = json.loads(raw).get("status", "")
+    except (ValueError, AttributeError):
+        status = raw[:80].decode(errors="replace")
+    return Health(ok=code == 200, detail=f"HTTP {code}: {status}")
+
+
+def get_control(url: str) -> dict:
+    code, raw = _request(f"{url}/control")
+    if code != 200:
+        raise EngineError(f"GET {url}/control: HTTP {code}: {raw[:200]!r}")
+    return json.loads(raw)
+
+
+def put_control(url: str, control: dict) -> dict:
+    code, raw = _request(f"{url}/control", "PUT", control)
+    if code != 200:
+        raise EngineError(f"PUT {url}/control: HTTP {code}: {raw[:200]!r}")
+    return json.loads(raw)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    makespan_s: float | None = None
+    ttft_p99_s: float | None = None
+    mean_decode_wait_s: float | None = None
+    stalls: int | None = None
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' estimate: linear interpolation inside the bucket holding rank q·count.
+    `buckets` are (upper bound, cumulative count) and must include +Inf."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, cum in buckets:
+        if cum >= rank:
+            if upper == float("inf"):
+                return lower  # beyond the last finite bound: report that bound
+            return lower + (upper - lower) * ((rank - below) / (cum - below) if cum > below else 1.0)
+        lower, below = upper, cum
+    return lower
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    """The rollout figures the status shows, from the engine's Prometheus text (summed over labels)."""
+    sums: dict[str, float] = {}
+    ttft: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdrollout:time_to_first_token_seconds_bucket":
+                le = float(s.labels["le"])
+                ttft[le] = ttft.get(le, 0.0) + s.value
+            else:
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    count = sums.get("pdrollout:decode_wait_seconds_count")
+    stalls = sums.get("pdrollout:stalls_total")
+    makespan = sums.get("pdrollout:rollout_makespan_seconds")
+    finished = sums.get("pdrollout:rollouts_finished_total")
+    return EngineMetrics(
+        makespan_s=makespan if finished else None,  # the gauge means nothing before a rollout finished
+        ttft_p99_s=histogram_quantile(0.99, list(ttft.items())),
+        mean_decode_wait_s=sums["pdrollout:decode_wait_seconds_sum"] / count if count else None,
+        stalls=int(stalls) if stalls is not None else None,
+    )
+
+
+def metrics(url: str) -> EngineMetrics:
+    code, raw = _request(f"{url}/metrics")
+    if code != 200:
+        raise EngineError(f"GET {url}/metrics: HTTP {code}")
+    try:
+        return parse_metrics(raw.decode())
+    except ValueError as e:
+        raise EngineError(f"GET {url}/metrics: unparsable Prometheus text: {e}") from None

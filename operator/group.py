@@ -1,0 +1,81 @@
+"""All-or-nothing group semantics (LeaderWorkerSet's RecreateGroupOnPodRestart): when any pod of a
+rollout fails, restarts a container, or was recreated alone, every pod of the group is recreated, so
+the ranks rendezvous again from scratch. "Recreated alone" is seen by UID: the operator records the
+pods of each complete incarnation. Pure decisions here; the handler does the deleting."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+
+def _ts(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+
+
+def pod_failure(pod: dict) -> str | None:
+    """Why this pod breaks its group, or None. Pods already being deleted are on their way out."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    name = meta.get("name", "?")
+    if status.get("phase") == "Failed":
+        return f"pod {name} failed ({status.get('reason') or 'no reason given'})"
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("restartCount", 0) > 0:
+            return f"container {cs.get('name')} of pod {name} restarted ({cs['restartCount']}x)"
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return f"container {cs.get('name')} of pod {name} terminated (exit {term.get('exitCode')})"
+    return None
+
+
+def live(pods: list[dict]) -> list[dict]:
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def membership(pods: list[dict], nodes: int) -> dict[str, str] | None:
+    """Pod name -> UID of a complete group (all `nodes` pods exist), else None."""
+    members = {p["metadata"]["name"]: p["metadata"]["uid"] for p in live(pods)}
+    return members if len(members) == nodes else None
+
+
+def recreated_alone(recorded: dict[str, str] | None, pods: list[dict]) -> str | None:
+    """A pod whose UID differs from the one recorded for this incarnation was deleted and recreated
+    (by the StatefulSet controller, after a failure, eviction or a manual delete) without its peers."""
+    for pod in sorted(live(pods), key=lambda p: p["metadata"]["name"]):
+        name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+        if recorded and name in recorded and recorded[name] != uid:
+            return f"pod {name} was recreated without its group"
+    return None
+
+
+def group_fault(pods: list[dict], recorded: dict[str, str] | None = None) -> str | None:
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if reason := pod_failure(pod):
+            return reason
+    return recreated_alone(recorded, pods)
+
+
+def backoff_s(streak: int, base_s: float, cap_s: float) -> float:
+    """Delay before the next group restart after `streak` restarts without reaching Running:
+    the first is immediate, then base, 2·base, 4·base … up to cap."""
+    if streak <= 0:
+        return 0.0
+    return min(cap_s, base_s * 2 ** (streak - 1))
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    restart_now: bool
+    wait_s: float
+    reason: str
+
+
+def decide_restart(fault: str, streak: int, last_restart: str | None, now: datetime,
+                   base_s: float, cap_s: float) -> RestartDecision:
+    wait = backoff_s(streak, base_s, cap_s)
+    last = _ts(last_restart)
+    remaining = wait - (now - last).total_seconds() if last else 0.0
+    if remaining > 0:
+        return RestartDecision(False, remaining, f"{fault}; group restart #{streak + 1} in {remaining:.0f}s (backoff)")
+    return RestartDecision(True, 0.0, f"{fault}; recreating the whole group")

@@ -1,0 +1,186 @@
+"""kopf handlers: reconcile (create/update/resume) applies the builders' objects; a timer observes the
+group (pods, rank 0's /health and /metrics), enforces group restarts, converges live controls and
+writes status. Decisions live in the pure modules; this file only wires them to the API."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import kopf
+from pydantic import ValidationError
+
+from pdrollout.operator import builders, engine_client, group, kube
+from pdrollout.operator import status as st
+from pdrollout.operator.models import GROUP, PLURAL, VERSION, PDRolloutSpec, Phase
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    poll_s: float = 10.0                 # status/health/group check period per rollout
+    restart_backoff_s: float = 10.0      # group restart backoff base (doubles per restart)
+    restart_backoff_max_s: float = 300.0
+    apply_pause_s: float = 0.0           # fault injection for tests: a slow API server between applies
+
+    @classmethod
+    def from_env(cls) -> "OperatorConfig":
+        def f(key: str, default: float) -> float:
+            return float(os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default))
+        return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
+                   restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
+                   apply_pause_s=f("APPLY_PAUSE_S", cls.apply_pause_s))
+
+
+CFG = OperatorConfig.from_env()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _spec(spec) -> PDRolloutSpec:
+    try:
+        return PDRolloutSpec.model_validate(dict(spec))
+    except ValidationError as e:  # the CRD should have refused it; retrying cannot help
+        raise kopf.PermanentError(f"invalid spec: {e}") from None
+
+
+def _selector(name: str) -> str:
+    return f"{builders.LABEL_ROLLOUT}={name}"
+
+
+def _running(pods: list[dict]) -> list[dict]:
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")]
+
+
+def _ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    # Bounded watches: the server ends each one and kopf re-lists, so a lost connection, an API server
+    # restart or 410 Gone only delays events by at most this long.
+    settings.watching.server_timeout = 120
+    settings.watching.client_timeout = 150
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    settings.posting.level = logging.INFO
+    # The CRD is installed before the operator (Helm's crds/); no need to watch CRDs, nor the RBAC for it.
+    settings.scanning.disabled = True
+
+
+def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger) -> bool:
+    """Bring every running engine's /control to spec.multiplexing. True when all pods agree."""
+    want = spec.multiplexing.control().model_dump()
+    pods = _running(kube.list_pods(namespace, _selector(name)))
+    agreed = 0
+    for pod in pods:
+        url = engine_client.base_url(pod["status"]["podIP"], spec.port)
+        try:
+            have = engine_client.get_control(url)
+            if {k: have.get(k) for k in want} != want:
+                engine_client.put_control(url, want)
+                logger.info(f"pushed control {want} to {pod['metadata']['name']}")
+            agreed += 1
+        except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
+            logger.warning(f"control not pushed to {pod['metadata']['name']}: {e}")
+    return agreed == spec.topology.nodes
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> None:
+    s = _spec(spec)
+    objs = builders.desired_objects(name, namespace, s)
+    kopf.adopt(objs, owner=body)
+    for i, obj in enumerate(objs):
+        if i and CFG.apply_pause_s:
+            time.sleep(CFG.apply_pause_s)
+        kube.apply(obj)
+        logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
+    if push_control(namespace, name, s, logger):
+        patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
+    patch.status["observedGeneration"] = meta.get("generation")
+    if not (status or {}).get("phase"):
+        patch.status["phase"] = Phase.STARTING.value
+
+
+def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, namespace: str, body, patch,
+                   logger) -> str | None:
+    """Apply RecreateGroupOnPodRestart. Returns why the group is restarting, or None."""
+    # The memo is current within this process; status carries the record across operator restarts.
+    recorded = memo.get("group_pods") or status.get("groupPods")
+    fault = group.group_fault(pods, recorded)
+    if s.restart_policy != "RecreateGroupOnPodRestart" or fault is None:
+        members = group.membership(pods, s.topology.nodes)
+        if members and members != recorded:
+            memo["group_pods"] = members
+            patch.status["groupPods"] = members
+        return None
+    streak = status.get("restartStreak") or 0
+    d = group.decide_restart(fault, streak, status.get("lastGroupRestartTime"), _now(),
+                             CFG.restart_backoff_s, CFG.restart_backoff_max_s)
+    if d.restart_now:
+        kube.delete_pods(namespace, group.live(pods))
+        memo["group_pods"] = None
+        patch.status["groupPods"] = None
+        patch.status["groupRestarts"] = (status.get("groupRestarts") or 0) + 1
+        patch.status["restartStreak"] = streak + 1
+        patch.status["lastGroupRestartTime"] = _iso(_now())
+        kopf.warn(body, reason="GroupRestart", message=d.reason)
+        logger.warning(d.reason)
+    return d.reason
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CFG.poll_s, initial_delay=min(CFG.poll_s, 2.0))
+def observe(spec, name, namespace, body, meta, status, memo, patch, logger, **_) -> None:
+    s = _spec(spec)
+    status = dict(status or {})
+    pods = kube.list_pods(namespace, _selector(name))
+    logger.debug("pods: " + ", ".join(
+        f"{p['metadata']['name']}({p['metadata']['uid'][:8]} {(p.get('status') or {}).get('phase')}"
+        f"{' deleting' if p['metadata'].get('deletionTimestamp') else ''}{' ready' if _ready(p) else ''})"
+        for p in pods))
+    restarting = _group_restart(s, pods, status, memo, namespace, body, patch, logger)
+    ready = 0 if restarting else sum(1 for p in _running(pods) if _ready(p))
+    health = metrics = None
+    rank0 = next((p for p in _running(pods) if p["metadata"]["name"] == f"{name}-0"), None)
+    if not restarting and ready == s.topology.nodes and rank0 is not None:
+        url = engine_client.base_url(rank0["status"]["podIP"], s.port)
+        health = engine_client.health(url)
+        if health.reachable:
+            try:
+                metrics = engine_client.metrics(url)
+            except engine_client.EngineError as e:
+                logger.warning(f"metrics unavailable: {e}")
+        if health.ok and push_control(namespace, name, s, logger):
+            patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
+    obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
+                         generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
+                         health=health, metrics=metrics, previous_stalls=status.get("stalls"),
+                         restarting=restarting)
+    phase, conds = st.decide(obs)
+    patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
+                                                                        _iso(_now()))))
+    if phase is Phase.RUNNING and status.get("restartStreak"):
+        patch.status["restartStreak"] = 0
+    if phase.value != status.get("phase"):
+        ok = phase in (Phase.RUNNING, Phase.STARTING)
+        ready_cond = next(c for c in conds if c.type.value == "Ready")
+        kopf.event(body, type="Normal" if ok else "Warning", reason=phase.value,
+                   message=f"{status.get('phase') or 'None'} -> {phase.value}: {ready_cond.message or ready_cond.reason}")
+

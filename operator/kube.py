@@ -1,0 +1,75 @@
+"""The few Kubernetes API calls the operator makes, with API errors mapped to kopf's retry semantics:
+server-side apply (idempotent, no resourceVersion, so no conflicts), list and delete pods."""
+from __future__ import annotations
+
+import functools
+import json
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+FIELD_MANAGER = "pdrollout-operator"
+_APPLY = "application/apply-patch+yaml"
+
+
+@functools.cache
+def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.ApiClient()
+    return client.CoreV1Api(api), client.AppsV1Api(api)
+
+
+def retry_semantics(e: ApiException, what: str) -> Exception:
+    """Transient API trouble -> TemporaryError (kopf retries); a rejected object -> PermanentError."""
+    if e.status in (409, 410, 429) or e.status >= 500:
+        return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}; retrying", delay=3)
+    if e.status in (400, 403, 404, 422):
+        return kopf.PermanentError(f"{what}: HTTP {e.status}: {_message(e)}")
+    return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}", delay=10)
+
+
+def _message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body).get("message", e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)
+
+
+def apply(obj: dict) -> None:
+    """Server-side apply with force: the operator owns every field it sets on its children."""
+    core, apps = _clients()
+    kind, meta = obj["kind"], obj["metadata"]
+    fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
+          "StatefulSet": apps.patch_namespaced_stateful_set}[kind]
+    try:
+        fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+    except ApiException as e:
+        raise retry_semantics(e, f"apply {kind} {meta['namespace']}/{meta['name']}") from None
+
+
+def list_pods(namespace: str, selector: str) -> list[dict]:
+    core, _ = _clients()
+    try:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+    except ApiException as e:
+        raise retry_semantics(e, f"list pods {namespace} {selector}") from None
+    return json.loads(pods.data)["items"]
+
+
+def delete_pods(namespace: str, pods: list[dict]) -> None:
+    """Delete exactly these pods (UID precondition: never a replacement created meanwhile)."""
+    core, _ = _clients()
+    for pod in pods:
+        meta = pod["metadata"]
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]))
+        try:
+            core.delete_namespaced_pod(meta["name"], namespace, body=body)
+        except ApiException as e:
+            if e.status in (404, 409):  # already gone, or already replaced: either way not ours to delete
+                continue
+            raise retry_semantics(e, f"delete pod {namespace}/{meta['name']}") from None
+

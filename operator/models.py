@@ -1,0 +1,183 @@
+"""The PDRollout resource as pydantic models: the one source of the CRD schema (see crd.py) and of the
+operator's view of a resource. Field names are the CRD's camelCase; Python attributes are snake_case."""
+from __future__ import annotations
+
+import enum
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from pdrollout.engine.config import Activation, ControlSettings, EngineConfig, Ordering
+from pdrollout.engine.distributed.topology import Topology as RankTopology
+
+GROUP = "pdrollout.io"
+VERSION = "v1alpha1"
+PLURAL = "pdrollouts"
+KIND = "PDRollout"
+
+Dtype = Literal[get_args(EngineConfig.model_fields["dtype"].annotation)]  # the engine's own list
+RestartPolicy = Literal["RecreateGroupOnPodRestart", "None"]
+QPDepth = Literal[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+def _rules(*rules: tuple[str, str]) -> dict:
+    """CEL rules attached to a schema node: (expression, message) pairs."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+class ModelSpec(_Model):
+    path: str = Field(min_length=1, description="Model directory inside the engine container.")
+    dtype: Dtype = "bfloat16"
+
+
+class Topology(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("(self.nodes * self.gpusPerNode) % self.expertParallel == 0",
+         "expertParallel must divide the world size nodes × gpusPerNode"),
+        ("(self.nodes * self.gpusPerNode) % self.attentionDataParallel == 0",
+         "attentionDataParallel must divide the world size nodes × gpusPerNode"),
+    ))
+
+    nodes: int = Field(default=1, ge=1, le=2, description="Nodes in the group (1 or 2), one pod each.")
+    gpus_per_node: int = Field(default=8, ge=1, le=8)
+    expert_parallel: int = Field(default=8, ge=1, le=16, description="EP width e; ETP = world/e.")
+    attention_data_parallel: int = Field(default=1, ge=1, le=16, description="ADP width d; ATP = world/d.")
+
+    @model_validator(mode="after")
+    def _divides(self) -> "Topology":  # mirrors the CEL rules above
+        for field, width in (("expertParallel", self.expert_parallel),
+                             ("attentionDataParallel", self.attention_data_parallel)):
+            if self.world_size % width:
+                raise ValueError(f"{field} must divide the world size nodes × gpusPerNode")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def ranks(self) -> RankTopology:
+        """The engine's topology arithmetic (ATP = world/ADP, ETP = world/EP)."""
+        return RankTopology(world=self.world_size, adp=self.attention_data_parallel, ep=self.expert_parallel)
+
+    @property
+    def attention_tp(self) -> int:
+        return self.ranks.atp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.ranks.etp
+
+
+class Multiplexing(_Model):
+    """Live engine controls; pushed to every engine's /control without restarting pods."""
+
+    activation: Activation = "auto"
+    span: int | Literal["auto"] = Field(
+        default="auto", json_schema_extra=_rules(
+            ("type(self) == string ? self == 'auto' : (self >= 1 && self <= 4)",
+             "span must be an integer 1..4 or 'auto'")))
+    prefill_budget_tokens: int = Field(default=32768, ge=1)
+    ordering: Ordering = "fine-grained"
+
+    @field_validator("span")
+    @classmethod
+    def _span(cls, v):  # mirrors the CEL rule
+        if v != "auto" and not 1 <= v <= 4:
+            raise ValueError("span must be an integer 1..4 or 'auto'")
+        return v
+
+    def control(self) -> ControlSettings:
+        """The engine's /control body (validated by the engine's own model)."""
+        return ControlSettings(activation=self.activation, span=self.span,
+                               prefill_budget_tokens=self.prefill_budget_tokens, ordering=self.ordering)
+
+
+class Nvshmem(_Model):
+    ibgda: bool = True
+    qp_depth: QPDepth = Field(default=1024, description="NVSHMEM_QP_DEPTH (a power of two).")
+    qps_per_rank: int = Field(default=8, ge=1, le=64,
+                              description="QPs per rank for each phase: D owns [0,s), P owns [s,2s).")
+
+
+class Network(_Model):
+    socket_ifname: str = Field(default="eth0", min_length=1, description="NCCL/Gloo socket interface.")
+    ib_hcas: list[str] = Field(default=[], alias="ibHCAs", description="RDMA devices, e.g. mlx5_0.")
+    nvshmem: Nvshmem = Field(default_factory=Nvshmem)
+
+
+class Resources(_Model):
+    cpu: str = Field(default="16", min_length=1)
+    memory: str = Field(default="128Gi", min_length=1)
+    shared_memory: str = Field(default="32Gi", min_length=1, description="Size of the /dev/shm tmpfs.")
+    rdma_resource: str = Field(default="rdma/ib", min_length=1)
+    rdma_per_node: int = Field(default=1, ge=0, description="0: request no RDMA device.")
+
+
+class PDRolloutSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.topology.nodes == 1 || size(self.network.ibHCAs) > 0",
+         "a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)"),
+        ("self.topology.nodes == 1 || self.resources.rdmaPerNode > 0",
+         "a two-node rollout needs resources.rdmaPerNode > 0"),
+    ))
+
+    image: str = Field(min_length=1)
+    model: ModelSpec
+    topology: Topology = Field(default_factory=Topology)
+    multiplexing: Multiplexing = Field(default_factory=Multiplexing)
+    network: Network = Field(default_factory=Network)
+    resources: Resources = Field(default_factory=Resources)
+    port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
+    restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
+
+    @model_validator(mode="after")
+    def _two_nodes(self) -> "PDRolloutSpec":  # mirrors the CEL rules above
+        if self.topology.nodes > 1 and not self.network.ib_hcas:
+            raise ValueError("a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)")
+        if self.topology.nodes > 1 and self.resources.rdma_per_node < 1:
+            raise ValueError("a two-node rollout needs resources.rdmaPerNode > 0")
+        return self
+
+
+class Phase(str, enum.Enum):
+    STARTING = "Starting"        # pods not all ready yet
+    RUNNING = "Running"          # every pod ready and rank 0 healthy
+    DEGRADED = "Degraded"        # pods ready but the engine unhealthy or unreachable
+    RESTARTING = "Restarting"    # the whole group is being recreated (or waits out its backoff)
+
+
+class ConditionType(str, enum.Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    STALLED = "Stalled"
+
+
+class Condition(_Model):
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1)
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class PDRolloutStatus(_Model):
+    phase: Phase | None = None
+    observed_generation: int | None = None
+    ready_nodes: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    makespan_seconds: float | None = None
+    ttft_p99_seconds: float | None = None
+    mean_decode_wait_seconds: float | None = None
+    stalls: int | None = None
+    group_restarts: int | None = None
+    restart_streak: int | None = Field(default=None, description="Group restarts since last Running.")
+    group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")
+    last_group_restart_time: str | None = None
+    control: Multiplexing | None = Field(default=None, description="Controls last applied to the engines.")

