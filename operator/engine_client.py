@@ -1,4 +1,4 @@
-"""The engine's HTTP contract as the operator uses it (docs/CONTRACTS.md): /health, /metrics, /control.
+"""The engine's HTTP contract as the operator uses it (docs/ENGINE_API.md): /health, /metrics, /control.
 Blocking stdlib HTTP, called from kopf's handler threads; every failure becomes an EngineError."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# Server metrics scraped before and after a run (docs/CONTRACTS.md).
+# Server metrics scraped before and after a run (docs/ENGINE_API.md).
 DECODE_WAIT = "pdrollout:decode_wait_seconds"
 RENDEZVOUS = "pdrollout:turnstile_rendezvous_seconds"
 ROUNDS = "pdrollout:turnstile_rounds_total"
