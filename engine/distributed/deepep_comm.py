@@ -38,8 +38,8 @@ import contextlib
 import os
 from typing import Any, Callable
 
-from .expert_comm import (ExpertComm, ExpertCommError, Handle, PendingDispatch, PendingDispatchError,
-                          PermitMissingError, Phase, PhaseState, RecvMeta, disjoint)
+from .expert_comm import (ExpertComm, ExpertCommError, Handle, PendingDispatch, PermitMissingError, Phase,
+                          PhaseState, RecvMeta, disjoint)
 from .netenv import ALIGN, local_experts, nvshmem_env, qp_split
 
 # Compile-time switches of stock DeepEP v1.2.1, checked before any Buffer is made (a kernel
@@ -262,12 +262,7 @@ class DeepEPExpertComm(ExpertComm):
         if Phase(phase) is not Phase.PREFILL:
             raise ExpertCommError("the split notify/move dispatch is the P (normal) path")
         st = self._p
-        try:
-            b = st.status.index("free")
-        except ValueError:
-            raise PendingDispatchError(f"no free P buffer (status {st.status}): one pending dispatch "
-                                       "per buffer; retired buffers free at quiesce()") from None
-        st.status[b] = "pending"
+        b = st.claim()
         with self._lane(self.p_stream):
             x, ids, w = self._inputs(hidden, topk_ids, topk_weights)
             per_rank, per_rdma, per_expert, in_rank, _ = self.p_bufs[b].get_dispatch_layout(ids, self.num_experts)
@@ -314,11 +309,7 @@ class DeepEPExpertComm(ExpertComm):
         self.p_stream.synchronize()
         for b in self.p_bufs:
             b.get_comm_stream().synchronize()
-        n = 0
-        for i, s in enumerate(self._p.status):
-            if s == "retired":
-                self._p.status[i], n = "free", n + 1
-        return n
+        return self._p.free_retired()
 
     # ---- both ---------------------------------------------------------------------------
     def dispatch(self, phase, hidden, topk_ids, topk_weights):

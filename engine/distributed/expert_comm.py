@@ -68,6 +68,24 @@ class PhaseState:
     status: list[str] = field(default_factory=list)   # per buffer: free | pending | moved | retired
     ll_index: int = 0             # D only: double-buffer index
 
+    def claim(self) -> int:
+        """A free P buffer for a new dispatch: at most one pending dispatch per buffer."""
+        try:
+            b = self.status.index("free")
+        except ValueError:
+            raise PendingDispatchError(f"no free P buffer (status {self.status}): one pending dispatch "
+                                       "per buffer; retired buffers free at quiesce()") from None
+        self.status[b] = "pending"
+        return b
+
+    def free_retired(self) -> int:
+        """At a quiescent point: retired buffers (cancelled dispatches) become free again."""
+        n = 0
+        for i, s in enumerate(self.status):
+            if s == "retired":
+                self.status[i], n = "free", n + 1
+        return n
+
 
 @dataclass
 class PendingDispatch:
@@ -191,12 +209,7 @@ class TorchExpertComm(ExpertComm):
             raise ExpertCommError("the split notify/move dispatch is the P (normal) path")
         st = self._p
         with self._lock:
-            try:
-                b = st.status.index("free")
-            except ValueError:
-                raise PendingDispatchError(f"no free P buffer (status {st.status}): one pending dispatch "
-                                           "per buffer; retired buffers free at quiesce()") from None
-            st.status[b] = "pending"
+            b = st.claim()
         flat, order, send_counts, token_of = self._route(topk_ids)
         cnt = st.counters[b]
         cnt[0].copy_(send_counts)
@@ -238,14 +251,11 @@ class TorchExpertComm(ExpertComm):
 
     def quiesce(self) -> int:
         """Cleanup point with no P dispatch in flight: drain retired notifications, free buffers."""
-        st, n = self._p, 0
+        st = self._p
         for w in st.events:
             w.wait()
         st.events.clear()
-        for i, s in enumerate(st.status):
-            if s == "retired":
-                st.status[i], n = "free", n + 1
-        return n
+        return st.free_retired()
 
     # ---- D: low-latency path ---------------------------------------------------------
     def _dispatch_ll(self, hidden, topk_ids, topk_weights):
