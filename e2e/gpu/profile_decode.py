@@ -1,0 +1,59 @@
+"""Where a decode step's GPU time goes: torch.profiler over eager decode forwards (the same kernels the
+CUDA graph replays) of the Qwen3-30B-A3B shape at batch 64. Prints the top kernels by GPU time.
+Usage: python3 e2e/gpu/profile_decode.py [--layers 48] [--batch 64] [--ctx 2048] --out profile.txt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pdrollout.engine.config import ControlSettings, EngineConfig, load_preset
+from pdrollout.engine.engine import Engine
+from pdrollout.engine.planner import Plan
+from pdrollout.engine.request import SamplingParams
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--out", default="profile.txt")
+    a = ap.parse_args()
+    cfg = load_preset("qwen3-30b-a3b")
+    cfg["num_hidden_layers"] = a.layers
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
+                            max_running=a.batch, kv_cache_bytes=40 << 30, cuda_graphs=False,
+                            control=ControlSettings(prefill_budget_tokens=8192)))
+    g = torch.Generator().manual_seed(0)
+    for i in range(a.batch):
+        e.submit(f"r{i}", torch.randint(2, cfg["vocab_size"], (a.ctx,), generator=g).tolist(),
+                 SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    while any(r.status.value != "decode" for r in e.reqs.values()):
+        e.step()
+    e.step()      # one engine decode step: every row now holds the block its next position needs
+    plan = Plan(step=-1, decode=tuple(e.reqs))
+    for _ in range(2):                     # warm-up (Triton compile)
+        batch, _ = e.runner.build(plan, e.reqs)
+        e.model(batch, e.kv)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            batch, _ = e.runner.build(plan, e.reqs)
+            e.model(batch, e.kv)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    text = f"3 eager decode forwards, batch {a.batch}, ctx {a.ctx}, {a.layers} layers (table totals are for all 3)\n" + table
+    Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
