@@ -56,9 +56,14 @@ def test_isolation_only_one_slot_stalls_and_watchdog_reports(stall):
     assert max(r["stall_waited_s"] for r in runs.values()) >= BOUND  # ...and not before it
     assert all(o.exitcode == EXIT_STALL for o in stall)
     # the frontier names the crossed pair: replica 0 holds D, replica 1 holds P's AllReduce
-    running = {k: r["stall_frontiers"][str(k)]["device"]["running"] if str(k) in r["stall_frontiers"]
-               else r["stall_frontiers"][k]["device"]["running"] for k, r in [(0, runs[0]), (2, runs[0])]}
-    assert running[0][0].startswith("D:") and running[2][0].startswith("P:")
+    # (each rank snapshots the shared frontiers when it adopts the stall; a slot thread may be between
+    # two ops at that instant in one view, so the crossed pair must show in at least one view)
+    def running(view, k):
+        return (view.get(str(k)) or view.get(k) or {}).get("device", {}).get("running", [])
+
+    views = [r["stall_frontiers"] for r in runs.values()]
+    assert any(any(x.startswith("D:") for x in running(v, 0)) and any(x.startswith("P:") for x in running(v, 2))
+               for v in views), views
     assert check_order({k: r["trace"] for k, r in runs.items()})      # the checker sees the crossing
 
 
