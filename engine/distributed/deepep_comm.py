@@ -38,7 +38,7 @@ import contextlib
 import os
 from typing import Any, Callable
 
-from .expert_comm import (ExpertComm, ExpertCommError, Handle, PendingDispatch, PermitMissingError, Phase,
+from .expert_comm import (ExpertComm, ExpertCommError, Handle, PendingDispatch, Phase,
                           PhaseState, RecvMeta, disjoint)
 from .netenv import ALIGN, local_experts, nvshmem_env, qp_split
 
@@ -282,10 +282,7 @@ class DeepEPExpertComm(ExpertComm):
         return self._p.counters[pending.buffer][:self.ep].tolist()
 
     def move(self, pending: PendingDispatch):
-        if pending.cancelled:
-            raise ExpertCommError("move() of a cancelled dispatch")
-        if not pending.permitted:
-            raise PermitMissingError("move() before the turnstile permit (wait_permit first)")
+        pending.check_movable()
         s, b = pending.state, pending.buffer
         per_rank, per_rdma, per_expert, in_rank = s["layout"]
         if self._host_group is not None:

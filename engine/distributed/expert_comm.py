@@ -99,6 +99,13 @@ class PendingDispatch:
     def counts_ready(self) -> bool:
         return self.work.is_completed()
 
+    def check_movable(self) -> None:
+        """Routed data may move only for a live dispatch that holds the turnstile permit."""
+        if self.cancelled:
+            raise ExpertCommError("move() of a cancelled dispatch")
+        if not self.permitted:
+            raise PermitMissingError("move() before the turnstile permit (wait_permit first)")
+
 
 def disjoint(a: PhaseState, b: PhaseState) -> list[str]:
     """Problems (empty when the two phases share no mutable state)."""
@@ -223,10 +230,7 @@ class TorchExpertComm(ExpertComm):
         return self._p.counters[pending.buffer][1].tolist()
 
     def move(self, pending: PendingDispatch):
-        if pending.cancelled:
-            raise ExpertCommError("move() of a cancelled dispatch")
-        if not pending.permitted:
-            raise PermitMissingError("move() before the turnstile permit (wait_permit first)")
+        pending.check_movable()
         st, s = self._p, pending.state
         recv_counts = self.wait_counts(pending)
         n_recv = sum(recv_counts)
