@@ -6,6 +6,7 @@ keeps greedy decoding stable enough to compare token-for-token with a reference 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -120,11 +121,19 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
     try:
         with torch.device("meta"):
             model = Qwen3MoeModel(cfg, shard or Shard(), collectives)
+        with torch.device("meta"):   # full shapes: which tensors this shard splits
+            full = {n: p.shape for n, p in Qwen3MoeModel(cfg, Shard(), None).named_parameters()}
     finally:
         torch.set_default_dtype(prev)
+    shard = shard or Shard()
     model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device)
     for name, p in model.named_parameters():
+        # Seeded per name, so a replicated tensor is the same on every rank of a sharded model;
+        # a split tensor also by the shard's coordinates, so two ranks' slices differ.
+        key = name if p.shape == full[name] else \
+            f"{name}@{shard.atp_rank}/{shard.atp_size}:{shard.ep_rank}/{shard.ep_size}"
+        gen.manual_seed(seed ^ zlib.crc32(key.encode()))
         if name.endswith("norm.weight"):
             p.normal_(1.0, 0.1, generator=gen)
         else:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7, Must-show 3: a two-rank engine run (EP2) with --expert-backend deep_ep whose greedy
-# tokens equal the torch backend's. On a two-GPU machine with `deep_ep` importable (this script
+# tokens equal the torch backend's (the reference-test margin rule: a first difference is allowed
+# only where an independent fp32 forward puts the top-2 gap under 0.05 nats; rest not compared). On a two-GPU machine with `deep_ep` importable (this script
 # never builds it): `pdrollout generate --nproc 2 --adp 1 --ep 2 --device cuda` with
 # --expert-backend torch and deep_ep on the same requests, modes pd and normal, plus one rank
 # (--nproc 1 --device cuda, eager) as a further reference. Prints a table; writes OUT/ep2.json.
@@ -113,7 +114,42 @@ def first_diff(r, ref):
             out.append(f"{rid}@{i}{lp}")
     return "; ".join(out)
 
-res = {"runs": {}, "compare": []}
+MARGIN = 0.05   # nats: a top-2 gap below this is a near tie for bf16 (chosen-token logprobs moved by <= 0.031)
+
+def ref_margins(tokens: dict) -> dict:
+    """Top-2 logprob gap at every generated position of the torch-EP2 tokens, from an independent
+    fp32 forward of the same checkpoint on one GPU (teacher-forced over prompt + tokens)."""
+    import torch
+    from pdrollout.engine.kv_cache import KVCache
+    from pdrollout.engine.loader import load_model
+    from pdrollout.engine.model import ForwardBatch, SeqSlice
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(f"{work}/model", device=dev, dtype=torch.float32)
+    prompts = {json.loads(l)["rid"]: json.loads(l)["input_ids"] for l in open(f"{work}/reqs.jsonl")}
+    out = {}
+    for rid, toks in tokens.items():
+        seq = prompts[rid] + toks[:-1]
+        n = len(seq)
+        layer = model.model.layers[0].self_attn
+        kv = KVCache(len(model.model.layers), -(-n // 4) + 1, 4, layer.kv_heads, layer.head_dim, torch.float32, dev)
+        slots = torch.arange(n, device=dev)
+        first = len(prompts[rid]) - 1
+        batch = ForwardBatch(torch.tensor(seq, device=dev), torch.arange(n, device=dev), slots,
+                             [SeqSlice(0, n, n, slots)], torch.arange(first, n, device=dev), phase="prefill")
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(batch, kv).float(), dim=-1)
+        top2 = torch.topk(lp, 2, dim=-1)
+        gap = top2.values[:, 0] - top2.values[:, 1]
+        out[rid] = [round(float(x), 4) for x in gap]
+        # the fp32 reference's own greedy choice agrees with the torch-EP2 tokens except at near ties
+        agree["n"] += len(toks)
+        agree["same"] += sum(int(a == b) or float(g) < MARGIN for a, b, g in zip(top2.indices[:, 0].tolist(), toks, gap))
+    return out
+
+agree = {"n": 0, "same": 0}
+
+res = {"runs": {}, "compare": [], "margin_rule": f"equal, or the first difference at a reference near tie "
+       f"(fp32 top-2 gap < {MARGIN} nats), after which that request is not compared"}
 for m in modes:
     runs = {k: load(f"{k}-{m}") for k in ("one", "torch", "deep_ep")}
     res["runs"][m] = runs
@@ -125,6 +161,26 @@ for m in modes:
         lp += [abs(u - v) for u, v in zip(runs["torch"]["logprobs"].get(rid, [])[:n],
                                           runs["deep_ep"]["logprobs"].get(rid, [])[:n])]
     res.setdefault("max_abs_logprob_diff_torch_vs_deep_ep", {})[m] = max(lp) if lp else None
+    agree.update(n=0, same=0)
+    margins = ref_margins(ref) if ref else {}
+    res.setdefault("reference_margins", {})[m] = margins
+    ties = []
+    ok = runs["torch"]["rc"] == "0" and len(ref) == 4
+    for rid, x in ref.items():
+        y = runs["deep_ep"]["tokens"].get(rid)
+        if y is None or len(y) != len(x):
+            ok = False
+            continue
+        i = next((k for k in range(len(x)) if x[k] != y[k]), None)
+        if i is None:
+            continue
+        if margins[rid][i] < MARGIN:
+            ties.append(f"{rid}@{i} (reference top-2 gap {margins[rid][i]})")
+        else:
+            ok = False
+            ties.append(f"{rid}@{i} NOT a near tie (gap {margins[rid][i]})")
+    res.setdefault("margin_verdict", {})[m] = {"ok": ok, "differences": ties,
+                                               "fp32_reference_agrees_with_torch_ep2": dict(agree)}
     for k, r in runs.items():
         complete = len(r["tokens"]) == 4 and all(len(v) == 8 for v in r["tokens"].values())
         row = {"mode": m, "run": k, "nproc": 1 if k == "one" else 2, "rc": r["rc"], "wall_s": r["wall_s"],
@@ -144,5 +200,9 @@ for m in modes:
     print(f"{m}: deep_ep greedy tokens == torch backend (EP2): {res['verdict'][m]}; max |logprob diff| "
           f"over the common tokens {res['max_abs_logprob_diff_torch_vs_deep_ep'][m]}")
     print(f"  torch EP2 tokens: {res['runs'][m]['torch']['tokens']}")
-sys.exit(0 if all(res["verdict"].values()) else 1)
+    mv = res["margin_verdict"][m]
+    print(f"  margin rule (fp32 reference top-2 gap < {MARGIN}): {'PASS' if mv['ok'] else 'FAIL'}; "
+          f"differences: {mv['differences'] or 'none'}")
+json.dump(res, open(f"{out}/ep2.json", "w"), indent=1)
+sys.exit(0 if all(v["ok"] for v in res["margin_verdict"].values()) else 1)
 PY

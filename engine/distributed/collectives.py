@@ -24,7 +24,9 @@ Every collective is enqueued on the device model (a lane of CpuDevice) and waite
 watchdog polled, so a crossed order stalls on the device and is reported, never hangs.
 On CUDA (NCCL data groups) the lane's slot thread issues the collective on the *caller's* current
 CUDA stream (the worker runs P and D on their own streams), so NCCL orders it after the caller's
-kernels and the caller's stream after it; the lane keeps the per-path enqueue order.
+kernels and the caller's stream after it; the lane keeps the per-path enqueue order. The
+registered P collective on the D lane (fine-grained) is issued on the D stream instead, so the
+device itself runs R- < G < R+ in stream order.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from ..model import Collectives
 from .expert_comm import Phase
+from .gpu_timeline import is_registered
 from .topology import Topology
 
 
@@ -49,18 +52,31 @@ class Groups:
     rendezvous: object = None   # the turnstile's CPU group
 
 
-def make_groups(topo: Topology, rank: int, backend: str | None = None) -> Groups:
+def nccl_options(ctas: int):
+    """ProcessGroupNCCL options pinning a communicator's kernels to `ctas` CTAs (min = max), so the
+    residency a collective needs is known (issue 8's knob); None leaves NCCL's choice."""
+    if not ctas:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.min_ctas = opts.config.max_ctas = ctas
+    return opts
+
+
+def make_groups(topo: Topology, rank: int, backend: str | None = None, registered_ctas: int = 0) -> Groups:
+    """`registered_ctas` (NCCL only) applies to the groups of the registered pair and the ATP group."""
     g = Groups()
     g.rendezvous = dist.new_group(list(topo.world_group), backend="gloo")
+    opts = nccl_options(registered_ctas) if backend == "nccl" else None
+    new = lambda ranks: dist.new_group(list(ranks), backend=backend, pg_options=opts)
     if topo.atp > 1:
-        g.p_world = dist.new_group(list(topo.world_group), backend=backend)
+        g.p_world = new(topo.world_group)
         for grp in topo.atp_groups:
-            pg = dist.new_group(list(grp), backend=backend)
+            pg = new(grp)
             if rank in grp:
                 g.atp = pg
     if topo.adp > 1:
         for grp in topo.dp_groups:
-            pg = dist.new_group(list(grp), backend=backend)
+            pg = new(grp)
             if rank in grp:
                 g.dp = pg
     return g
@@ -74,6 +90,7 @@ class PathContext:
     boundary: Callable[[int], None] | None = None   # P: blocks at safe boundary i until permitted
     moe_index: int = 0
     enqueued: int = 0
+    compute_from: object = None   # CUDA timeline: event after the path's previous collective
 
 
 def _ceil(a: int, b: int) -> int:
@@ -90,6 +107,9 @@ class RankCollectives(Collectives):
         self.ctx: dict[str, PathContext] = {}
         self.p_lane = "d"          # the registered P collective's lane (set per step from the controller)
         self.cuda = False          # set by the worker on CUDA: collectives run on the caller's stream
+        self.streams: dict = {}    # CUDA: the worker's P and D streams
+        self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
+        self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:
@@ -105,7 +125,24 @@ class RankCollectives(Collectives):
         box: list = []
         key = f"{path.upper()}:{ctx.step}:{ctx.enqueued}:{name}"
         ctx.enqueued += 1
+        phase = path.upper()
+        registered = is_registered(phase, name)
+        lane = self.p_lane if path == "p" else "d"
         stream = torch.cuda.current_stream() if self.cuda else None
+        # On CUDA the registered P collective follows the lane onto the D stream: stream FIFO then
+        # gives R- < G < R+ on the device too, not only in the host enqueue order.
+        on_d = stream is not None and path == "p" and lane == "d" and registered and "d" in self.streams
+        if self.timeline is not None:
+            self.timeline.trace.record(epoch=ctx.step, boundary=ctx.moe_index, phase=phase, collective=name,
+                                       group=group, lane=lane, key=key, registered=registered)
+
+        def issue(s) -> None:
+            self.issued["d" if on_d or path == "d" else "p"] = key
+            if self.timeline is None:
+                box.append(fn())
+                return
+            with self.timeline.span(name, s, phase=phase, key=key, registered=registered, lane=lane):
+                box.append(fn())
 
         def call() -> None:
             with torch.inference_mode():   # the slot thread writes the forward's inference tensors
@@ -113,14 +150,33 @@ class RankCollectives(Collectives):
                     box.append(fn())
                     return
                 torch.cuda.set_device(stream.device)   # the slot thread's device is thread-local
+                if on_d:
+                    d = self.streams["d"]
+                    d.wait_stream(stream)              # R sees P's data
+                    with torch.cuda.stream(d):
+                        issue(d)
+                    stream.wait_stream(d)              # P continues after R
+                    return
                 with torch.cuda.stream(stream):        # NCCL orders against the caller's stream
-                    box.append(fn())
-        ev = self.dev.collective(self.p_lane if path == "p" else "d", call, key, group,
-                                 meta={"phase": path.upper(), "epoch": ctx.step, "boundary": ctx.moe_index,
+                    issue(stream)
+        tl = self.timeline if stream is not None and path == "p" else None
+        if tl is not None:
+            self._compute_cut(ctx, key)
+        ev = self.dev.collective(lane, call, key, group,
+                                 meta={"phase": phase, "epoch": ctx.step, "boundary": ctx.moe_index,
                                        "key": key})
         while not ev.wait(0.05):
             self.check()
+        if tl is not None:
+            ctx.compute_from = tl.mark(stream)
         return box[0] if box else None
+
+    def _compute_cut(self, ctx: PathContext, key: str) -> None:
+        """CUDA timeline: P's compute since its last collective (or permit) ends here."""
+        if ctx.compute_from is not None:
+            s = torch.cuda.current_stream()
+            self.timeline.add("compute", ctx.compute_from, self.timeline.mark(s), phase="P", key=key)
+            ctx.compute_from = None
 
     def _segment(self, rows: list[int]) -> tuple[int, int]:
         off = sum(rows[:self.replica])
@@ -174,7 +230,12 @@ class RankCollectives(Collectives):
             pend = self.comm.notify(Phase.PREFILL, x[s:e], ids[s:e], w[s:e])   # counts start moving
             if q == 0 and ctx.boundary is not None:
                 i = ctx.moe_index
+                timed = self.timeline is not None and self.cuda
+                if timed:   # the P stream idles while P waits for its permit: not compute
+                    self._compute_cut(ctx, f"P:{ctx.step}:boundary{i}")
                 self.comm.wait_permit(pend, lambda: ctx.boundary(i))         # the safe boundary
+                if timed:
+                    ctx.compute_from = self.timeline.mark(torch.cuda.current_stream())
             else:
                 pend.permitted = True
             recv, meta, handle = self._run("p", "dispatch", self._ep_group(), lambda: self.comm.move(pend))

@@ -150,6 +150,15 @@ def check_device(config, options) -> None:
     if backend == "deep_ep" and kind != "cuda":
         raise ValueError(f"--expert-backend deep_ep needs --device cuda (got {config.device!r}); "
                          "the torch backend runs everywhere")
+    for flag, value in (("--sm-partition", getattr(options, "sm_partition", 0)),
+                        ("--nccl-ctas", getattr(options, "nccl_ctas", 0)),
+                        ("--gpu-timeline", getattr(options, "gpu_timeline", None))):
+        if value and kind != "cuda":
+            raise ValueError(f"{flag} needs --device cuda (green contexts, NCCL, CUDA events)")
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    if getattr(options, "skew_ms", 0.0) < 0:
+        raise ValueError(f"--rank-skew-ms must be >= 0, got {options.skew_ms}")
 
 
 def options_from_args(a):
@@ -157,7 +166,9 @@ def options_from_args(a):
     return RankOptions(slots=getattr(a, "slots", 2), watchdog_bound_s=getattr(a, "watchdog_bound", 30.0),
                        step_log=getattr(a, "step_log", None),
                        cross_isolation=getattr(a, "cross_isolation", False),
-                       expert_backend=getattr(a, "expert_backend", "torch"))
+                       expert_backend=getattr(a, "expert_backend", "torch"),
+                       sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
+                       skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None))
 
 
 def launch_generate(a, cfg) -> int:

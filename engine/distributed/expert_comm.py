@@ -206,7 +206,10 @@ class TorchExpertComm(ExpertComm):
         flat = topk_ids.reshape(-1).long()
         dest = flat // self.e_local
         order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=self.ep)
+        # scatter_add, not bincount: bincount on CUDA reads the max back to the host, which would
+        # drain P's stream at every notify and leave no P work in flight to overlap D.
+        send_counts = torch.zeros(self.ep, dtype=torch.int64, device=dest.device).scatter_add_(
+            0, dest, torch.ones_like(dest))
         token_of = order // self.topk
         return flat, order, send_counts, token_of
 
@@ -222,7 +225,7 @@ class TorchExpertComm(ExpertComm):
         cnt[0].copy_(send_counts)
         work = self.dist.all_to_all_single(cnt[1], cnt[0], group=st.group, async_op=True)
         state = {"hidden": hidden, "order": order, "flat": flat, "token_of": token_of,
-                 "weights": topk_weights.reshape(-1)[order], "send_counts": send_counts.tolist()}
+                 "weights": topk_weights.reshape(-1)[order], "send_counts": send_counts}   # host list in move
         return PendingDispatch(b, hidden.shape[0], work, state)
 
     def wait_counts(self, pending: PendingDispatch) -> list[int]:
@@ -232,6 +235,7 @@ class TorchExpertComm(ExpertComm):
     def move(self, pending: PendingDispatch):
         pending.check_movable()
         st, s = self._p, pending.state
+        s["send_counts"] = s["send_counts"].tolist()   # after the permit: the split sizes on the host
         recv_counts = self.wait_counts(pending)
         n_recv = sum(recv_counts)
         buf = st.buffers[pending.buffer]

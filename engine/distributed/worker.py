@@ -9,9 +9,11 @@ every rank). Replica leaders (local index 0) sample; rank 0 gathers the tokens.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import queue
+import random
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint import random_model
 from ..config import ControlSettings, EngineConfig, ModelConfig
 from ..kv_cache import KVCache
 from ..loader import load_model
@@ -30,6 +33,7 @@ from .collectives import PathContext, RankCollectives, make_groups
 from .controller import TurnstileController
 from .device import CpuDevice
 from .expert_comm import make_expert_comm
+from .gpu_timeline import GpuTimeline
 from .launch import EXIT_ERROR, EXIT_STALL
 from .rendezvous import Rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
@@ -48,6 +52,11 @@ class RankOptions:
     step_log: str | None = None     # directory for per-rank step logs (JSONL)
     cross_isolation: bool = False   # isolation-only diagnostic: odd replicas enqueue P before D
     expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
+    # Issue 8's knobs (CUDA only): the device condition under which crossed orders stall.
+    sm_partition: int = 0           # P and D streams share one green-context partition of this many SMs
+    nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
+    skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
+    gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -81,14 +90,17 @@ class Worker:
             torch.cuda.set_device(self.device)
         # CUDA: the data collectives (attention reduce/gathers, expert all-to-alls) on NCCL groups;
         # plans, rendezvous and the watchdog stay on gloo (the default group and the store).
-        groups = make_groups(topo, rank, backend="nccl" if self.cuda else None)
+        groups = make_groups(topo, rank, backend="nccl" if self.cuda else None, registered_ctas=options.nccl_ctas)
         self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit)
         self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
                              on_enqueue=self._on_enqueue)
-        self.wd.extra = self.dev.frontier
+        self.wd.extra = self._frontier
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         shard = shard_of(topo, rank)
-        self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard)
+        if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
+            self.model = random_model(self.cfg, self.device, dtype or torch.bfloat16, config.seed, shard=shard)
+        else:
+            self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard)
         self.dtype = next(self.model.parameters()).dtype
         p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + config.max_running, 4096)
         extra = {"pg_backend": "nccl" if self.cuda else None}
@@ -103,7 +115,15 @@ class Worker:
                                    self.cfg.num_experts_per_tok, p_rows)
         self.col.cuda = self.cuda
         # CUDA: P and D run on their own streams (the P thread's and the foreground's forward)
-        self._streams = {k: torch.cuda.Stream(self.device) for k in ("p", "d")} if self.cuda else {}
+        self._streams = self._make_streams() if self.cuda else {}
+        self.col.streams = self._streams
+        self.timeline = GpuTimeline(rank, self.device) if self.cuda and options.gpu_timeline else None
+        self.col.timeline = self.timeline
+        self._skew = random.Random(config.seed * 7919 + rank)
+        self._stage: dict[str, torch.Tensor] = {}
+        if self.cuda:   # pinned staging for batch inputs, allocated before P and D overlap
+            for ph in ("prefill", "decode", "mixed"):
+                self._stage[ph] = torch.empty(1 << 20, dtype=torch.long, pin_memory=True)
         if self.cuda:
             self._warm_nccl(groups)
         self.model.collectives = self.col
@@ -128,6 +148,28 @@ class Worker:
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
         self.wd.start()
 
+    def _frontier(self) -> dict:
+        """The host device model's frontier; on CUDA also each stream's last issued collective and
+        whether the stream drained (a stalled GPU shows busy streams behind peers' collectives)."""
+        f = self.dev.frontier()
+        if self.cuda and getattr(self, "col", None) is not None:
+            f["cuda"] = {k: {"last": self.col.issued.get(k), "idle": s.query()} for k, s in getattr(self, "_streams", {}).items()}
+        return f
+
+    def _make_streams(self) -> dict:
+        if not self.opt.sm_partition:
+            return {k: torch.cuda.Stream(self.device) for k in ("p", "d")}
+        from torch.cuda.green_contexts import GreenContext
+        # Two green contexts of one SM count take the same SMs (the split of the device's SM
+        # resource is deterministic), so P and D compete for one partition's residency: the
+        # device condition of DESIGN §2. e2e/gpu/stall4.sh checks the sharing by timing.
+        self._green = [GreenContext.create(self.opt.sm_partition, self.device.index) for _ in range(2)]
+        out = {}
+        for k, g in zip(("p", "d"), self._green):
+            s = g.Stream()
+            out[k] = torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        return out
+
     def _warm_nccl(self, groups) -> None:
         """Create every NCCL communicator now, in one order on every rank, before P and D run
         concurrently (a lazy first-use init inside a crossed order is avoidable risk)."""
@@ -142,6 +184,9 @@ class Worker:
 
     # ---- stalls -------------------------------------------------------------------------
     def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
+        # Where every thread of this rank is blocked (a GPU stall blocks host threads in CUDA calls).
+        print(f"[rank {self.rank}] threads at the stall:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(EXIT_STALL)
 
@@ -199,6 +244,8 @@ class Worker:
         self.col.p_lane = self.ctl.registered_lane
 
         def enqueue_d(ready: bool) -> None:
+            if self.opt.skew_ms:
+                time.sleep(self._skew.uniform(0, self.opt.skew_ms) / 1e3)
             out["d"] = self._forward("d", plan, plan.replicas, lambda w: w.decode)
 
         occupancy = max(w.decode_rows for w in plan.replicas) / self.config.max_running
@@ -270,7 +317,12 @@ class Worker:
         torch.cuda.set_device(self.device)    # the P thread's device is its own
         s = self._streams[path]
         with torch.cuda.stream(s):
-            logits = self.model(self._batch(rows_all[self.replica], phase), self.kv)
+            batch = self._batch(rows_all[self.replica], phase)
+            if self.timeline is None:
+                logits = self.model(batch, self.kv)
+            else:
+                with self.timeline.span("forward", s, phase=path.upper(), step=plan.step):
+                    logits = self.model(batch, self.kv)
         s.synchronize()                       # eager: the step's logits are complete for sampling
         return logits
 
@@ -288,12 +340,29 @@ class Worker:
             if r.samples:
                 logit_rows.append(t + r.length - 1)
             t += r.length
-        dev = self.device
-        if dev.type != "cpu":
-            seqs = [SeqSlice(q.q_start, q.q_len, q.ctx_len, q.slots.to(dev)) for q in seqs]
-        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)
-        return ForwardBatch(long(ids), long(pos), (torch.cat(slot_map) if slot_map else long([])).to(dev), seqs,
-                            long(logit_rows), phase=phase)
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        host = [long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), long(logit_rows)]
+        host += [q.slots for q in seqs]
+        if self.device.type != "cpu":
+            host = self._upload(phase, host)
+        seqs = [SeqSlice(q.q_start, q.q_len, q.ctx_len, t) for q, t in zip(seqs, host[4:])]
+        return ForwardBatch(host[0], host[1], host[2], seqs, host[3], phase=phase)
+
+    def _upload(self, phase: str, arrays: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One non-blocking copy from a pinned staging buffer per path. A pageable copy
+        (`torch.tensor(..., device=cuda)`) blocks the host while a peer-waiting NCCL kernel of the
+        other path spins on this GPU (seen on the H200s: the crossed order then stalls on a whole
+        GPU), and the path's next batch could never be issued. The buffer is reused only after the
+        path's forward synchronized its stream."""
+        sizes = [a.numel() for a in arrays]
+        total = sum(sizes)
+        stage = self._stage.get(phase)
+        if stage is None or stage.numel() < total:   # pinned allocation: at start, or rarely
+            stage = self._stage[phase] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
+        if total:
+            torch.cat(arrays, out=stage[:total])
+        flat = stage[:total].to(self.device, non_blocking=True)
+        return list(torch.split(flat, sizes))
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
         rows = [r for r in rows if r.samples]
@@ -307,6 +376,10 @@ class Worker:
     def close(self) -> None:
         self.wd.stop()
         self.dev.close()
+        if self.timeline is not None:
+            self.timeline.rendezvous_s = list(self.rdv.latencies)
+            os.makedirs(self.opt.gpu_timeline, exist_ok=True)
+            self.timeline.dump(os.path.join(self.opt.gpu_timeline, f"rank{self.rank}.json"))
         if self._log:
             self._log.close()
 

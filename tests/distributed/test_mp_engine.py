@@ -79,11 +79,13 @@ CASES = [((4, 2, 4), "pd", FINE, ["--slots", "1"]),          # crossed ATP2/ADP2
          ((4, 2, 4), "normal", {}, []),
          ((4, 4, 4), "pd", FINE, []),
          ((4, 4, 4), "normal", {}, []),
-         ((2, 1, 2), "pd", {"ordering": "fine-grained", "span": "auto"}, [])]
+         ((2, 1, 2), "pd", {"ordering": "fine-grained", "span": "auto"}, []),
+         ((4, 2, 4), "pd", FINE, ["--rank-skew-ms", "5"])]                 # random per-rank D delays
 
 
 @pytest.mark.parametrize("ranks,mode,control,extra", CASES,
-                         ids=[f"{'-'.join(map(str, c[0]))}-{c[1]}" for c in CASES])
+                         ids=[f"{'-'.join(map(str, c[0]))}-{c[1]}{'-skew' if '--rank-skew-ms' in c[3] else ''}"
+                              for c in CASES])
 def test_greedy_equals_one_rank(setup, ranks, mode, control, extra):
     ref = _reference(setup, mode)
     got = _outputs(_generate(setup, mode, control, ranks, extra))
@@ -192,3 +194,19 @@ def test_check_device():
         check_device(EngineConfig(model="m", device="mps"), RankOptions())
     with pytest.raises(ValueError, match="must be one of"):
         check_device(EngineConfig(model="m", device="cuda"), RankOptions(expert_backend="nccl"))
+    cuda, cpu = EngineConfig(model="m", device="cuda"), EngineConfig(model="m", device="cpu")
+    check_device(cuda, RankOptions(sm_partition=8, nccl_ctas=8, skew_ms=20, gpu_timeline="/tmp/tl"))
+    for flag, opts in (("--sm-partition", RankOptions(sm_partition=8)), ("--nccl-ctas", RankOptions(nccl_ctas=4)),
+                       ("--gpu-timeline", RankOptions(gpu_timeline="/tmp/tl"))):
+        with pytest.raises(ValueError, match=f"{flag} needs --device cuda"):
+            check_device(cpu, opts)
+    with pytest.raises(ValueError, match="--nccl-ctas must be >= 0"):
+        check_device(cuda, RankOptions(nccl_ctas=-1))
+    with pytest.raises(ValueError, match="--rank-skew-ms must be >= 0"):
+        check_device(cpu, RankOptions(skew_ms=-1.0))
+
+
+def test_gpu_knobs_on_cpu_are_a_clear_error_before_any_rank(setup):
+    res = _generate(setup, "pd", ranks=(4, 2, 4), extra=["--sm-partition", "8"], timeout=60)
+    assert res.returncode == 2 and "--sm-partition needs --device cuda" in res.stderr
+    assert "Traceback" not in res.stderr

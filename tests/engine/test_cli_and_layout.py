@@ -74,3 +74,27 @@ def test_operator_is_not_a_top_level_import():
             "assert 'pdrollout' not in (spec.origin or ''), spec.origin")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0, r.stderr
+
+
+def test_random_model_shards_agree_on_replicated_tensors():
+    """Random weights are seeded per parameter name: on a sharded model every rank builds the same
+    replicated tensors (embedding, norms, router, lm_head), its own slice shapes for the rest, and
+    a second build is identical (a benchmark's ranks need no checkpoint on disk)."""
+    import torch
+    from pdrollout.engine.checkpoint import random_model
+    from pdrollout.engine.config import ModelConfig, load_preset
+    from pdrollout.engine.model import Shard
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    a = dict(random_model(cfg, "cpu", torch.float32, seed=3, shard=Shard(0, 2, 0, 2)).named_parameters())
+    b = dict(random_model(cfg, "cpu", torch.float32, seed=3, shard=Shard(1, 2, 1, 2)).named_parameters())
+    again = dict(random_model(cfg, "cpu", torch.float32, seed=3, shard=Shard(0, 2, 0, 2)).named_parameters())
+    other_seed = dict(random_model(cfg, "cpu", torch.float32, seed=4, shard=Shard(0, 2, 0, 2)).named_parameters())
+    assert a.keys() == b.keys()
+    replicated = [n for n in a if "embed_tokens" in n or "norm" in n or ".gate." in n or "lm_head" in n]
+    assert replicated and any("embed_tokens" in n for n in replicated)
+    for n in replicated:
+        assert torch.equal(a[n], b[n]), n
+    q = next(n for n in a if "q_proj.weight" in n)
+    assert a[q].shape[0] * 2 == cfg.num_attention_heads * cfg.head_dim and not torch.equal(a[q], b[q])
+    assert all(torch.equal(a[n], again[n]) for n in a)
+    assert not torch.equal(a[replicated[0]], other_seed[replicated[0]])
