@@ -53,6 +53,8 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: pin the registered pair's NCCL kernels to N CTAs (0: NCCL's choice)")
     p.add_argument("--rank-skew-ms", type=float, default=0.0, metavar="MS",
                    help="delay each rank's D enqueue by a seeded random 0..MS ms (rank skew)")
+    p.add_argument("--d-async", action="store_true",
+                   help="CUDA pd: the round's ACK does not wait for D's kernels (D is waited for before sampling)")
     p.add_argument("--gpu-timeline", metavar="DIR",
                    help="CUDA: write per-rank enqueue order and stream intervals to DIR/rankN.json")
 

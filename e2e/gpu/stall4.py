@@ -56,6 +56,9 @@ def runs() -> dict[str, dict]:
         f"fine-seed2-C{s}": dict(order="fine-grained", sms=s, ctas=s, seed=2, timeline=True),
         f"fine-skew20-C{s}": dict(order="fine-grained", sms=s, ctas=s, skew=20, timeline=True),
         f"iso-tl-C{s - 1}": dict(order="isolation-only", sms=s, ctas=s - 1, timeline=True),
+        # D enqueued without waiting for it: P's next work may overlap D's tail on the GPU
+        f"fine-async-C{s}": dict(order="fine-grained", sms=s, ctas=s, timeline=True, d_async=True),
+        "fine-async-wholegpu": dict(order="fine-grained", sms=0, ctas=0, timeline=True, d_async=True),
     }
     return r
 
@@ -134,6 +137,8 @@ def run(name: str, spec: dict) -> dict:
         args += ["--sm-partition", str(spec["sms"]), "--nccl-ctas", str(spec["ctas"])]
     if spec.get("cross"):
         args.append("--cross-isolation")
+    if spec.get("d_async") and DEVICE == "cuda":
+        args.append("--d-async")
     if spec.get("skew"):
         args += ["--rank-skew-ms", str(spec["skew"])]
     tl = f"{OUT}/timelines/{name}"

@@ -152,7 +152,8 @@ def check_device(config, options) -> None:
                          "the torch backend runs everywhere")
     for flag, value in (("--sm-partition", getattr(options, "sm_partition", 0)),
                         ("--nccl-ctas", getattr(options, "nccl_ctas", 0)),
-                        ("--gpu-timeline", getattr(options, "gpu_timeline", None))):
+                        ("--gpu-timeline", getattr(options, "gpu_timeline", None)),
+                        ("--d-async", getattr(options, "d_async", False))):
         if value and kind != "cuda":
             raise ValueError(f"{flag} needs --device cuda (green contexts, NCCL, CUDA events)")
         if isinstance(value, int) and value < 0:
@@ -168,7 +169,8 @@ def options_from_args(a):
                        cross_isolation=getattr(a, "cross_isolation", False),
                        expert_backend=getattr(a, "expert_backend", "torch"),
                        sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
-                       skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None))
+                       skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None),
+                       d_async=getattr(a, "d_async", False))
 
 
 def launch_generate(a, cfg) -> int:

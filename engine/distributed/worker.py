@@ -57,6 +57,7 @@ class RankOptions:
     nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
     skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
     gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
+    d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -146,7 +147,28 @@ class Worker:
         if options.step_log:
             os.makedirs(options.step_log, exist_ok=True)
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
+        if config.mode == "pd":
+            self._warm_paths()
         self.wd.start()
+
+    def _warm_paths(self) -> None:
+        """One tiny P forward (on the P thread), then one D forward (here), one after the other on
+        every rank, before P and D can overlap: each path's first-use work (cuBLAS handles and
+        workspaces for its thread and stream, allocator segments, kernel loading, NCCL on its
+        stream) happens while no collective waits for peers. A first use behind the other path's
+        spinning NCCL kernel blocks the host (issue 8). The eager analogue of capturing D's graph
+        before P is admitted (DESIGN §5). Both rows write only the KV cache's null slot."""
+        null = self.num_blocks   # block id of the null slot's block
+        row = lambda kind: RowSpec("warmup", kind, 0, (0,), (null,), samples=False)
+        plan = StepPlan(step=-1, control={}, replicas=tuple(
+            ReplicaWork(decode=(row("decode"),), prefill=(row("prefill"),)) for _ in range(self.topo.adp)))
+        for lane in ("p", "d"):   # the registered P collectives on either stream
+            self.col.p_lane = lane
+            self._pq.put((plan, None))
+            self._wait_p()
+        self._forward("d", plan, plan.replicas, lambda w: w.decode)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def _frontier(self) -> dict:
         """The host device model's frontier; on CUDA also each stream's last issued collective and
@@ -246,13 +268,15 @@ class Worker:
         def enqueue_d(ready: bool) -> None:
             if self.opt.skew_ms:
                 time.sleep(self._skew.uniform(0, self.opt.skew_ms) / 1e3)
-            out["d"] = self._forward("d", plan, plan.replicas, lambda w: w.decode)
+            # --d-async: return once D's kernels are enqueued (the ACK orders enqueue, not
+            # completion), so P's next work can overlap D's tail; D is waited for before sampling.
+            out["d"] = self._forward("d", plan, plan.replicas, lambda w: w.decode, wait=not self.opt.d_async)
 
         occupancy = max(w.decode_rows for w in plan.replicas) / self.config.max_running
         if not plan.p_any:
             if plan.d_any:
                 self.ctl.round(True, enqueue_d, d_occupancy=occupancy)
-            return out.get("d"), None
+            return self._d_done(out.get("d")), None
         epoch = plan.step
         self.ctl.begin(epoch, d_active=plan.d_any)
         for g in self._gate.values():
@@ -272,7 +296,7 @@ class Worker:
                 self.ctl.round(True, enqueue_d)
             out["p"] = self._wait_p()
             self.ctl.retire(epoch)
-            return out.get("d"), out["p"]
+            return self._d_done(out.get("d")), out["p"]
         first = True
         pressure = sum(w.prefill_tokens for w in plan.replicas) / max(1, self.control.prefill_budget_tokens)
         while True:
@@ -280,7 +304,8 @@ class Worker:
             first = False
             if r.epoch == epoch and r.boundary == END:
                 break
-        return out.get("d"), self._wait_p()
+        p = self._wait_p()
+        return self._d_done(out.get("d")), p
 
     def _wait(self, ev: threading.Event) -> None:
         while not ev.wait(0.05):
@@ -297,6 +322,10 @@ class Worker:
         while True:
             plan, epoch = self._pq.get()
             try:
+                if epoch is None:   # the start-up warm-up: no turnstile
+                    self._p_done.put(self._forward("p", plan, plan.replicas, lambda w: w.prefill))
+                    continue
+
                 def boundary(i: int) -> None:
                     self.ctl.boundary(epoch, i)
                 logits = self._forward("p", plan, plan.replicas, lambda w: w.prefill, boundary=boundary)
@@ -308,7 +337,12 @@ class Worker:
                 os._exit(EXIT_STALL if self.wd.stall is not None else EXIT_ERROR)
 
     # ---- forward -------------------------------------------------------------------------
-    def _forward(self, path: str, plan: StepPlan, replicas, pick, boundary=None) -> torch.Tensor:
+    def _d_done(self, logits):
+        if logits is not None and self.cuda and self.opt.d_async:
+            self._streams["d"].synchronize()
+        return logits
+
+    def _forward(self, path: str, plan: StepPlan, replicas, pick, boundary=None, wait: bool = True) -> torch.Tensor:
         rows_all = [pick(w) for w in replicas]
         self.col.begin(path, PathContext(plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary))
         phase = "decode" if path == "d" else ("mixed" if self.config.mode != "pd" else "prefill")
@@ -323,7 +357,8 @@ class Worker:
             else:
                 with self.timeline.span("forward", s, phase=path.upper(), step=plan.step):
                     logits = self.model(batch, self.kv)
-        s.synchronize()                       # eager: the step's logits are complete for sampling
+        if wait:
+            s.synchronize()                   # eager: the step's logits are complete for sampling
         return logits
 
     def _batch(self, rows: list[RowSpec], phase: str) -> ForwardBatch:

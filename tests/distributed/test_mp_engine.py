@@ -197,7 +197,8 @@ def test_check_device():
     cuda, cpu = EngineConfig(model="m", device="cuda"), EngineConfig(model="m", device="cpu")
     check_device(cuda, RankOptions(sm_partition=8, nccl_ctas=8, skew_ms=20, gpu_timeline="/tmp/tl"))
     for flag, opts in (("--sm-partition", RankOptions(sm_partition=8)), ("--nccl-ctas", RankOptions(nccl_ctas=4)),
-                       ("--gpu-timeline", RankOptions(gpu_timeline="/tmp/tl"))):
+                       ("--gpu-timeline", RankOptions(gpu_timeline="/tmp/tl")),
+                       ("--d-async", RankOptions(d_async=True))):
         with pytest.raises(ValueError, match=f"{flag} needs --device cuda"):
             check_device(cpu, opts)
     with pytest.raises(ValueError, match="--nccl-ctas must be >= 0"):
@@ -210,3 +211,18 @@ def test_gpu_knobs_on_cpu_are_a_clear_error_before_any_rank(setup):
     res = _generate(setup, "pd", ranks=(4, 2, 4), extra=["--sm-partition", "8"], timeout=60)
     assert res.returncode == 2 and "--sm-partition needs --device cuda" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_random_weights_on_every_rank_need_only_config_json(setup):
+    """A benchmark shape needs no checkpoint: every rank builds its shard from config.json, and a
+    second run gives the same tokens (weights seeded per tensor name and shard)."""
+    model, reqs, d = setup
+    bare = d / "config-only"
+    bare.mkdir(exist_ok=True)
+    (bare / "config.json").write_text(open(f"{model}/config.json").read())
+    args = ["generate", "--model", str(bare), "--requests", reqs, "--mode", "pd",
+            "--engine-config", json.dumps({**ENGINE, "random_weights": True}),
+            "--control", json.dumps({**BUDGET, **FINE}), "--nproc", "4", "--adp", "2", "--ep", "4"]
+    first, second = _outputs(_run(args, 240)), _outputs(_run(args, 240))
+    assert len(first) == len(PROMPTS) and all(len(o) == 5 for o in first)
+    assert first == second
