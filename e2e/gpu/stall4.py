@@ -224,7 +224,8 @@ def main() -> int:
         ok = (not t["order_violations"]) if t else None
         rdv = (r.get("rendezvous") or {}).get("mean_ms")
         print(f"{name:22} {r['order']:15} {r['sms']:>3} {r['ctas']:>3} {r.get('skew', 0):>4} {str(r['rc']):>7} "
-              f"{r['completed']:>3}/{n_req:<3} {r['wall_s']:>7} {str(ovl):>11} {str(pod):>9} {str(ok):>8} {str(rdv):>7}")
+              f"{r['completed']:>3}/{n_req:<3} {r['wall_s']:>7} {str(ovl):>11} {str(pod):>9} {str(ok):>8} "
+              f"{str(rdv):>7}")
     return 0
 
 

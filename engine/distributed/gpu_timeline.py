@@ -98,7 +98,8 @@ def summarize(timelines: dict[int, dict]) -> dict:
         iv = lambda pred: [(s["t0_ms"], s["t1_ms"]) for s in sp if pred(s)]
         reg_p = iv(lambda s: s.get("phase") == "P" and s.get("registered"))
         reg_d = iv(lambda s: s.get("phase") == "D" and s.get("registered"))
-        p_other = iv(lambda s: s.get("phase") == "P" and not s.get("registered") and s["name"] not in ("forward", "compute"))
+        p_other = iv(lambda s: s.get("phase") == "P" and not s.get("registered")
+                     and s["name"] not in ("forward", "compute"))
         p_compute = iv(lambda s: s.get("phase") == "P" and s["name"] == "compute")
         d_fwd = iv(lambda s: s.get("phase") == "D" and s["name"] == "forward")
         p_fwd = iv(lambda s: s.get("phase") == "P" and s["name"] == "forward")

@@ -175,7 +175,8 @@ class Worker:
         whether the stream drained (a stalled GPU shows busy streams behind peers' collectives)."""
         f = self.dev.frontier()
         if self.cuda and getattr(self, "col", None) is not None:
-            f["cuda"] = {k: {"last": self.col.issued.get(k), "idle": s.query()} for k, s in getattr(self, "_streams", {}).items()}
+            f["cuda"] = {k: {"last": self.col.issued.get(k), "idle": s.query()}
+                         for k, s in getattr(self, "_streams", {}).items()}
         return f
 
     def _make_streams(self) -> dict:
