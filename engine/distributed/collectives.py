@@ -30,6 +30,7 @@ device itself runs R- < G < R+ in stream order.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -138,10 +139,9 @@ class RankCollectives(Collectives):
 
         def issue(s) -> None:
             self.issued["d" if on_d or path == "d" else "p"] = key
-            if self.timeline is None:
-                box.append(fn())
-                return
-            with self.timeline.span(name, s, phase=phase, key=key, registered=registered, lane=lane):
+            timed = contextlib.nullcontext() if self.timeline is None else \
+                self.timeline.span(name, s, phase=phase, key=key, registered=registered, lane=lane)
+            with timed:
                 box.append(fn())
 
         def call() -> None:
@@ -159,24 +159,28 @@ class RankCollectives(Collectives):
                     return
                 with torch.cuda.stream(stream):        # NCCL orders against the caller's stream
                     issue(stream)
-        tl = self.timeline if stream is not None and path == "p" else None
-        if tl is not None:
+        if path == "p":
             self._compute_cut(ctx, key)
         ev = self.dev.collective(lane, call, key, group,
                                  meta={"phase": phase, "epoch": ctx.step, "boundary": ctx.moe_index,
                                        "key": key})
         while not ev.wait(0.05):
             self.check()
-        if tl is not None:
-            ctx.compute_from = tl.mark(stream)
+        if path == "p":
+            self._compute_resume(ctx)
         return box[0] if box else None
 
+    # CUDA timeline (no-ops without one): P's compute segments on its stream, between two of its
+    # collectives or a collective and the permit wait (the stream idles while P waits).
     def _compute_cut(self, ctx: PathContext, key: str) -> None:
-        """CUDA timeline: P's compute since its last collective (or permit) ends here."""
-        if ctx.compute_from is not None:
+        if self.timeline is not None and ctx.compute_from is not None:
             s = torch.cuda.current_stream()
             self.timeline.add("compute", ctx.compute_from, self.timeline.mark(s), phase="P", key=key)
             ctx.compute_from = None
+
+    def _compute_resume(self, ctx: PathContext) -> None:
+        if self.timeline is not None:
+            ctx.compute_from = self.timeline.mark(torch.cuda.current_stream())
 
     def _segment(self, rows: list[int]) -> tuple[int, int]:
         off = sum(rows[:self.replica])
@@ -230,12 +234,9 @@ class RankCollectives(Collectives):
             pend = self.comm.notify(Phase.PREFILL, x[s:e], ids[s:e], w[s:e])   # counts start moving
             if q == 0 and ctx.boundary is not None:
                 i = ctx.moe_index
-                timed = self.timeline is not None and self.cuda
-                if timed:   # the P stream idles while P waits for its permit: not compute
-                    self._compute_cut(ctx, f"P:{ctx.step}:boundary{i}")
+                self._compute_cut(ctx, f"P:{ctx.step}:boundary{i}")
                 self.comm.wait_permit(pend, lambda: ctx.boundary(i))         # the safe boundary
-                if timed:
-                    ctx.compute_from = self.timeline.mark(torch.cuda.current_stream())
+                self._compute_resume(ctx)
             else:
                 pend.permitted = True
             recv, meta, handle = self._run("p", "dispatch", self._ep_group(), lambda: self.comm.move(pend))

@@ -39,14 +39,11 @@ class GpuTimeline:
 
     @contextlib.contextmanager
     def span(self, name: str, stream: torch.cuda.Stream, **meta):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        start = self.mark(stream)
         try:
             yield
         finally:
-            end.record(stream)
-            with self._lock:
-                self._spans.append((name, dict(meta, stream=int(stream.stream_id)), start, end))
+            self.add(name, start, self.mark(stream), **meta, stream=int(stream.stream_id))
 
     def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)

@@ -122,10 +122,9 @@ class Worker:
         self.col.timeline = self.timeline
         self._skew = random.Random(config.seed * 7919 + rank)
         self._stage: dict[str, torch.Tensor] = {}
-        if self.cuda:   # pinned staging for batch inputs, allocated before P and D overlap
-            for ph in ("prefill", "decode", "mixed"):
-                self._stage[ph] = torch.empty(1 << 20, dtype=torch.long, pin_memory=True)
-        if self.cuda:
+        if self.cuda:   # pinned staging for this mode's batch inputs, allocated before P and D overlap
+            for ph in (("prefill", "decode") if config.mode == "pd" else ("mixed",)):
+                self._staging(ph, 0)
             self._warm_nccl(groups)
         self.model.collectives = self.col
         self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
@@ -185,7 +184,7 @@ class Worker:
         from torch.cuda.green_contexts import GreenContext
         # Two green contexts of one SM count take the same SMs (the split of the device's SM
         # resource is deterministic), so P and D compete for one partition's residency: the
-        # device condition of DESIGN §2. e2e/gpu/stall4.sh checks the sharing by timing.
+        # device condition of DESIGN §2. e2e/gpu/stall4.py checks the sharing by timing.
         self._green = [GreenContext.create(self.opt.sm_partition, self.device.index) for _ in range(2)]
         out = {}
         for k, g in zip(("p", "d"), self._green):
@@ -389,16 +388,21 @@ class Worker:
         (`torch.tensor(..., device=cuda)`) blocks the host while a peer-waiting NCCL kernel of the
         other path spins on this GPU (seen on the H200s: the crossed order then stalls on a whole
         GPU), and the path's next batch could never be issued. The buffer is reused only after the
-        path's forward synchronized its stream."""
+        path's stream synchronized (every step waits for its forwards before sampling)."""
         sizes = [a.numel() for a in arrays]
         total = sum(sizes)
-        stage = self._stage.get(phase)
-        if stage is None or stage.numel() < total:   # pinned allocation: at start, or rarely
-            stage = self._stage[phase] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
+        stage = self._staging(phase, total)
         if total:
             torch.cat(arrays, out=stage[:total])
         flat = stage[:total].to(self.device, non_blocking=True)
         return list(torch.split(flat, sizes))
+
+    def _staging(self, phase: str, total: int) -> torch.Tensor:
+        """The phase's pinned buffer of at least `total` elements (pinned allocation: at start, or rarely)."""
+        stage = self._stage.get(phase)
+        if stage is None or stage.numel() < total:
+            stage = self._stage[phase] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
+        return stage
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
         rows = [r for r in rows if r.samples]
