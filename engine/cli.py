@@ -44,13 +44,15 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watchdog-bound", type=float, default=30.0, help="seconds without progress that are a stall")
     p.add_argument("--step-log", help="directory for per-rank step logs (rankN.jsonl)")
     p.add_argument("--cross-isolation", action="store_true",
-                   help="isolation-only diagnostic: odd replicas enqueue P before D (shows the stall)")
+                   help="isolation-only diagnostic: odd replicas (ATP-only: odd ranks) enqueue P before D "
+                        "(shows the stall)")
     p.add_argument("--expert-backend", choices=["torch", "deep_ep"], default="torch",
                    help="expert all-to-all backend of the multi-rank engine (deep_ep: --device cuda)")
     p.add_argument("--sm-partition", type=int, default=0, metavar="SMS",
                    help="CUDA: run P and D streams in one green-context partition of SMS SMs (0: whole GPU)")
     p.add_argument("--nccl-ctas", type=int, default=0, metavar="N",
-                   help="CUDA: pin the registered pair's NCCL kernels to N CTAs (0: NCCL's choice)")
+                   help="CUDA: pin the NCCL kernels that can cross (registered pair, ATP, expert "
+                        "all-to-alls) to N CTAs (0: NCCL's choice)")
     p.add_argument("--rank-skew-ms", type=float, default=0.0, metavar="MS",
                    help="delay each rank's D enqueue by a seeded random 0..MS ms (rank skew)")
     p.add_argument("--d-async", action="store_true",

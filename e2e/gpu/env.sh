@@ -19,5 +19,5 @@ sys.exit(main())
 PY
 chmod +x /tmp/pdshim/pdrollout_cli
 mkdir -p /tmp/pdshim/bin && ln -sfn /tmp/pdshim/pdrollout_cli /tmp/pdshim/bin/pdrollout
-export PATH="/tmp/pdshim/bin:$PATH"
+export PATH="/tmp/pdshim/bin:/tmp/site/bin:$PATH"   # /tmp/site/bin: carried tools (py-spy)
 set +e

@@ -7,16 +7,23 @@ each rank's P and D streams share one green-context partition of S SMs, and the 
 pair's NCCL kernels are pinned to C CTAs (--sm-partition S --nccl-ctas C). Whether C CTAs of one
 kernel leave room for the other is the residency question of the paper (24 vs 23 CTAs/SM).
 
-Runs (each a `pdrollout generate` over the same requests; a stall ends with exit 3 and the
-watchdog's report of every rank's frontier):
-  iso-cross-C*   isolation-only, replica 0 enqueues D first, replica 1 P first (the crossed order)
+Runs (each a `pdrollout generate` over the same requests; a stall ends with exit 3, the
+watchdog's report of every rank's frontier, each rank's Python stacks, and, where py-spy is
+installed (carried in .whl/), each rank's native stacks in OUT/native/<run>/rankN.txt):
+  iso-cross-C*   isolation-only, replica 0 enqueues D first, replica 1 P first (the crossed order);
+                 C = S/2, S/2+1, S-1, S, 2S: the residency scan (every crossing NCCL kernel pinned)
   iso-skew*      isolation-only, natural order, with a random per-rank D delay (rank skew)
   fine-*         fine-grained: three replays (seeds), one with skew; per-rank GPU timelines
 Plus `sanity`: do two green contexts of S SMs share SMs (timed), before anything else.
 
 Usage (repo root, 4 GPUs): python3 e2e/gpu/stall4.py OUT [RUN ...]   (default: all runs)
   SMS=8 (partition)  BOUND=15 (watchdog seconds)  TIMEOUT=240 (per run)  REQUESTS=48  DEVICE=cpu (dry run)
-Writes OUT/stall4.json (+ OUT/<run>.err tails, OUT/timelines/<run>/rankN.json) and prints a table.
+  TOPO=NPROC,ADP,EP (default 4,2,4). On two GPUs: 2,1,2 (ATP2, one replica: the sides of the crossed
+  order are the two local ranks, P's model-wide and D's ATP AllReduce span the same two ranks on
+  separate communicators) or 2,2,2 (ATP1/ADP2: no model-wide AllReduce, the paper's reduced axis).
+Writes OUT/stall4.json (OUT/stall4-n2a1.json etc. for other topologies; + OUT/<run>.err tails,
+OUT/timelines/<run>/rankN.json) and prints a table. Each completed run records a CRC of every
+request's output tokens, so runs can be compared token for token.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 
 OUT = sys.argv[1]
 SMS = int(os.environ.get("SMS", "8"))
@@ -35,6 +43,8 @@ WORK = "/tmp/pdrollout-stall4"
 # whole-GPU stall (a first launch loading its module behind a spinning kernel): it stalled too.
 LOADING = os.environ.get("LOADING", "LAZY")
 DEVICE = os.environ.get("DEVICE", "cuda")   # cpu: a dry run of the mechanics (no knobs, no timelines)
+NPROC, ADP, EP = (int(x) for x in os.environ.get("TOPO", "4,2,4").split(","))
+SUFFIX = "" if (NPROC, ADP, EP) == (4, 2, 4) else f"-n{NPROC}a{ADP}"
 
 
 def runs() -> dict[str, dict]:
@@ -44,6 +54,9 @@ def runs() -> dict[str, dict]:
         f"iso-cross-C{s}": dict(order="isolation-only", cross=True, sms=s, ctas=s),
         f"iso-cross-C{s - 1}": dict(order="isolation-only", cross=True, sms=s, ctas=s - 1),
         f"iso-cross-C{2 * s}": dict(order="isolation-only", cross=True, sms=s, ctas=2 * s),
+        # half the partition or less: both kernels of the crossed pair fit at one CTA per SM
+        f"iso-cross-C{s // 2}": dict(order="isolation-only", cross=True, sms=s, ctas=s // 2),
+        f"iso-cross-C{s // 2 + 1}": dict(order="isolation-only", cross=True, sms=s, ctas=s // 2 + 1),
         "iso-cross-wholegpu": dict(order="isolation-only", cross=True, sms=0, ctas=0),
         "iso-cross-wholegpu-lazy": dict(order="isolation-only", cross=True, sms=0, ctas=0, loading="LAZY"),
         "iso-skew0-wholegpu": dict(order="isolation-only", sms=0, ctas=0),
@@ -131,7 +144,7 @@ def run(name: str, spec: dict) -> dict:
     args = [sys.executable, "-m", "pdrollout.engine.cli", "generate", "--model", f"{WORK}/model",
             "--requests", f"{WORK}/reqs.jsonl", "--mode", "pd", "--device", DEVICE,
             "--dtype", "bfloat16" if DEVICE == "cuda" else "float32",
-            "--nproc", "4", "--adp", "2", "--ep", "4", "--engine-config", json.dumps(engine),
+            "--nproc", str(NPROC), "--adp", str(ADP), "--ep", str(EP), "--engine-config", json.dumps(engine),
             "--control", json.dumps(control), "--watchdog-bound", BOUND]
     if DEVICE == "cuda":
         args += ["--sm-partition", str(spec["sms"]), "--nccl-ctas", str(spec["ctas"])]
@@ -141,11 +154,12 @@ def run(name: str, spec: dict) -> dict:
         args.append("--d-async")
     if spec.get("skew"):
         args += ["--rank-skew-ms", str(spec["skew"])]
-    tl = f"{OUT}/timelines/{name}"
+    tl = f"{OUT}/timelines/{name}{SUFFIX}"
     if spec.get("timeline") and DEVICE == "cuda":
         args += ["--gpu-timeline", tl]
     t0 = time.monotonic()
-    env = dict(os.environ, CUDA_MODULE_LOADING=spec.get("loading", LOADING))
+    env = dict(os.environ, CUDA_MODULE_LOADING=spec.get("loading", LOADING),
+               PDROLLOUT_STALL_NATIVE=f"{OUT}/native/{name}{SUFFIX}")   # native stacks at a stall (py-spy)
     # Own process group: a rank left spinning on its GPU would hold SMs (and the output pipes) of
     # every later run, so the whole group goes when the run ends.
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -163,12 +177,17 @@ def run(name: str, spec: dict) -> dict:
     if rc == "timeout":
         stdout, stderr = p.communicate()
     wall = time.monotonic() - t0
-    done = sum(1 for line in stdout.splitlines() if line.startswith("{") and '"output_ids"' in line)
-    with open(f"{OUT}/{name}.err", "w") as f:
+    outputs = {}
+    for line in stdout.splitlines():
+        if line.startswith("{") and '"output_ids"' in line:
+            o = json.loads(line)
+            outputs[o["meta_info"]["id"]] = zlib.crc32(json.dumps(o["output_ids"]).encode())
+    done = len(outputs)
+    with open(f"{OUT}/{name}{SUFFIX}.err", "w") as f:
         f.write(stderr[-20000:])
     stall = next((line for line in stderr.splitlines() if "stall: no rank made progress" in line), None)
     res = {"run": name, **spec, "rc": rc, "wall_s": round(wall, 1), "completed": done, "stalled": rc == 3,
-           "stall_report": stall}
+           "stall_report": stall, "output_crc": outputs}
     if stall:   # the frontier lines that follow the report (rank 0's copy)
         lines = stderr.splitlines()
         i = lines.index(stall)
@@ -176,7 +195,7 @@ def run(name: str, spec: dict) -> dict:
     if spec.get("timeline") and rc == 0:
         from pdrollout.engine.distributed.gpu_timeline import summarize
         tls = {}
-        for r in range(4):
+        for r in range(NPROC):
             path = f"{tl}/rank{r}.json"
             if os.path.exists(path):
                 tls[r] = json.load(open(path))
@@ -195,8 +214,9 @@ def run(name: str, spec: dict) -> dict:
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     want = sys.argv[2:]
-    path = f"{OUT}/stall4.json"
+    path = f"{OUT}/stall4{SUFFIX}.json"
     result = json.load(open(path)) if os.path.exists(path) else {"runs": {}}
+    result["topology"] = {"nproc": NPROC, "adp": ADP, "atp": NPROC // ADP, "ep": EP}
     if DEVICE == "cuda" and (not want or "sanity" in want):
         result["sanity"] = sanity()
         print("sanity:", json.dumps(result["sanity"]), flush=True)
@@ -214,17 +234,22 @@ def main() -> int:
         json.dump(result, open(path, "w"), indent=1)
         print(f"{name}: rc={res['rc']} {res['completed']}/{n_req} done in {res['wall_s']}s"
               + (f"  STALL {res['stall_report'][:90]}" if res["stall_report"] else ""), flush=True)
-    print(f"\n{'run':22} {'order':15} {'S':>3} {'C':>3} {'skew':>4} {'rc':>7} {'done':>7} {'wall_s':>7} "
-          f"{'pair_ovl_ms':>11} {'P_on_D_ms':>9} {'order_ok':>8} {'rdv_ms':>7}")
+    # tokens equal to the first completed run of this file (greedy; bf16 near-ties may split)
+    ref = next((r["output_crc"] for r in result["runs"].values() if r.get("output_crc")), {})
+    print(f"\n{NPROC} ranks, ADP{ADP}, EP{EP}\n{'run':22} {'order':15} {'S':>3} {'C':>3} {'skew':>4} {'rc':>7} "
+          f"{'done':>7} {'eq':>3} {'wall_s':>7} {'pair_ovl_ms':>11} {'P_on_D_ms':>9} {'order_ok':>8} {'rdv_ms':>7}")
     for name, r in result["runs"].items():
         t = r.get("gpu") or {}
         ranks = t.get("ranks", {})
-        ovl = max((v["registered_pair_overlap_ms"] for v in ranks.values()), default=None)
+        # the conflicting pair: P's registered AllReduce vs D's DP collectives (ADP>1) or D's ATP ones
+        key = "registered_pair_overlap_ms" if ADP > 1 else "registered_p_overlapping_d_collectives_ms"
+        ovl = max((v.get(key) for v in ranks.values()), default=None)
+        eq = sum(1 for k, v in (r.get("output_crc") or {}).items() if ref.get(k) == v)
         pod = min((v["p_compute_overlapping_d_forward_ms"] for v in ranks.values()), default=None)
         ok = (not t["order_violations"]) if t else None
         rdv = (r.get("rendezvous") or {}).get("mean_ms")
         print(f"{name:22} {r['order']:15} {r['sms']:>3} {r['ctas']:>3} {r.get('skew', 0):>4} {str(r['rc']):>7} "
-              f"{r['completed']:>3}/{n_req:<3} {r['wall_s']:>7} {str(ovl):>11} {str(pod):>9} {str(ok):>8} "
+              f"{r['completed']:>3}/{n_req:<3} {eq:>3} {r['wall_s']:>7} {str(ovl):>11} {str(pod):>9} {str(ok):>8} "
               f"{str(rdv):>7}")
     return 0
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..model import Collectives
 from .expert_comm import Phase
 from .gpu_timeline import is_registered
+from .host_read import HostReader
 from .topology import Topology
 
 
@@ -111,6 +112,7 @@ class RankCollectives(Collectives):
         self.streams: dict = {}    # CUDA: the worker's P and D streams
         self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
+        self.reader = HostReader(torch.device("cpu"), ("decode",))   # the worker's CUDA one replaces it
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:
@@ -265,7 +267,11 @@ class RankCollectives(Collectives):
             self._run("d", "dp-allgather", self.topo.dp_group(self.rank),
                       lambda: dist.all_gather(parts, pack, group=self.g.dp))
             gathered = torch.cat(parts)
-            rows = torch.nonzero(gathered[:, -1] > 0).flatten()
+            valid = gathered[:, -1] > 0
+            # the valid rows in order, from one host read of their count (no nonzero: its blocking
+            # copy would hold this thread in the driver, see host_read.py)
+            n_valid = self.reader.read("decode", valid.sum())[0]
+            rows = torch.argsort((~valid).to(torch.int8), stable=True)[:n_valid]
             share = _ceil(rows.numel(), self.d)
             mine = rows[self.replica * share:(self.replica + 1) * share]
             hs = gathered[mine, :H].to(x.dtype)

@@ -44,6 +44,7 @@ class RecvMeta:
     layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots
     expert_ids: Any             # rows: local expert id per row; ll: None
     counts: Any                 # rows: rows received per source rank; ll: [E_local] valid rows per expert
+    phase: "Phase | None" = None   # whose rows (a backend may keep per-phase host buffers)
 
 
 @dataclass
@@ -159,13 +160,14 @@ class TorchExpertComm(ExpertComm):
 
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
                  max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
-                 d_max_tokens: int | None = None, *, device=None, pg_backend: str | None = None):
+                 d_max_tokens: int | None = None, *, device=None, pg_backend: str | None = None,
+                 pg_options=None):
         import torch
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
         self.dtype = dtype or torch.float32
         # device: where buffers and index tensors live (cuda for NCCL groups); pg_backend: the EP
-        # groups' process-group backend (None = the default group's)
+        # groups' process-group backend (None = the default group's); pg_options: e.g. NCCL CTA limits
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         mine = next(g for g in ep_ranks if rank in g)
         self.ep, self.rank_in_ep = len(mine), mine.index(rank)
@@ -175,7 +177,7 @@ class TorchExpertComm(ExpertComm):
         groups = {}
         for ph in (Phase.DECODE, Phase.PREFILL):  # one communicator per phase = its own QP set
             for g in ep_ranks:
-                pg = dist.new_group(list(g), backend=pg_backend)
+                pg = dist.new_group(list(g), backend=pg_backend, pg_options=pg_options)
                 if g is mine:
                     groups[ph] = pg
         cap_p = p_capacity_rows or max_tokens * topk * self.ep
@@ -197,6 +199,8 @@ class TorchExpertComm(ExpertComm):
             workspace=z(cap, dt=torch.int64), status=["free", "free"])
         self._lock = threading.Lock()
         self.cap = cap
+        from .host_read import HostReader   # torch-dependent: imported with the backend, not the module
+        self.reader = HostReader(self.device)   # per-phase pinned buffers for the host reads
 
     def state(self, phase: Phase) -> PhaseState:
         return self._p if Phase(phase) is Phase.PREFILL else self._d
@@ -230,13 +234,15 @@ class TorchExpertComm(ExpertComm):
 
     def wait_counts(self, pending: PendingDispatch) -> list[int]:
         pending.work.wait()
-        return self._p.counters[pending.buffer][1].tolist()
+        return self.reader.read("prefill", self._p.counters[pending.buffer][1])
 
     def move(self, pending: PendingDispatch):
         pending.check_movable()
         st, s = self._p, pending.state
-        s["send_counts"] = s["send_counts"].tolist()   # after the permit: the split sizes on the host
-        recv_counts = self.wait_counts(pending)
+        pending.work.wait()
+        # after the permit: the split sizes on the host, sent (row 0) and received (row 1) in one read
+        both = self.reader.read("prefill", st.counters[pending.buffer])
+        s["send_counts"], recv_counts = both[:self.ep], both[self.ep:]
         n_recv = sum(recv_counts)
         buf = st.buffers[pending.buffer]
         if n_recv > buf["recv"].shape[0]:
@@ -249,7 +255,8 @@ class TorchExpertComm(ExpertComm):
                                     group=st.group)
         st.status[pending.buffer] = "moved"
         s["recv_counts"] = recv_counts
-        return recv, RecvMeta("rows", ids, recv_counts), Handle(Phase.PREFILL, pending.buffer, pending.tokens, s)
+        return recv, RecvMeta("rows", ids, recv_counts, Phase.PREFILL), \
+            Handle(Phase.PREFILL, pending.buffer, pending.tokens, s)
 
     def cancel(self, pending: PendingDispatch) -> None:
         """Plan-driven on every rank alike. The notification cannot be revoked: retire the buffer."""
@@ -271,9 +278,12 @@ class TorchExpertComm(ExpertComm):
         b = st.ll_index
         st.ll_index ^= 1                              # D-owned double-buffer index
         buf, cnt = st.buffers[b], st.counters[b]
+        # The slots per peer hold every pair of cap // topk tokens (all could route to one peer):
+        # checked on the shape, without reading the counts back before the exchange.
+        if hidden.shape[0] * self.topk > self.cap:
+            raise ExpertCommError(f"LL dispatch of {hidden.shape[0]} tokens exceeds the D buffers' "
+                                  f"capacity of {self.cap // self.topk} tokens")
         flat, order, send_counts, token_of = self._route(topk_ids)
-        if int(send_counts.max()) > self.cap:
-            raise ExpertCommError(f"LL capacity {self.cap} per peer exceeded")
         starts = torch.cumsum(send_counts, 0) - send_counts
         dest_sorted = flat[order] // self.e_local
         slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
@@ -285,7 +295,7 @@ class TorchExpertComm(ExpertComm):
         self.dist.all_to_all_single(buf["recv"], buf["send"], group=st.group)
         self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"], group=st.group)
         cnt.copy_(buf["recv_meta"][:, 0])
-        counts = cnt.tolist()
+        counts = self.reader.read("decode", cnt)
         dev = self.device
         src = torch.cat([torch.full((c,), r, dtype=torch.int64, device=dev) for r, c in enumerate(counts)]) \
             if sum(counts) else torch.zeros(0, dtype=torch.int64, device=dev)
@@ -295,7 +305,7 @@ class TorchExpertComm(ExpertComm):
         ids = buf["recv_meta"][src, pos + 1]
         state = {"order": order, "token_of": token_of, "weights": topk_weights.reshape(-1)[order],
                  "dest_sorted": dest_sorted, "slot": slot, "src": src, "pos": pos, "send_counts": send_counts}
-        return recv, RecvMeta("rows", ids, counts), Handle(Phase.DECODE, b, hidden.shape[0], state)
+        return recv, RecvMeta("rows", ids, counts, Phase.DECODE), Handle(Phase.DECODE, b, hidden.shape[0], state)
 
     # ---- both -------------------------------------------------------------------------
     def dispatch(self, phase, hidden, topk_ids, topk_weights):
@@ -327,12 +337,22 @@ class TorchExpertComm(ExpertComm):
         return out.to(self.dtype)
 
     def apply_experts(self, recv_hidden, meta: RecvMeta, fn: Callable[[int, Any], Any]):
-        """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows."""
-        out = self.torch.empty_like(recv_hidden)
-        for e in meta.expert_ids.unique().tolist():
-            m = meta.expert_ids == e
-            out[m] = fn(int(e), recv_hidden[m])
-        return out
+        """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows. Rows grouped by
+        expert with a stable sort (each expert sees its rows in arrival order) and one host read
+        of the per-expert counts."""
+        torch, ids = self.torch, meta.expert_ids
+        order = torch.argsort(ids, stable=True)
+        per_expert = torch.zeros(self.e_local, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids))
+        counts = self.reader.read(Phase(meta.phase or Phase.PREFILL).value, per_expert)
+        grouped = recv_hidden.index_select(0, order)
+        out_grouped = torch.empty_like(recv_hidden)
+        lo = 0
+        for e, n in enumerate(counts):
+            if n:
+                out_grouped[lo:lo + n] = fn(e, grouped[lo:lo + n])
+            lo += n
+        return torch.empty_like(recv_hidden).index_copy_(0, order, out_grouped)
 
 
 EXPERT_BACKENDS = ("torch", "deep_ep")

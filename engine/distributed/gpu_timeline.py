@@ -97,12 +97,15 @@ def summarize(timelines: dict[int, dict]) -> dict:
         reg_d = iv(lambda s: s.get("phase") == "D" and s.get("registered"))
         p_other = iv(lambda s: s.get("phase") == "P" and not s.get("registered")
                      and s["name"] not in ("forward", "compute"))
+        d_coll = iv(lambda s: s.get("phase") == "D" and s["name"] not in ("forward", "compute"))
         p_compute = iv(lambda s: s.get("phase") == "P" and s["name"] == "compute")
         d_fwd = iv(lambda s: s.get("phase") == "D" and s["name"] == "forward")
         p_fwd = iv(lambda s: s.get("phase") == "P" and s["name"] == "forward")
         out["ranks"][r] = {
             "registered_p": len(reg_p), "registered_d": len(reg_d),
             "registered_pair_overlap_ms": round(overlap_ms(reg_p, reg_d), 3),
+            # with one replica D has no registered collective; its ATP collectives meet P's on the same ranks
+            "registered_p_overlapping_d_collectives_ms": round(overlap_ms(reg_p, d_coll), 3),
             "p_collectives_overlapping_d_forward_ms": round(overlap_ms(p_other, d_fwd), 3),
             "p_compute_overlapping_d_forward_ms": round(overlap_ms(p_compute, d_fwd), 3),
             "p_compute_ms": round(sum(e - s for s, e in p_compute), 3),

@@ -36,10 +36,11 @@ def format_frontiers(frontiers: dict[int, dict]) -> str:
 class Watchdog:
     def __init__(self, store: Any, rank: int, world: int, bound_s: float, poll_s: float = 0.1,
                  extra: Callable[[], dict] | None = None,
-                 on_stall_exit: Callable[[StallError], None] | None = None, grace_s: float = 1.0) -> None:
+                 on_stall_exit: Callable[[StallError], None] | None = None, grace_s: float = 1.0,
+                 on_declare: Callable[[StallError], None] | None = None) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.bound_s, self.poll_s, self.grace_s = bound_s, poll_s, grace_s
-        self.extra, self.on_stall_exit = extra, on_stall_exit
+        self.extra, self.on_stall_exit, self.on_declare = extra, on_stall_exit, on_declare
         self._lock = threading.Lock()
         self._frontier: dict = {"epoch": None, "boundary": None, "phase": "init",
                                 "last_collective": None, "progress": 0, "busy": False}
@@ -114,7 +115,10 @@ class Watchdog:
                 return
 
     def _declare(self, stall: dict, fs: dict[int, dict], waited: float) -> None:
-        self.stall = StallError(stall["report"], fs, waited)
+        err = StallError(stall["report"], fs, waited)
         print(f"[watchdog rank {self.rank}] {stall['report']}", file=sys.stderr, flush=True)
+        if self.on_declare is not None:   # before check() raises: every thread is still where it stalled
+            self.on_declare(err)
+        self.stall = err
         if self.on_stall_exit is not None and not self._stop.wait(self.grace_s):
             self.on_stall_exit(self.stall)

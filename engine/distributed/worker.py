@@ -14,6 +14,8 @@ import json
 import os
 import queue
 import random
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -29,11 +31,12 @@ from ..kv_cache import KVCache
 from ..loader import load_model
 from ..model import ForwardBatch, SeqSlice, Shard
 from ..sampling import make_generator, sample
-from .collectives import PathContext, RankCollectives, make_groups
+from .collectives import PathContext, RankCollectives, make_groups, nccl_options
 from .controller import TurnstileController
 from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
+from .host_read import HostReader
 from .launch import EXIT_ERROR, EXIT_STALL
 from .rendezvous import Rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
@@ -50,7 +53,7 @@ class RankOptions:
     slots: int = 2                  # device execution slots per rank (1 = full SM residency)
     watchdog_bound_s: float = 30.0
     step_log: str | None = None     # directory for per-rank step logs (JSONL)
-    cross_isolation: bool = False   # isolation-only diagnostic: odd replicas enqueue P before D
+    cross_isolation: bool = False   # isolation-only diagnostic: odd sides enqueue P before D (Worker.side)
     expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
     # Issue 8's knobs (CUDA only): the device condition under which crossed orders stall.
     sm_partition: int = 0           # P and D streams share one green-context partition of this many SMs
@@ -73,6 +76,35 @@ def shard_of(topo: Topology, rank: int) -> Shard:
     return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
 
 
+def gemm_shapes(model: torch.nn.Module) -> list[tuple[int, int, torch.dtype]]:
+    """The distinct (N, K, dtype) of every matrix a forward multiplies by (2-D weights, and each
+    expert's slice of the 3-D expert weights), in a stable order."""
+    out: dict[tuple, None] = {}
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.dim() >= 2:
+            out[(int(p.shape[-2]), int(p.shape[-1]), p.dtype)] = None
+    return list(out)
+
+
+def warm_rows(m_max: int) -> list[int]:
+    """The M values a GEMM warm-up runs: every M to 1024, every 8th to 8192, every 64th beyond
+    (cuBLASLt's choice changes at thresholds; dense where batches are common, bounded in cost)."""
+    return [m for m in range(1, m_max + 1)
+            if m <= 1024 or (m <= 8192 and m % 8 == 0) or m % 64 == 0 or m == m_max]
+
+
+def warm_gemms(model: torch.nn.Module, m_max: int, device: torch.device) -> int:
+    """x @ W.T for every GEMM shape of `model` and every M of `warm_rows`; returns the GEMM count."""
+    n, ms = 0, warm_rows(m_max)
+    for rows, k, dtype in gemm_shapes(model):
+        w = torch.zeros(rows, k, dtype=dtype, device=device)
+        x = torch.zeros(m_max, k, dtype=dtype, device=device)
+        for m in ms:
+            torch.nn.functional.linear(x[:m], w)
+            n += 1
+    return n
+
+
 def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
     """The same block count on every rank: each rank's KV budget over its share of the KV heads."""
     per = KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
@@ -92,7 +124,8 @@ class Worker:
         # CUDA: the data collectives (attention reduce/gathers, expert all-to-alls) on NCCL groups;
         # plans, rendezvous and the watchdog stay on gloo (the default group and the store).
         groups = make_groups(topo, rank, backend="nccl" if self.cuda else None, registered_ctas=options.nccl_ctas)
-        self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit)
+        self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit,
+                           on_declare=self._thread_stacks if self.cuda else None)
         self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
                              on_enqueue=self._on_enqueue)
         self.wd.extra = self._frontier
@@ -104,7 +137,10 @@ class Worker:
             self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard)
         self.dtype = next(self.model.parameters()).dtype
         p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + config.max_running, 4096)
-        extra = {"pg_backend": "nccl" if self.cuda else None}
+        # the expert all-to-alls' NCCL kernels are pinned like the registered pair's (--nccl-ctas):
+        # they cross between P and D too, so the residency a crossed order needs is known
+        extra = {"pg_backend": "nccl" if self.cuda else None,
+                 "pg_options": nccl_options(options.nccl_ctas) if self.cuda else None}
         if options.expert_backend != "torch":
             extra = {"host_sync": True}   # DeepEP: see DeepEPExpertComm (the GIL-held intranode spin)
         self.comm = comm = make_expert_comm(
@@ -115,11 +151,12 @@ class Worker:
         self.col = RankCollectives(topo, rank, groups, comm, self.dev, self.wd.check, self.cfg.hidden_size,
                                    self.cfg.num_experts_per_tok, p_rows)
         self.col.cuda = self.cuda
+        if self.cuda:
+            self.col.reader = HostReader(self.device, ("decode",))
         # CUDA: P and D run on their own streams (the P thread's and the foreground's forward)
         self._streams = self._make_streams() if self.cuda else {}
         self.col.streams = self._streams
-        self.timeline = GpuTimeline(rank, self.device) if self.cuda and options.gpu_timeline else None
-        self.col.timeline = self.timeline
+        self.timeline = None   # created after the warm-up, which is not part of the measured run
         self._skew = random.Random(config.seed * 7919 + rank)
         self._stage: dict[str, torch.Tensor] = {}
         if self.cuda:   # pinned staging for this mode's batch inputs, allocated before P and D overlap
@@ -148,7 +185,27 @@ class Worker:
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
         if config.mode == "pd":
             self._warm_paths()
+        if self.cuda and options.gpu_timeline:
+            self.timeline = self.col.timeline = GpuTimeline(rank, self.device)
         self.wd.start()
+
+    def _warm_kernels(self) -> None:
+        """Before P and D can overlap on CUDA: every GEMM the paths can issue, once. Native stacks of
+        the crossed stall on two H200s (issue 8, docs/perf/stall4-x2) show the other path's thread
+        blocked in the driver at a *first use*: cuBLASLt setting a new kernel's attributes
+        (cuKernelSetAttribute) and a first cuDNN handle loading its modules (cuModuleLoadData). Both
+        wait for a context-wide synchronization, i.e. for every kernel on the GPU, including a
+        collective spinning for a peer. cuBLASLt picks kernels by M, so the M values up to the
+        largest row count a weight can see run here (`warm_rows`); cuDNN attention (modules built per shape) is off for
+        the ranks' processes, the precompiled memory-efficient kernel serves the masks instead."""
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        m_max = max(self.col.p_max_rows, self.config.max_running * self.topo.adp) * self.topo.ep
+        t0 = time.monotonic()
+        with torch.cuda.stream(self._streams["d"]):
+            n = warm_gemms(self.model, m_max, self.device)
+        torch.cuda.synchronize(self.device)
+        print(f"[rank {self.rank}] kernel warm-up: {n} GEMMs, M up to {m_max}, "
+              f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
 
     def _warm_paths(self) -> None:
         """One tiny P forward (on the P thread), then one D forward (here), one after the other on
@@ -157,6 +214,8 @@ class Worker:
         stream) happens while no collective waits for peers. A first use behind the other path's
         spinning NCCL kernel blocks the host (issue 8). The eager analogue of capturing D's graph
         before P is admitted (DESIGN §5). Both rows write only the KV cache's null slot."""
+        if self.cuda:
+            self._warm_kernels()
         null = self.num_blocks   # block id of the null slot's block
         row = lambda kind: RowSpec("warmup", kind, 0, (0,), (null,), samples=False)
         plan = StepPlan(step=-1, control={}, replicas=tuple(
@@ -205,19 +264,44 @@ class Worker:
         torch.cuda.synchronize(self.device)
 
     # ---- stalls -------------------------------------------------------------------------
-    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
-        # Where every thread of this rank is blocked (a GPU stall blocks host threads in CUDA calls).
-        print(f"[rank {self.rank}] threads at the stall:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    def _thread_stacks(self, err) -> None:
+        """Where every named thread of this rank is (a GPU stall blocks host threads in CUDA
+        calls), as one write so that ranks sharing stderr do not interleave line by line."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"[rank {self.rank}] threads at the stall:"]
+        for ident, frame in sys._current_frames().items():
+            stack = "".join(traceback.format_stack(frame, limit=12))
+            parts.append(f"--- rank {self.rank} thread {names.get(ident, ident)}\n{stack}")
+        sys.stderr.write("\n".join(parts) + "\n")
         sys.stderr.flush()
+        # PDROLLOUT_STALL_NATIVE=DIR: also the native stacks (which CUDA or NCCL call each thread
+        # is in) through py-spy, if installed, into DIR/rankN.txt
+        out = os.environ.get("PDROLLOUT_STALL_NATIVE")
+        spy = shutil.which("py-spy")
+        if out and spy:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, f"rank{self.rank}.txt"), "w") as f:
+                subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], stdout=f,
+                               stderr=subprocess.STDOUT, timeout=120, check=False)
+
+    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
+        if not self.cuda:   # (on CUDA the stacks were written when the stall was declared)
+            print(f"[rank {self.rank}] threads at the stall:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
         os._exit(EXIT_STALL)
 
     def _on_enqueue(self, meta: dict) -> None:
         if meta.get("collective"):
             self.wd.update(last_collective=meta["collective"], phase=meta.get("phase"))
             group = meta.get("group") or []
-            if meta.get("phase") == "P" or len({self.topo.replica(r) for r in group}) > 1:
+            if meta.get("phase") == "P" or len({self.side(r) for r in group}) > 1:
                 self._gate["p" if meta.get("phase") == "P" else "d"].set()
+
+    def side(self, rank: int) -> int:
+        """A rank's side in the crossed diagnostic: its replica; with one replica (ATP only) its
+        local index, so the two sides still meet in the ATP group's and the model-wide collectives."""
+        return self.topo.replica(rank) if self.topo.adp > 1 else self.topo.local_index(rank)
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
@@ -281,15 +365,15 @@ class Worker:
         self.ctl.begin(epoch, d_active=plan.d_any)
         for g in self._gate.values():
             g.clear()
-        # The crossed diagnostic: odd replicas enqueue P before D, even ones D before P.
+        # The crossed diagnostic: odd sides enqueue P before D, even ones D before P.
         d_first = self.opt.cross_isolation and order is Ordering.ISOLATION_ONLY and plan.d_any \
-            and self.replica % 2 == 0
+            and self.side(self.rank) % 2 == 0
         if not d_first:
             self._pq.put((plan, epoch))
         if order is Ordering.ISOLATION_ONLY:
             if self.opt.cross_isolation and not d_first and plan.d_any:
                 self._wait(self._gate["p"])
-            if d_first:   # release P once D holds a cross-replica collective
+            if d_first:   # release P once D holds a collective that needs the other side
                 threading.Thread(target=lambda: (self._wait(self._gate["d"]), self._pq.put((plan, epoch))),
                                  daemon=True).start()
             if plan.d_any:

@@ -4,8 +4,8 @@ import threading
 
 def expert_rank(ctx, iters: int = 6):
     import torch
-    from pdrollout.engine.distributed.expert_comm import (Phase, PendingDispatchError, PermitMissingError,
-                                                          TorchExpertComm, disjoint)
+    from pdrollout.engine.distributed.expert_comm import (ExpertCommError, Phase, PendingDispatchError,
+                                                          PermitMissingError, TorchExpertComm, disjoint)
     E, H, K, T = 8, 16, 2, 12
     comm = TorchExpertComm([list(range(ctx.world))], ctx.rank, num_experts=E, hidden=H, max_tokens=T, topk=K)
     g = torch.Generator().manual_seed(1234)
@@ -67,6 +67,15 @@ def expert_rank(ctx, iters: int = 6):
         recv, meta, h = comm.dispatch(Phase.DECODE, x, ids, w)
         out = comm.combine(Phase.DECODE, comm.apply_experts(recv, meta, expert), h)
         errs["D"] = max(errs["D"], float((out - ref).abs().max()))
+    x, ids, w, _ = batch("D", 0)
+    try:   # one token more than the D buffers were sized for, on every rank alike
+        comm.dispatch(Phase.DECODE, torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]), torch.cat([w, w[:1]]))
+        failures.append("LL dispatch over the D capacity was accepted")
+    except ExpertCommError as e:
+        if "capacity of 12 tokens" not in str(e):
+            failures.append(f"unclear capacity error: {e}")
+    recv, meta, h = comm.dispatch(Phase.DECODE, x, ids, w)   # and D keeps working
+    comm.combine(Phase.DECODE, comm.apply_experts(recv, meta, expert), h)
     t.join(120)
     p, d = comm.state(Phase.PREFILL), comm.state(Phase.DECODE)
     return {"errs": errs, "failures": failures, "disjoint": disjoint(p, d),

@@ -37,6 +37,7 @@ def test_registered_names():
 def test_summary_measures_the_pair_and_p_compute_against_d():
     rank0 = {"spans": [_span("forward", "D", 0, 10), _span("dp-allgather", "D", 2, 4, True),
                        _span("attn-allreduce", "P", 3, 6, True),          # 1 ms on the pair
+                       _span("atp-allreduce", "D", 5, 7),                  # + 1 ms on any D collective
                        _span("compute", "P", 8, 14), _span("dispatch", "P", 20, 21)],
              "enqueues": [_enq("D:1:0:dp-allgather", 1), _enq("P:1:0:attn-allreduce", 2)],
              "rendezvous_s": [0.001, 0.003]}
@@ -45,6 +46,7 @@ def test_summary_measures_the_pair_and_p_compute_against_d():
     s = summarize({0: rank0, 1: rank1})
     r = s["ranks"][0]
     assert r["registered_pair_overlap_ms"] == pytest.approx(1.0)
+    assert r["registered_p_overlapping_d_collectives_ms"] == pytest.approx(2.0)
     assert r["p_compute_overlapping_d_forward_ms"] == pytest.approx(2.0)
     assert r["p_collectives_overlapping_d_forward_ms"] == 0.0 and r["p_compute_ms"] == pytest.approx(6.0)
     assert r["rendezvous"] == 2 and r["rendezvous_mean_ms"] == pytest.approx(2.0)

@@ -117,6 +117,18 @@ def test_isolation_only_one_slot_stalls_on_the_real_model(setup):
     assert time.monotonic() - t0 < 150
 
 
+def test_crossed_order_with_one_replica_stalls_in_the_atp_group(setup):
+    # ATP2/ADP1 (two GPUs' worth): the sides are the local ranks; rank 0 holds D's ATP AllReduce,
+    # rank 1 P's model-wide AllReduce over the same two ranks, on separate communicators.
+    res = _generate(setup, "pd", {"ordering": "isolation-only", "activation": "on"}, (2, 1, 2),
+                    ["--slots", "1", "--cross-isolation", "--watchdog-bound", "2"], timeout=180)
+    assert res.returncode == 3, res.stderr[-3000:]
+    report = res.stderr[res.stderr.index("stall: no rank made progress"):]
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"  rank (\d): (.*)", report)}
+    assert "'running': ['D:" in lines[0] and "atp-allreduce" in lines[0]
+    assert "'running': ['P:" in lines[1] and "attn-allreduce" in lines[1]
+
+
 def _http(url, body=None, method=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"),

@@ -98,3 +98,25 @@ def test_random_model_shards_agree_on_replicated_tensors():
     assert a[q].shape[0] * 2 == cfg.num_attention_heads * cfg.head_dim and not torch.equal(a[q], b[q])
     assert all(torch.equal(a[n], again[n]) for n in a)
     assert not torch.equal(a[replicated[0]], other_seed[replicated[0]])
+
+
+def test_gemm_warmup_covers_every_weight_shape_and_row_count():
+    # The multi-rank CUDA engine runs these before P and D overlap (issue 8: a first-use cuBLASLt
+    # kernel waits for a context-wide sync); on the CPU only the coverage is checked.
+    import torch
+    from pdrollout.engine.checkpoint import random_model
+    from pdrollout.engine.config import ModelConfig, load_preset
+    from pdrollout.engine.distributed.worker import gemm_shapes, warm_gemms, warm_rows
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    model = random_model(cfg, torch.device("cpu"), torch.float32, 0)
+    shapes = gemm_shapes(model)
+    h, moe = cfg.hidden_size, cfg.moe_intermediate_size
+    assert (cfg.num_experts, h, torch.float32) in shapes                     # router
+    assert (2 * moe, h, torch.float32) in shapes and (h, moe, torch.float32) in shapes   # expert slices
+    assert (cfg.num_attention_heads * cfg.head_dim, h, torch.float32) in shapes          # q_proj
+    assert len(shapes) == len(set(shapes))
+    assert warm_rows(5) == [1, 2, 3, 4, 5]
+    ms = warm_rows(9000)
+    assert ms[:1024] == list(range(1, 1025)) and 1032 in ms and 1030 not in ms
+    assert 8256 in ms and 8200 not in ms and ms[-1] == 9000
+    assert warm_gemms(model, 7, torch.device("cpu")) == 7 * len(shapes)
