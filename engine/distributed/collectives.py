@@ -17,7 +17,11 @@ D path (decode rows; phase "decode"):
   2. DP gather: rank j takes chunk j of its replica's rows; AllGather on its DP-attention group
      (same local index across replicas), then each member dispatches an even share of the
      gathered valid rows, so the fixed-capacity LL buffers see the mean, not the largest replica.
-  3. LL dispatch / experts / LL combine on the D-owned expert communicator.
+     With fixed slots (torch backend) the share is strided over the valid-first order, m rows
+     with a validity mask, so no count is read back to the host.
+  3. LL dispatch / experts / LL combine on the D-owned expert communicator. Torch backend: the
+     receive keeps its [ep * cap] slot layout and the experts run as grouped GEMMs over it: the
+     D iteration reads nothing back to the host and can be enqueued ahead of the GPU.
   4. DP scatter: ReduceScatter on the DP group returns each chunk's output to its owner (d>1).
   5. AllGather on the ATP group restores the replica's full rows (a>1 only).
 Every collective is enqueued on the device model (a lane of CpuDevice) and waited for with the
@@ -257,6 +261,8 @@ class RankCollectives(Collectives):
         m = _ceil(max(ctx.rows), self.a)
         lo = min(n, self.j * m)
         valid = max(0, min(n, lo + m) - lo)
+        fixed = self.comm.fixed_slots
+        ok = None   # fixed slots, ADP>1: which of this member's rows are real (padding routes nowhere)
         if self.d > 1:
             pack = torch.zeros(m, H + 2 * k + 1, device=x.device)
             pack[:valid, :H] = x[lo:lo + valid].float()
@@ -267,20 +273,27 @@ class RankCollectives(Collectives):
             self._run("d", "dp-allgather", self.topo.dp_group(self.rank),
                       lambda: dist.all_gather(parts, pack, group=self.g.dp))
             gathered = torch.cat(parts)
-            valid = gathered[:, -1] > 0
-            # the valid rows in order, from one host read of their count (no nonzero: its blocking
-            # copy would hold this thread in the driver, see host_read.py)
-            n_valid = self.reader.read("decode", valid.sum())[0]
-            rows = torch.argsort((~valid).to(torch.int8), stable=True)[:n_valid]
-            share = _ceil(rows.numel(), self.d)
-            mine = rows[self.replica * share:(self.replica + 1) * share]
+            real = gathered[:, -1] > 0
+            # The real rows first, in order; every member dispatches an even share of them.
+            first = torch.argsort((~real).to(torch.int8), stable=True)
+            if fixed:   # member r takes rows r, r+d, ... of that order: m rows, no host read
+                mine = first[self.replica::self.d]
+                ok = real[mine]
+            else:       # compact shares need the count (see host_read.py)
+                n_real = self.reader.read("decode", real.sum())[0]
+                share = _ceil(n_real, self.d)
+                mine = first[:n_real][self.replica * share:(self.replica + 1) * share]
             hs = gathered[mine, :H].to(x.dtype)
             ids_m, w_m = gathered[mine, H:H + k].long(), gathered[mine, H + k:H + 2 * k].to(w.dtype)
         else:
             hs, ids_m, w_m = x[lo:lo + valid], ids[lo:lo + valid], w[lo:lo + valid]
+        extra = {"valid": ok} if ok is not None else {}
         recv, meta, handle = self._run("d", "dispatch", self._ep_group(),
-                                       lambda: self.comm.dispatch(Phase.DECODE, hs, ids_m, w_m))
-        y_e = self.comm.apply_experts(recv, meta, self._expert_fn(layer))
+                                       lambda: self.comm.dispatch(Phase.DECODE, hs, ids_m, w_m, **extra))
+        if meta.layout == "slots":
+            y_e = self._slot_experts(layer, recv, meta.expert_ids)
+        else:
+            y_e = self.comm.apply_experts(recv, meta, self._expert_fn(layer))
         y = self._run("d", "combine", self._ep_group(), lambda: self.comm.combine(Phase.DECODE, y_e, handle))
         if self.d > 1:
             buf = torch.zeros(self.d * m, H, dtype=y.dtype, device=y.device)
@@ -297,6 +310,20 @@ class RankCollectives(Collectives):
                       lambda: dist.all_gather(parts, own, group=self.g.atp))
             own = torch.cat(parts)
         return own[:n].to(x.dtype)
+
+    @staticmethod
+    def _slot_experts(layer, recv: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """D's experts over the fixed receive slots (id -1 = empty, output 0) without a host read:
+        rows sorted by expert on the device and two grouped GEMMs (`kernels.experts_grouped`);
+        batched matmuls where grouped GEMM lacks the dtype (fp32 on CUDA)."""
+        from .. import kernels
+        gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+        one = slot_ids[:, None]
+        weight = torch.ones(one.shape, dtype=torch.float32, device=recv.device)
+        rows = recv.to(gu.dtype)
+        if rows.is_cuda and (gu.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0)):
+            return kernels.experts_gathered(rows, one, weight, gu, dn)
+        return kernels.experts_grouped(rows, one, weight, gu, dn)
 
     def _ep_group(self) -> tuple:
         return self.topo.ep_group(self.rank)

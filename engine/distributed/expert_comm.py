@@ -41,9 +41,11 @@ class PermitMissingError(ExpertCommError):
 
 @dataclass
 class RecvMeta:
-    layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots
-    expert_ids: Any             # rows: local expert id per row; ll: None
-    counts: Any                 # rows: rows received per source rank; ll: [E_local] valid rows per expert
+    layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots;
+                                # "slots": [ep * cap] rows in the sender's slot order, id -1 = empty
+    expert_ids: Any             # rows: local expert id per row; slots: per slot, -1 = empty; ll: None
+    counts: Any                 # rows: rows received per source rank (host); slots: the same on the
+                                # device; ll: [E_local] valid rows per expert
     phase: "Phase | None" = None   # whose rows (a backend may keep per-phase host buffers)
 
 
@@ -132,6 +134,9 @@ def disjoint(a: PhaseState, b: PhaseState) -> list[str]:
 
 class ExpertComm:
     """Interface both backends implement."""
+    # D's dispatch takes a row-validity mask and returns fixed [ep * cap] slots (layout "slots"):
+    # the D iteration needs no host read (TorchExpertComm); DeepEP's LL layout is [E_local, cap].
+    fixed_slots = False
 
     def dispatch(self, phase: Phase, hidden, topk_ids, topk_weights):  # -> (recv_hidden, RecvMeta, Handle)
         raise NotImplementedError
@@ -157,6 +162,7 @@ class ExpertComm:
 class TorchExpertComm(ExpertComm):
     """torch.distributed backend: all_to_all_single over one EP group per phase (gloo or NCCL).
     Collective: every member must call the same methods in the same order per phase."""
+    fixed_slots = True
 
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
                  max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
@@ -192,8 +198,8 @@ class TorchExpertComm(ExpertComm):
         cap = (d_max_tokens or max_tokens) * topk
         self._d = PhaseState(
             Phase.DECODE, groups[Phase.DECODE], self.qps.decode, "d-expert",
-            buffers=[{"send": z(self.ep, cap, hidden), "recv": z(self.ep, cap, hidden),
-                      "send_meta": z(self.ep, cap + 1, dt=torch.int64),
+            buffers=[{"send": z(self.ep + 1, cap, hidden), "recv": z(self.ep, cap, hidden),   # +1: spare row
+                      "send_meta": z(self.ep + 1, cap + 1, dt=torch.int64),
                       "recv_meta": z(self.ep, cap + 1, dt=torch.int64)} for _ in range(2)],
             counters=[z(self.ep, dt=torch.int64) for _ in range(2)],
             workspace=z(cap, dt=torch.int64), status=["free", "free"])
@@ -273,44 +279,54 @@ class TorchExpertComm(ExpertComm):
         return st.free_retired()
 
     # ---- D: low-latency path ---------------------------------------------------------
-    def _dispatch_ll(self, hidden, topk_ids, topk_weights):
+    def _dispatch_ll(self, hidden, topk_ids, topk_weights, valid=None):
+        """One fixed-shape exchange with no host read: the receive side keeps the [ep, cap] slot
+        layout (empty slots carry expert id -1), so D's whole iteration can be enqueued without
+        waiting for the GPU. `valid` ([T] bool): rows that are padding route to the spare row
+        `ep` of the send buffer, which is never sent."""
         torch, st = self.torch, self._d
-        b = st.ll_index
-        st.ll_index ^= 1                              # D-owned double-buffer index
-        buf, cnt = st.buffers[b], st.counters[b]
         # The slots per peer hold every pair of cap // topk tokens (all could route to one peer):
         # checked on the shape, without reading the counts back before the exchange.
         if hidden.shape[0] * self.topk > self.cap:
             raise ExpertCommError(f"LL dispatch of {hidden.shape[0]} tokens exceeds the D buffers' "
                                   f"capacity of {self.cap // self.topk} tokens")
-        flat, order, send_counts, token_of = self._route(topk_ids)
-        starts = torch.cumsum(send_counts, 0) - send_counts
-        dest_sorted = flat[order] // self.e_local
+        b = st.ll_index
+        st.ll_index ^= 1                              # D-owned double-buffer index
+        buf, cnt = st.buffers[b], st.counters[b]
+        flat = topk_ids.reshape(-1).long()
+        dest = flat // self.e_local
+        if valid is not None:
+            dest = torch.where(valid.repeat_interleave(self.topk), dest, self.ep)
+        order = torch.argsort(dest, stable=True)
+        per_peer = torch.zeros(self.ep + 1, dtype=torch.int64, device=dest.device).scatter_add_(
+            0, dest, torch.ones_like(dest))
+        starts = torch.cumsum(per_peer, 0) - per_peer
+        dest_sorted = dest[order]
         slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
+        token_of = order // self.topk
         buf["send"].zero_()
         buf["send"][dest_sorted, slot] = hidden.index_select(0, token_of).to(self.dtype)
         buf["send_meta"].fill_(-1)
-        buf["send_meta"][:, 0] = send_counts
+        buf["send_meta"][:, 0] = per_peer
         buf["send_meta"][dest_sorted, slot + 1] = flat[order] % self.e_local
-        self.dist.all_to_all_single(buf["recv"], buf["send"], group=st.group)
-        self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"], group=st.group)
-        cnt.copy_(buf["recv_meta"][:, 0])
-        counts = self.reader.read("decode", cnt)
-        dev = self.device
-        src = torch.cat([torch.full((c,), r, dtype=torch.int64, device=dev) for r, c in enumerate(counts)]) \
-            if sum(counts) else torch.zeros(0, dtype=torch.int64, device=dev)
-        pos = torch.cat([torch.arange(c, device=dev) for c in counts]) if sum(counts) else \
-            torch.zeros(0, dtype=torch.int64, device=dev)
-        recv = buf["recv"][src, pos]
-        ids = buf["recv_meta"][src, pos + 1]
-        state = {"order": order, "token_of": token_of, "weights": topk_weights.reshape(-1)[order],
-                 "dest_sorted": dest_sorted, "slot": slot, "src": src, "pos": pos, "send_counts": send_counts}
-        return recv, RecvMeta("rows", ids, counts, Phase.DECODE), Handle(Phase.DECODE, b, hidden.shape[0], state)
+        self.dist.all_to_all_single(buf["recv"], buf["send"][:self.ep], group=st.group)
+        self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"][:self.ep], group=st.group)
+        cnt.copy_(buf["recv_meta"][:, 0])             # rows per source (stays on the device)
+        weights = topk_weights.reshape(-1)[order]
+        if valid is not None:                         # padding pairs add nothing in combine
+            weights = torch.where(dest_sorted < self.ep, weights, torch.zeros_like(weights))
+        state = {"order": order, "token_of": token_of, "weights": weights, "dest_sorted": dest_sorted,
+                 "slot": slot}
+        return buf["recv"].view(-1, self.hidden), RecvMeta("slots", buf["recv_meta"][:, 1:].reshape(-1), cnt,
+                                                         Phase.DECODE), \
+            Handle(Phase.DECODE, b, hidden.shape[0], state)
 
     # ---- both -------------------------------------------------------------------------
-    def dispatch(self, phase, hidden, topk_ids, topk_weights):
+    def dispatch(self, phase, hidden, topk_ids, topk_weights, valid=None):
         if Phase(phase) is Phase.DECODE:
-            return self._dispatch_ll(hidden, topk_ids, topk_weights)
+            return self._dispatch_ll(hidden, topk_ids, topk_weights, valid)
+        if valid is not None:
+            raise ExpertCommError("a row-validity mask is for the fixed-slot D dispatch")
         p = self.notify(phase, hidden, topk_ids, topk_weights)
         p.permitted = True  # unsplit call: the caller holds the permit already
         return self.move(p)
@@ -328,27 +344,29 @@ class TorchExpertComm(ExpertComm):
         else:
             st = self._d
             buf = st.buffers[handle.buffer]
-            buf["recv"][s["src"], s["pos"]] = expert_out.to(self.dtype)
-            self.dist.all_to_all_single(buf["send"], buf["recv"], group=st.group)
-            back = buf["send"][s["dest_sorted"], s["slot"]]
+            buf["recv"].view(-1, self.hidden).copy_(expert_out)   # slot layout, as dispatched
+            self.dist.all_to_all_single(buf["send"][:self.ep], buf["recv"], group=st.group)
+            back = buf["send"][s["dest_sorted"], s["slot"]]   # padding pairs read the spare row (weight 0)
         # weight and sum in fp32, round once (as DeepEP's combine does); unchanged for fp32 rows
         out = torch.zeros(handle.tokens, self.hidden, dtype=torch.float32, device=self.device)
         out.index_add_(0, s["token_of"], back.float() * s["weights"].float()[:, None])
         return out.to(self.dtype)
 
     def apply_experts(self, recv_hidden, meta: RecvMeta, fn: Callable[[int, Any], Any]):
-        """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows. Rows grouped by
-        expert with a stable sort (each expert sees its rows in arrival order) and one host read
-        of the per-expert counts."""
+        """expert_out in the backend's layout: fn(local_expert_id, rows) -> rows; empty slots (id -1)
+        give zeros. Rows grouped by expert with a stable sort (each expert sees its rows in arrival
+        order) and one host read of the per-expert counts. The engine's D path does not come here:
+        it runs the slots through grouped GEMMs (`RankCollectives`), with no host read."""
         torch, ids = self.torch, meta.expert_ids
-        order = torch.argsort(ids, stable=True)
-        per_expert = torch.zeros(self.e_local, dtype=torch.int64, device=ids.device).scatter_add_(
-            0, ids, torch.ones_like(ids))
+        key = torch.where(ids >= 0, ids, self.e_local)
+        order = torch.argsort(key, stable=True)
+        per_expert = torch.zeros(self.e_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+            0, key, torch.ones_like(key))
         counts = self.reader.read(Phase(meta.phase or Phase.PREFILL).value, per_expert)
         grouped = recv_hidden.index_select(0, order)
-        out_grouped = torch.empty_like(recv_hidden)
+        out_grouped = torch.zeros_like(recv_hidden)
         lo = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[:self.e_local]):
             if n:
                 out_grouped[lo:lo + n] = fn(e, grouped[lo:lo + n])
             lo += n

@@ -76,13 +76,14 @@ def shard_of(topo: Topology, rank: int) -> Shard:
     return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
 
 
-def gemm_shapes(model: torch.nn.Module) -> list[tuple[int, int, torch.dtype]]:
-    """The distinct (N, K, dtype) of every matrix a forward multiplies by (2-D weights, and each
-    expert's slice of the 3-D expert weights), in a stable order."""
+def gemm_shapes(model: torch.nn.Module) -> list[tuple[int, int, torch.dtype, bool]]:
+    """The distinct (N, K, dtype, expert) of every matrix a forward multiplies by: 2-D weights
+    (not embeddings, which are looked up) and each expert's slice of the 3-D expert weights."""
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     out: dict[tuple, None] = {}
     for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if p.dim() >= 2:
-            out[(int(p.shape[-2]), int(p.shape[-1]), p.dtype)] = None
+        if p.dim() >= 2 and id(p) not in looked_up:
+            out[(int(p.shape[-2]), int(p.shape[-1]), p.dtype, p.dim() == 3)] = None
     return list(out)
 
 
@@ -93,16 +94,32 @@ def warm_rows(m_max: int) -> list[int]:
             if m <= 1024 or (m <= 8192 and m % 8 == 0) or m % 64 == 0 or m == m_max]
 
 
-def warm_gemms(model: torch.nn.Module, m_max: int, device: torch.device) -> int:
-    """x @ W.T for every GEMM shape of `model` and every M of `warm_rows`; returns the GEMM count."""
-    n, ms = 0, warm_rows(m_max)
-    for rows, k, dtype in gemm_shapes(model):
-        w = torch.zeros(rows, k, dtype=dtype, device=device)
+def warm_gemms(model: torch.nn.Module, rows: int, expert_rows: int, device: torch.device) -> int:
+    """x @ W.T for every GEMM shape of `model` and every M of `warm_rows` up to the rows that
+    weight can see (`rows` for a forward's own tokens, `expert_rows` for an expert, which gets
+    rows from every EP peer); returns the GEMM count."""
+    n = 0
+    for out_dim, k, dtype, expert in gemm_shapes(model):
+        m_max = expert_rows if expert else rows
+        w = torch.zeros(out_dim, k, dtype=dtype, device=device)
         x = torch.zeros(m_max, k, dtype=dtype, device=device)
-        for m in ms:
+        for m in warm_rows(m_max):
             torch.nn.functional.linear(x[:m], w)
             n += 1
     return n
+
+
+def warm_slot_experts(layer, slots: int, device: torch.device) -> int:
+    """D's grouped expert GEMMs (`RankCollectives._slot_experts`) for every row count of
+    `warm_rows(slots)`, rows spread over the local experts; returns the call count."""
+    e_local = layer.experts.gate_up_proj.shape[0]
+    h = layer.experts.gate_up_proj.shape[-1]
+    x = torch.zeros(slots, h, dtype=layer.experts.gate_up_proj.dtype, device=device)
+    ids = torch.arange(slots, device=device) % e_local
+    ms = warm_rows(slots)
+    for m in ms:
+        RankCollectives._slot_experts(layer, x[:m], ids[:m])
+    return len(ms)
 
 
 def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
@@ -199,12 +216,15 @@ class Worker:
         largest row count a weight can see run here (`warm_rows`); cuDNN attention (modules built per shape) is off for
         the ranks' processes, the precompiled memory-efficient kernel serves the masks instead."""
         torch.backends.cuda.enable_cudnn_sdp(False)
-        m_max = max(self.col.p_max_rows, self.config.max_running * self.topo.adp) * self.topo.ep
+        rows = max(self.col.p_max_rows, self.config.max_running)
         t0 = time.monotonic()
         with torch.cuda.stream(self._streams["d"]):
-            n = warm_gemms(self.model, m_max, self.device)
+            n = warm_gemms(self.model, rows, rows * self.topo.ep, self.device)
+            if self.comm.fixed_slots:   # D's experts: grouped GEMMs over every slot count
+                layer = next(mod for mod in self.model.modules() if hasattr(mod, "experts"))
+                n += warm_slot_experts(layer, self.comm.ep * self.comm.cap, self.device)
         torch.cuda.synchronize(self.device)
-        print(f"[rank {self.rank}] kernel warm-up: {n} GEMMs, M up to {m_max}, "
+        print(f"[rank {self.rank}] kernel warm-up: {n} GEMMs, M up to {rows} ({rows * self.topo.ep} experts), "
               f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
 
     def _warm_paths(self) -> None:

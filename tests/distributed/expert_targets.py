@@ -76,6 +76,20 @@ def expert_rank(ctx, iters: int = 6):
             failures.append(f"unclear capacity error: {e}")
     recv, meta, h = comm.dispatch(Phase.DECODE, x, ids, w)   # and D keeps working
     comm.combine(Phase.DECODE, comm.apply_experts(recv, meta, expert), h)
+    # Padding rows (ADP>1 shares) route nowhere and come back as zeros; D's exchange reads nothing
+    # back to the host (the slots keep their layout), so its iteration can be enqueued ahead.
+    x, ids, w, ref = batch("D", 7)
+    valid = torch.arange(T) < T - 3
+    reads = []
+    real_read = comm.reader.read
+    comm.reader.read = lambda *a: reads.append(a) or real_read(*a)
+    recv, meta, h = comm.dispatch(Phase.DECODE, x, ids, w, valid=valid)
+    d_reads = len(reads)
+    comm.reader.read = real_read
+    out = comm.combine(Phase.DECODE, comm.apply_experts(recv, meta, expert), h)
+    errs["D_valid"] = float((out[valid] - ref[valid]).abs().max())
+    errs["D_padding"] = float(out[~valid].abs().max())
+    errs["D_reads"] = (d_reads, meta.layout, tuple(recv.shape))
     t.join(120)
     p, d = comm.state(Phase.PREFILL), comm.state(Phase.DECODE)
     return {"errs": errs, "failures": failures, "disjoint": disjoint(p, d),

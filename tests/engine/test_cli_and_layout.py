@@ -106,17 +106,45 @@ def test_gemm_warmup_covers_every_weight_shape_and_row_count():
     import torch
     from pdrollout.engine.checkpoint import random_model
     from pdrollout.engine.config import ModelConfig, load_preset
-    from pdrollout.engine.distributed.worker import gemm_shapes, warm_gemms, warm_rows
+    from pdrollout.engine.distributed.worker import gemm_shapes, warm_gemms, warm_rows, warm_slot_experts
     cfg = ModelConfig.from_dict(load_preset("tiny"))
     model = random_model(cfg, torch.device("cpu"), torch.float32, 0)
     shapes = gemm_shapes(model)
-    h, moe = cfg.hidden_size, cfg.moe_intermediate_size
-    assert (cfg.num_experts, h, torch.float32) in shapes                     # router
-    assert (2 * moe, h, torch.float32) in shapes and (h, moe, torch.float32) in shapes   # expert slices
-    assert (cfg.num_attention_heads * cfg.head_dim, h, torch.float32) in shapes          # q_proj
+    h, moe, f32 = cfg.hidden_size, cfg.moe_intermediate_size, torch.float32
+    assert (cfg.num_experts, h, f32, False) in shapes                                    # router
+    assert (2 * moe, h, f32, True) in shapes and (h, moe, f32, True) in shapes           # expert slices
+    assert (cfg.num_attention_heads * cfg.head_dim, h, f32, False) in shapes             # q_proj
+    assert (cfg.vocab_size, h, f32, False) in shapes                                     # lm_head
     assert len(shapes) == len(set(shapes))
+    experts = sum(1 for s in shapes if s[3])
     assert warm_rows(5) == [1, 2, 3, 4, 5]
     ms = warm_rows(9000)
     assert ms[:1024] == list(range(1, 1025)) and 1032 in ms and 1030 not in ms
     assert 8256 in ms and 8200 not in ms and ms[-1] == 9000
-    assert warm_gemms(model, 7, torch.device("cpu")) == 7 * len(shapes)
+    assert warm_gemms(model, 7, 9, torch.device("cpu")) == 7 * (len(shapes) - experts) + 9 * experts
+    moe = next(m for m in model.modules() if hasattr(m, "experts"))
+    assert warm_slot_experts(moe, 7, torch.device("cpu")) == 7
+
+
+def test_slot_experts_equal_the_per_expert_reference():
+    # D's fixed-slot experts (grouped GEMMs, no host read) against one F.linear pair per row.
+    import torch
+    import torch.nn.functional as F
+    from pdrollout.engine.checkpoint import random_model
+    from pdrollout.engine.config import ModelConfig, load_preset
+    from pdrollout.engine.distributed.collectives import RankCollectives
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    moe = next(m for m in random_model(cfg, torch.device("cpu"), torch.float32, 0).modules()
+               if hasattr(m, "experts"))
+    gu, dn = moe.experts.gate_up_proj, moe.experts.down_proj
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, cfg.hidden_size, generator=g)
+    ids = torch.randint(-1, gu.shape[0], (11,), generator=g)
+    ids[3] = -1                                                    # an empty slot
+    y = RankCollectives._slot_experts(moe, x, ids)
+    for r in range(11):
+        if ids[r] < 0:
+            assert torch.count_nonzero(y[r]) == 0
+            continue
+        gate, up = F.linear(x[r], gu[ids[r]]).chunk(2)
+        assert torch.allclose(y[r], F.linear(F.silu(gate) * up, dn[ids[r]]), atol=1e-5)
