@@ -1,12 +1,12 @@
 """Small device-to-host reads (routing counts, valid-row counts) that never wait inside the driver.
 
 `tensor.tolist()` on a CUDA tensor is a blocking copy into pageable memory: the calling thread
-stays inside the CUDA driver until its stream reaches the copy. Seen on the H200s (issue 8): while
-that thread waits behind a peer-waiting NCCL kernel, the other path's thread blocks in its next
-kernel launch on the same GPU, so that path never issues the collective the peer is waiting for
-and a crossed order becomes a host deadlock on a whole GPU. A read here is a non-blocking copy into
-a pinned buffer allocated up front, then a polled event: the thread sleeps in Python, not in the
-driver, and other threads keep launching.
+stays inside the CUDA driver until its stream reaches the copy, which under a crossed order can be
+never. Issue 8's stalls were first suspected here; native stacks then showed the blocking calls
+were first uses in the driver (see `Worker._warm_kernels`). A read here still keeps a waiting
+thread out of the driver: a non-blocking copy into a pinned buffer allocated up front (pinned
+allocation is itself a driver call), then an event polled with short sleeps, so the thread's
+Python stack shows where it waits and nothing of the driver is held meanwhile.
 
 One buffer per key (a phase); reads of one key must not overlap (each phase reads from one thread
 at a time: its lane or its forward, which wait for each other).

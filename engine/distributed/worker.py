@@ -213,8 +213,9 @@ class Worker:
         (cuKernelSetAttribute) and a first cuDNN handle loading its modules (cuModuleLoadData). Both
         wait for a context-wide synchronization, i.e. for every kernel on the GPU, including a
         collective spinning for a peer. cuBLASLt picks kernels by M, so the M values up to the
-        largest row count a weight can see run here (`warm_rows`); cuDNN attention (modules built per shape) is off for
-        the ranks' processes, the precompiled memory-efficient kernel serves the masks instead."""
+        largest row count a weight can see run here (`warm_rows`). cuDNN attention (modules built
+        per shape) is off in the ranks' processes; the precompiled memory-efficient kernel serves
+        the masks instead."""
         torch.backends.cuda.enable_cudnn_sdp(False)
         rows = max(self.col.p_max_rows, self.config.max_running)
         t0 = time.monotonic()
@@ -224,8 +225,8 @@ class Worker:
                 layer = next(mod for mod in self.model.modules() if hasattr(mod, "experts"))
                 n += warm_slot_experts(layer, self.comm.ep * self.comm.cap, self.device)
         torch.cuda.synchronize(self.device)
-        print(f"[rank {self.rank}] kernel warm-up: {n} GEMMs, M up to {rows} ({rows * self.topo.ep} experts), "
-              f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+        print(f"[rank {self.rank}] kernel warm-up: {n} GEMMs, M up to {rows} ({rows * self.topo.ep} for "
+              f"experts), {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
 
     def _warm_paths(self) -> None:
         """One tiny P forward (on the P thread), then one D forward (here), one after the other on
