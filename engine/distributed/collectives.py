@@ -116,7 +116,7 @@ class RankCollectives(Collectives):
         self.streams: dict = {}    # CUDA: the worker's P and D streams
         self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
-        self.reader = HostReader(torch.device("cpu"), ("decode",))   # the worker's CUDA one replaces it
+        self.reader = HostReader(comm.device, ("decode",))   # D's compact shares (backends without fixed slots)
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:

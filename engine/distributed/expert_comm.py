@@ -211,17 +211,22 @@ class TorchExpertComm(ExpertComm):
     def state(self, phase: Phase) -> PhaseState:
         return self._p if Phase(phase) is Phase.PREFILL else self._d
 
-    def _route(self, topk_ids):
+    def _route(self, topk_ids, valid=None):
+        """(flat ids, destination peer per pair, pairs sorted by peer, pairs per peer over ep + 1
+        bins, token of each sorted pair). Pairs of rows with `valid` False go to the spare peer
+        index `ep`, sorted last."""
         torch = self.torch
         flat = topk_ids.reshape(-1).long()
         dest = flat // self.e_local
+        if valid is not None:
+            dest = torch.where(valid.repeat_interleave(self.topk), dest, self.ep)
         order = torch.argsort(dest, stable=True)
         # scatter_add, not bincount: bincount on CUDA reads the max back to the host, which would
         # drain P's stream at every notify and leave no P work in flight to overlap D.
-        send_counts = torch.zeros(self.ep, dtype=torch.int64, device=dest.device).scatter_add_(
+        per_peer = torch.zeros(self.ep + 1, dtype=torch.int64, device=dest.device).scatter_add_(
             0, dest, torch.ones_like(dest))
         token_of = order // self.topk
-        return flat, order, send_counts, token_of
+        return flat, dest, order, per_peer, token_of
 
     # ---- P: normal path, split ------------------------------------------------------
     def notify(self, phase, hidden, topk_ids, topk_weights) -> PendingDispatch:
@@ -230,7 +235,8 @@ class TorchExpertComm(ExpertComm):
         st = self._p
         with self._lock:
             b = st.claim()
-        flat, order, send_counts, token_of = self._route(topk_ids)
+        flat, _, order, per_peer, token_of = self._route(topk_ids)
+        send_counts = per_peer[:self.ep]
         cnt = st.counters[b]
         cnt[0].copy_(send_counts)
         work = self.dist.all_to_all_single(cnt[1], cnt[0], group=st.group, async_op=True)
@@ -293,17 +299,10 @@ class TorchExpertComm(ExpertComm):
         b = st.ll_index
         st.ll_index ^= 1                              # D-owned double-buffer index
         buf, cnt = st.buffers[b], st.counters[b]
-        flat = topk_ids.reshape(-1).long()
-        dest = flat // self.e_local
-        if valid is not None:
-            dest = torch.where(valid.repeat_interleave(self.topk), dest, self.ep)
-        order = torch.argsort(dest, stable=True)
-        per_peer = torch.zeros(self.ep + 1, dtype=torch.int64, device=dest.device).scatter_add_(
-            0, dest, torch.ones_like(dest))
+        flat, dest, order, per_peer, token_of = self._route(topk_ids, valid)
         starts = torch.cumsum(per_peer, 0) - per_peer
         dest_sorted = dest[order]
         slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
-        token_of = order // self.topk
         buf["send"].zero_()
         buf["send"][dest_sorted, slot] = hidden.index_select(0, token_of).to(self.dtype)
         buf["send_meta"].fill_(-1)

@@ -9,7 +9,6 @@ every rank). Replica leaders (local index 0) sample; rank 0 gathers the tokens.
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import queue
@@ -36,7 +35,6 @@ from .controller import TurnstileController
 from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
-from .host_read import HostReader
 from .launch import EXIT_ERROR, EXIT_STALL
 from .rendezvous import Rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
@@ -142,7 +140,7 @@ class Worker:
         # plans, rendezvous and the watchdog stay on gloo (the default group and the store).
         groups = make_groups(topo, rank, backend="nccl" if self.cuda else None, registered_ctas=options.nccl_ctas)
         self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit,
-                           on_declare=self._thread_stacks if self.cuda else None)
+                           on_declare=self._thread_stacks)
         self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
                              on_enqueue=self._on_enqueue)
         self.wd.extra = self._frontier
@@ -168,8 +166,6 @@ class Worker:
         self.col = RankCollectives(topo, rank, groups, comm, self.dev, self.wd.check, self.cfg.hidden_size,
                                    self.cfg.num_experts_per_tok, p_rows)
         self.col.cuda = self.cuda
-        if self.cuda:
-            self.col.reader = HostReader(self.device, ("decode",))
         # CUDA: P and D run on their own streams (the P thread's and the foreground's forward)
         self._streams = self._make_streams() if self.cuda else {}
         self.col.streams = self._streams
@@ -305,11 +301,7 @@ class Worker:
                 subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], stdout=f,
                                stderr=subprocess.STDOUT, timeout=120, check=False)
 
-    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave
-        if not self.cuda:   # (on CUDA the stacks were written when the stall was declared)
-            print(f"[rank {self.rank}] threads at the stall:", file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            sys.stderr.flush()
+    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave (stacks: _thread_stacks)
         os._exit(EXIT_STALL)
 
     def _on_enqueue(self, meta: dict) -> None:
