@@ -23,6 +23,7 @@ class OperatorConfig:
     restart_backoff_s: float = 10.0      # group restart backoff base (doubles per restart)
     restart_backoff_max_s: float = 300.0
     apply_pause_s: float = 0.0           # fault injection for tests: a slow API server between applies
+    stop_poll_s: float = 1.0             # how often kopf re-checks a timer still running when its rollout is deleted
 
     @classmethod
     def from_env(cls) -> "OperatorConfig":
@@ -30,7 +31,8 @@ class OperatorConfig:
             return float(os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default))
         return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
                    restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
-                   apply_pause_s=f("APPLY_PAUSE_S", cls.apply_pause_s))
+                   apply_pause_s=f("APPLY_PAUSE_S", cls.apply_pause_s),
+                   stop_poll_s=f("STOP_POLL_S", cls.stop_poll_s))
 
 
 CFG = OperatorConfig.from_env()
@@ -78,6 +80,10 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
     settings.posting.level = logging.INFO
+    # A deletion that lands while `observe` is in an engine request (up to TIMEOUT_S each) cannot release
+    # the finalizer until the timer's thread returns; kopf then re-checks only every cancellation_polling
+    # (60 s by default), which held deletions for a minute.
+    settings.background.cancellation_polling = CFG.stop_poll_s
     # The CRD is installed before the operator (Helm's crds/); no need to watch CRDs, nor the RBAC for it.
     settings.scanning.disabled = True
 
@@ -147,7 +153,9 @@ def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, names
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CFG.poll_s, initial_delay=min(CFG.poll_s, 2.0))
-def observe(spec, name, namespace, body, meta, status, memo, patch, logger, **_) -> None:
+def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stopped, **_) -> None:
+    if stopped:  # the rollout is being deleted (or the operator is exiting): no more engine calls
+        return
     s = _spec(spec)
     status = dict(status or {})
     pods = kube.list_pods(namespace, _selector(name))
@@ -162,6 +170,8 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, **_)
     if not restarting and ready == s.topology.nodes and rank0 is not None:
         url = engine_client.base_url(rank0["status"]["podIP"], s.port)
         health = engine_client.health(url)
+        if stopped:
+            return
         if health.reachable:
             try:
                 metrics = engine_client.metrics(url)

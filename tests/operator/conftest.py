@@ -178,7 +178,9 @@ def namespace(cluster, request) -> str:
     ns = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
     cluster.kubectl("create", "namespace", ns)
     yield ns
-    cluster.kubectl("delete", "pdrollouts", "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
+    # kubectl's own --timeout must end before the subprocess timeout, so a slow finalizer reads as rc != 0.
+    cluster.kubectl("delete", "pdrollouts", "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False,
+                    timeout=90)
     cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     wait_for(f"pods of {ns} to go", lambda: not cluster.get("pods", "-n", ns)["items"], timeout=60)
 

@@ -232,3 +232,58 @@ def test_api_server_restart_watch_recovers(cluster, operator, namespace, wait):
          lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode == 0,
          timeout=90)
     assert operator.proc.poll() is None, f"operator died:\n{operator.logs()}"
+
+
+def test_delete_while_observe_waits_on_engine(cluster, operator, namespace, port, wait):
+    """A deletion that lands while the timer is inside an engine request: the finalizer goes once that request
+    returns, not a kopf cancellation-poll (60 s by default) later. The engine here is a real HTTP server on the
+    rank-0 pod's IP whose /health answers after 2 s, so the timer is almost always mid-request."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "slow-engine"
+    doc["spec"]["port"] = port
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    ip = wait("pod IP", lambda: cluster.kubectl("get", "pod", f"{name}-0", "-n", namespace, "-o",
+                                                "jsonpath={.status.podIP}", check=False).stdout, timeout=60)
+    in_health = threading.Event()
+
+    class SlowEngine(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                in_health.set()
+                time.sleep(2.0)
+                in_health.clear()
+                body = b'{"status": "ok"}'
+                self.send_response(200)
+            else:
+                body = b"not here"
+                self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer((ip, port), SlowEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # Steady state first: once status stops changing, the timer's patches make no events that would
+        # wake kopf's deletion handling early.
+        wait("Running", lambda: rollout(cluster, namespace, name).get("status", {}).get("phase") == "Running",
+             timeout=60)
+        wait("the timer out of /health", lambda: not in_health.is_set(), timeout=10, interval=0.05)
+        wait("the timer inside /health again", in_health.is_set, timeout=10, interval=0.05)
+        t0 = time.monotonic()
+        r = cluster.kubectl("delete", "pdrollout", name, "-n", namespace, "--wait=true", "--timeout=50s",
+                            check=False, timeout=70)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, f"deletion did not finish: {r.stderr}{r.stdout}\n{operator.logs()[-3000:]}"
+        # One in-flight request (2 s) plus a few 1 s re-checks; kopf's default would be ~60 s.
+        assert took < 20, f"deletion took {took:.1f}s while the timer was mid-request"
+    finally:
+        server.shutdown()
+        server.server_close()
