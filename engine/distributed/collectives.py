@@ -116,7 +116,8 @@ class RankCollectives(Collectives):
         self.streams: dict = {}    # CUDA: the worker's P and D streams
         self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
-        self.reader = HostReader(comm.device, ("decode",))   # D's compact shares (backends without fixed slots)
+        # D's compact shares need a count on the host, only for backends without fixed slots
+        self.reader = None if comm.fixed_slots else HostReader(comm.device, ("decode",))
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:

@@ -244,17 +244,19 @@ class TorchExpertComm(ExpertComm):
                  "weights": topk_weights.reshape(-1)[order], "send_counts": send_counts}   # host list in move
         return PendingDispatch(b, hidden.shape[0], work, state)
 
-    def wait_counts(self, pending: PendingDispatch) -> list[int]:
+    def _counts(self, pending: PendingDispatch) -> tuple[list[int], list[int]]:
+        """Once the count exchange is done: rows sent to and received from each peer, in one host read."""
         pending.work.wait()
-        return self.reader.read("prefill", self._p.counters[pending.buffer][1])
+        both = self.reader.read("prefill", self._p.counters[pending.buffer])
+        return both[:self.ep], both[self.ep:]
+
+    def wait_counts(self, pending: PendingDispatch) -> list[int]:
+        return self._counts(pending)[1]
 
     def move(self, pending: PendingDispatch):
         pending.check_movable()
         st, s = self._p, pending.state
-        pending.work.wait()
-        # after the permit: the split sizes on the host, sent (row 0) and received (row 1) in one read
-        both = self.reader.read("prefill", st.counters[pending.buffer])
-        s["send_counts"], recv_counts = both[:self.ep], both[self.ep:]
+        s["send_counts"], recv_counts = self._counts(pending)   # after the permit: the split sizes
         n_recv = sum(recv_counts)
         buf = st.buffers[pending.buffer]
         if n_recv > buf["recv"].shape[0]:

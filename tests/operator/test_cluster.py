@@ -3,6 +3,9 @@ built from source: helm install, apply, exact objects and env, status, validatio
 garbage collection. Engine-facing paths are in test_live_engine.py."""
 import json
 import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -238,10 +241,6 @@ def test_delete_while_observe_waits_on_engine(cluster, operator, namespace, port
     """A deletion that lands while the timer is inside an engine request: the finalizer goes once that request
     returns, not a kopf cancellation-poll (60 s by default) later. The engine here is a real HTTP server on the
     rank-0 pod's IP whose /health answers after 2 s, so the timer is almost always mid-request."""
-    import threading
-    import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
     doc["metadata"]["name"] = name = "slow-engine"
     doc["spec"]["port"] = port
