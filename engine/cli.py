@@ -18,24 +18,81 @@ def _cmd_checkpoint(a) -> int:
 
 def _cmd_generate(a) -> int:
     from .config import ControlSettings, EngineConfig
+    from .distributed.exits import EXIT_CONFIG
+    from .distributed.layout import LayoutError
     from .engine import Engine
     from .generate import run_requests, read_requests
-    extra = json.loads(a.engine_config) if a.engine_config else {}
-    control = ControlSettings.model_validate(json.loads(a.control)) if a.control else ControlSettings()
-    cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, mode=a.mode,
-                       kv_cache_bytes=a.kv_cache_mb << 20, control=control, **extra)
-    if a.nproc > 1:
+    try:
+        layout = layout_from_args(a)
+        fields = {"kv_cache_bytes": 256 << 20, **engine_overrides(a.engine_config)}
+        control = fields.pop("control", {})
+        if a.control:   # the flag's keys over the file's
+            control = {**control, **json.loads(a.control)}
+        flags = {"dtype": a.dtype, "kv_cache_bytes": a.kv_cache_mb << 20 if a.kv_cache_mb is not None else None}
+        fields.update({k: v for k, v in flags.items() if v is not None})
+        cfg = EngineConfig(model=a.model, device=layout.device, mode=a.mode,
+                           control=ControlSettings.model_validate(control), **fields)
+    except (LayoutError, ValueError) as e:   # pydantic's ValidationError and bad JSON are ValueErrors
+        print(f"pdrollout generate: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if layout.world > 1:
         from .distributed.entry import launch_generate   # multi-rank engine
-        return launch_generate(a, cfg)
-    if a.expert_backend != "torch":
-        print(f"pdrollout generate: --expert-backend {a.expert_backend} needs --nproc > 1 (expert parallelism)",
+        return launch_generate(a, cfg, layout)
+    if layout.expert_backend != "torch":
+        print(f"pdrollout generate: --expert-backend {layout.expert_backend} needs --nproc > 1 (expert parallelism)",
               file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     engine = Engine(cfg)
     lines = read_requests(a.requests)
     for rec in run_requests(engine, lines, sequential=a.sequential):
         print(json.dumps(rec), flush=True)
     return 0
+
+
+def engine_overrides(spec: str | None) -> dict:
+    """Extra EngineConfig fields from `--engine-config`: inline JSON or a JSON file."""
+    from pathlib import Path
+    if not spec:
+        return {}
+    try:
+        text = Path(spec).read_text() if Path(spec).is_file() else spec
+        value = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--engine-config {spec!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--engine-config must be a JSON object")
+    return value
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """The group layout (docs/DISTRIBUTED.md): flags override PDROLLOUT_* env, which overrides the
+    layout file. Unset flags (None) leave the other sources' values."""
+    g = p.add_argument_group("group layout (flags > PDROLLOUT_* env > layout file)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu; env PDROLLOUT_DEVICE)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="ranks in the group on one node (the world size; several nodes: --nnodes/--nproc-per-node)")
+    g.add_argument("--adp", type=int, default=None, help="attention data-parallel width (default 1)")
+    g.add_argument("--ep", type=int, default=None, help="expert-parallel width (default 1)")
+    g.add_argument("--expert-backend", choices=["torch", "deep_ep"], default=None,
+                   help="expert all-to-all backend of the multi-rank engine (default torch; deep_ep: --device cuda)")
+    g.add_argument("--nnodes", type=int, default=None, help="nodes (pods) forming one engine (default 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 serves the API")
+    g.add_argument("--nproc-per-node", type=int, default=None, help="local ranks per node (GPUs, or CPU processes)")
+    g.add_argument("--master-addr", default=None, help="node 0's address (its store and HTTP API)")
+    g.add_argument("--master-port", type=int, default=None, help="node 0's store port (default 29500)")
+    g.add_argument("--join-timeout", type=float, default=None,
+                   help="seconds a node waits for the whole group before it exits with 'peer lost' (default 300)")
+    g.add_argument("--layout", default=None,
+                   help="layout file (JSON, the operator's rollout.json; default: $PDROLLOUT_ROLLOUT_INFO)")
+
+
+def layout_from_args(a: argparse.Namespace):
+    """The GroupLayout from flags, env and the layout file; LayoutError if they do not form a group."""
+    from .distributed.layout import resolve
+    return resolve({"nproc": a.nproc, "layout": a.layout, "device": a.device, "adp": a.adp, "ep": a.ep,
+                    "expert_backend": a.expert_backend, "nnodes": a.nnodes, "node_rank": a.node_rank,
+                    "nproc_per_node": a.nproc_per_node, "master_addr": a.master_addr,
+                    "master_port": a.master_port, "join_timeout_s": a.join_timeout})
 
 
 def add_rank_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +103,6 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-isolation", action="store_true",
                    help="isolation-only diagnostic: odd replicas (ATP-only: odd ranks) enqueue P before D "
                         "(shows the stall)")
-    p.add_argument("--expert-backend", choices=["torch", "deep_ep"], default="torch",
-                   help="expert all-to-all backend of the multi-rank engine (deep_ep: --device cuda)")
     p.add_argument("--sm-partition", type=int, default=0, metavar="SMS",
                    help="CUDA: run P and D streams in one green-context partition of SMS SMs (0: whole GPU)")
     p.add_argument("--nccl-ctas", type=int, default=0, metavar="N",
@@ -77,16 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True)
     g.add_argument("--requests", required=True, help="JSONL file, or - for stdin")
     g.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    g.add_argument("--kv-cache-mb", type=int, default=256)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: --engine-config's, else auto)")
+    g.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default 256, or --engine-config's)")
     g.add_argument("--sequential", action="store_true",
                    help="run one request at a time (multi-turn files then reuse earlier turns' KV)")
-    g.add_argument("--nproc", type=int, default=1)
-    g.add_argument("--adp", type=int, default=1)
-    g.add_argument("--ep", type=int, default=1)
     g.add_argument("--control", help="initial ControlSettings as JSON, e.g. '{\"ordering\": \"fine-grained\"}'")
-    g.add_argument("--engine-config", help="extra EngineConfig fields as JSON, e.g. '{\"block_size\": 4}'")
+    g.add_argument("--engine-config", help="extra EngineConfig fields: inline JSON or a JSON file, "
+                                           "e.g. '{\"block_size\": 4}' (flags win over it)")
+    add_layout_args(g)
     add_rank_args(g)
     g.set_defaults(func=_cmd_generate)
 

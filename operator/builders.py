@@ -6,6 +6,7 @@ import json
 
 from pdrollout.engine.config import EngineConfig
 from pdrollout.engine.distributed import netenv
+from pdrollout.engine.distributed.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator.models import PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -32,6 +33,10 @@ def service_name(name: str) -> str:
     return name  # headless; pods resolve as <name>-<i>.<name>.<ns>.svc
 
 
+def api_service_name(name: str) -> str:
+    return f"{name}-api"  # clients: node 0 only (the other nodes serve no API)
+
+
 def configmap_name(name: str) -> str:
     return f"{name}-engine"
 
@@ -49,57 +54,46 @@ def _field(key: str, path: str) -> dict:
     return {"name": key, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _range(r: range) -> str:
-    return f"{r.start}:{r.stop}"  # half-open, as the engine reads PDROLLOUT_QP_RANGE_*
-
-
 def network_env(spec: PDRolloutSpec) -> dict[str, str]:
     """NCCL/NVSHMEM settings from the engine's own arithmetic (pdrollout.engine.distributed.netenv),
-    so the operator and the DeepEP backend cannot disagree. IBGDA runs between nodes; `ibgda: false`
-    turns it off there too (IBRC)."""
-    net, nodes = spec.network, spec.topology.nodes
-    nv = net.nvshmem
-    env = netenv.nvshmem_env(nv.qps_per_rank, qp_depth=nv.qp_depth, internode=nodes > 1, hcas=net.ib_hcas)
-    if not nv.ibgda:
-        env["NVSHMEM_IB_ENABLE_IBGDA"] = "0"
-    env.update(netenv.nccl_env(net.ib_hcas, net.socket_ifname))
-    env["GLOO_SOCKET_IFNAME"] = net.socket_ifname
-    split = netenv.qp_split(nv.qps_per_rank)
-    env["PDROLLOUT_QP_RANGE_D"] = _range(split.decode)
-    env["PDROLLOUT_QP_RANGE_P"] = _range(split.prefill)
+    so the operator and the DeepEP backend cannot disagree. Only what the engine reads: nothing on
+    CPU (gloo binds the pod IP itself), NCCL on CUDA, NVSHMEM and the QP split for DeepEP. IBGDA runs
+    between nodes; `ibgda: false` turns it off there too (IBRC)."""
+    if spec.device != "cuda":
+        return {}
+    net = spec.network
+    env = netenv.nccl_env(net.ib_hcas, net.socket_ifname)
+    if spec.expert_backend == "deep_ep":
+        nv = net.nvshmem
+        env.update(netenv.nvshmem_env(nv.qps_per_rank, qp_depth=nv.qp_depth, internode=spec.topology.nodes > 1,
+                                      hcas=net.ib_hcas))
+        if not nv.ibgda:
+            env["NVSHMEM_IB_ENABLE_IBGDA"] = "0"
+        split = netenv.qp_split(nv.qps_per_rank)
+        env[netenv.QP_RANGE_ENV["decode"]] = netenv.format_range(split.decode)
+        env[netenv.QP_RANGE_ENV["prefill"]] = netenv.format_range(split.prefill)
     return env
 
 
 def engine_env(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
-    """Container env, all derived from the topology and network spec. Multiplexing is absent on
-    purpose: it changes live through /control, and a template change would restart the pods."""
-    topo = spec.topology
-    static = {
-        "PDROLLOUT_ROLLOUT": name,
-        "PDROLLOUT_NNODES": str(topo.nodes),
-        "PDROLLOUT_GPUS_PER_NODE": str(topo.gpus_per_node),
-        "PDROLLOUT_WORLD_SIZE": str(topo.world_size),
-        "PDROLLOUT_MASTER_ADDR": master_address(name, namespace),
-        "PDROLLOUT_MASTER_PORT": str(DIST_PORT),
-        "PDROLLOUT_EP": str(topo.expert_parallel),
-        "PDROLLOUT_ADP": str(topo.attention_data_parallel),
-        "PDROLLOUT_ATP": str(topo.attention_tp),
-        "PDROLLOUT_ETP": str(topo.expert_tp),
-        "PDROLLOUT_PORT": str(spec.port),
-        "PDROLLOUT_ROLLOUT_INFO": f"{CONFIG_DIR}/{ROLLOUT_INFO_KEY}",
-        **network_env(spec),
-    }
+    """Container env: the pod-specific node rank and address, where the shared layout file is, and
+    the network settings. The layout itself is in the file (one source of truth for every pod).
+    Multiplexing is absent on purpose: it changes live through /control, and a template change
+    would restart the pods."""
     return [
         _field("PDROLLOUT_NODE_RANK", f"metadata.labels['{POD_INDEX_LABEL}']"),
         _field("POD_NAME", "metadata.name"),
         _field("POD_IP", "status.podIP"),
-        *(_var(k, v) for k, v in static.items()),
+        _var(LAYOUT_FILE_ENV, f"{CONFIG_DIR}/{ROLLOUT_INFO_KEY}"),
+        *(_var(k, v) for k, v in network_env(spec).items()),
     ]
 
 
 def engine_args(spec: PDRolloutSpec) -> list[str]:
-    return ["serve", "--model", spec.model.path, "--host", "0.0.0.0", "--port", str(spec.port),
-            "--mode", "pd", "--device", "cuda", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}"]
+    """The same `pdrollout serve` in every pod; the layout comes from $PDROLLOUT_ROLLOUT_INFO.
+    Every listener binds the pod's own address (two pods on one host never collide)."""
+    return ["serve", "--model", spec.model.path, "--host", "$(POD_IP)", "--port", str(spec.port),
+            "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}"]
 
 
 def engine_config(spec: PDRolloutSpec) -> dict:
@@ -110,13 +104,20 @@ def engine_config(spec: PDRolloutSpec) -> dict:
     return cfg
 
 
-def rollout_info(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
-    """The group's layout, for the engine's distributed start-up and for humans."""
+def group_layout(name: str, namespace: str, spec: PDRolloutSpec) -> GroupLayout:
+    """The engine's layout of this rollout (node rank 0: the shared file has no pod-specific field)."""
     t = spec.topology
-    return {"rollout": name, "nodes": t.nodes, "gpusPerNode": t.gpus_per_node, "worldSize": t.world_size,
-            "expertParallel": t.expert_parallel, "attentionDataParallel": t.attention_data_parallel,
-            "attentionTP": t.attention_tp, "expertTP": t.expert_tp,
-            "masterAddr": master_address(name, namespace), "masterPort": DIST_PORT}
+    return GroupLayout(nnodes=t.nodes, nproc_per_node=t.gpus_per_node, master_addr=master_address(name, namespace),
+                       master_port=DIST_PORT, adp=t.attention_data_parallel, ep=t.expert_parallel,
+                       device=spec.device, expert_backend=spec.expert_backend)
+
+
+def rollout_info(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    """`rollout.json`: the layout every pod's engine reads (the engine's own keys), plus derived
+    figures for humans."""
+    t = spec.topology
+    return {**group_layout(name, namespace, spec).to_file(), "rollout": name, "worldSize": t.world_size,
+            "attentionTP": t.attention_tp, "expertTP": t.expert_tp}
 
 
 def configmap(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
@@ -149,11 +150,26 @@ def service(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     }
 
 
+def api_service(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    """The client Service: node 0 alone (it plans and serves the API for the whole group)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": api_service_name(name), "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "selector": {LABEL_ROLLOUT: name, POD_INDEX_LABEL: "0"},
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http"}],
+        },
+    }
+
+
 def _resources(spec: PDRolloutSpec) -> dict:
     r = spec.resources
-    amounts = {"cpu": r.cpu, "memory": r.memory, "nvidia.com/gpu": str(spec.topology.gpus_per_node)}
-    if r.rdma_per_node:
-        amounts[r.rdma_resource] = str(r.rdma_per_node)
+    amounts = {"cpu": r.cpu, "memory": r.memory}
+    if spec.device == "cuda":   # on CPU gpusPerNode counts processes, not devices
+        amounts["nvidia.com/gpu"] = str(spec.topology.gpus_per_node)
+        if r.rdma_per_node:
+            amounts[r.rdma_resource] = str(r.rdma_per_node)
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
@@ -172,8 +188,8 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                 "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                                    "periodSeconds": 5, "failureThreshold": 3},
                 "resources": _resources(spec),
-                # NVSHMEM/IB pin memory; the verbs device needs a locked-memory limit.
-                "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}   # NVSHMEM/IB pin memory
+                   if spec.device == "cuda" else {}),
                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                                  {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
             }],
@@ -186,7 +202,8 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                 "labelSelector": {"matchExpressions": [{"key": LABEL_ROLLOUT, "operator": "Exists"}]},
                 "topologyKey": "kubernetes.io/hostname",
             }]}},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+               if spec.device == "cuda" else {}),
             "terminationGracePeriodSeconds": 30,
         },
     }
@@ -210,5 +227,5 @@ def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
 
 def desired_objects(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
     """In apply order: the config and the Service exist before any pod needs them."""
-    return [configmap(name, namespace, spec), service(name, namespace, spec),
+    return [configmap(name, namespace, spec), service(name, namespace, spec), api_service(name, namespace, spec),
             statefulset(name, namespace, spec)]

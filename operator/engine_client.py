@@ -71,7 +71,6 @@ class EngineMetrics:
     makespan_s: float | None = None
     ttft_p99_s: float | None = None
     mean_decode_wait_s: float | None = None
-    stalls: int | None = None
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -103,14 +102,12 @@ def parse_metrics(text: str) -> EngineMetrics:
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
     count = sums.get("pdrollout:decode_wait_seconds_count")
-    stalls = sums.get("pdrollout:stalls_total")
     makespan = sums.get("pdrollout:rollout_makespan_seconds")
     finished = sums.get("pdrollout:rollouts_finished_total")
     return EngineMetrics(
         makespan_s=makespan if finished else None,  # the gauge means nothing before a rollout finished
         ttft_p99_s=histogram_quantile(0.99, list(ttft.items())),
         mean_decode_wait_s=sums["pdrollout:decode_wait_seconds_sum"] / count if count else None,
-        stalls=int(stalls) if stalls is not None else None,
     )
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from pdrollout.engine.distributed.exits import EXIT_STALL, name as exit_name
+from pdrollout.operator.builders import ENGINE_CONTAINER
+
 
 def _ts(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
@@ -21,11 +24,38 @@ def pod_failure(pod: dict) -> str | None:
     if status.get("phase") == "Failed":
         return f"pod {name} failed ({status.get('reason') or 'no reason given'})"
     for cs in status.get("containerStatuses") or []:
+        code = last_exit(cs)
+        why = f": exit {code} ({exit_name(code)})" if code is not None else ""
         if cs.get("restartCount", 0) > 0:
-            return f"container {cs.get('name')} of pod {name} restarted ({cs['restartCount']}x)"
-        term = (cs.get("state") or {}).get("terminated")
-        if term:
-            return f"container {cs.get('name')} of pod {name} terminated (exit {term.get('exitCode')})"
+            return f"container {cs.get('name')} of pod {name} restarted ({cs['restartCount']}x{why})"
+        if (cs.get("state") or {}).get("terminated"):
+            return f"container {cs.get('name')} of pod {name} terminated{why}"
+    return None
+
+
+def _terminated(cs: dict) -> dict | None:
+    """The container's current termination, else its last one (it restarted since)."""
+    return (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+
+
+def last_exit(cs: dict) -> int | None:
+    term = _terminated(cs)
+    return term.get("exitCode") if term else None
+
+
+def stall_exit(pods: list[dict]) -> tuple[str, str] | None:
+    """(key, message) of an engine that exited with the stall code (distributed/exits.py), if any:
+    the watchdog's verdict, which a group restart would otherwise hide. The key tells one exit from
+    the next (pod UID, container restarts, finish time)."""
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") != ENGINE_CONTAINER or last_exit(cs) != EXIT_STALL:
+                continue
+            term = _terminated(cs)
+            key = f"{pod['metadata']['uid']}/{cs.get('restartCount', 0)}/{term.get('finishedAt')}"
+            when = f" at {term['finishedAt']}" if term.get("finishedAt") else ""
+            return key, (f"engine of pod {pod['metadata']['name']} exited with the stall code {EXIT_STALL}{when}: "
+                         "no rank made progress within the watchdog bound (the pod's log has every rank's frontier)")
     return None
 
 

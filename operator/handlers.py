@@ -88,22 +88,28 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.scanning.disabled = True
 
 
-def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger) -> bool:
-    """Bring every running engine's /control to spec.multiplexing. True when all pods agree."""
+def _node0(name: str, pods: list[dict]) -> dict | None:
+    """The running pod of node 0: it plans for the whole group and serves the API."""
+    return next((p for p in _running(pods) if p["metadata"]["name"] == f"{name}-0"), None)
+
+
+def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: list[dict] | None = None) -> bool:
+    """Bring the engine's /control to spec.multiplexing. Node 0 takes it for every rank of every node
+    (the control travels in its step plans). True when node 0 agrees."""
     want = spec.multiplexing.control().model_dump()
-    pods = _running(kube.list_pods(namespace, _selector(name)))
-    agreed = 0
-    for pod in pods:
-        url = engine_client.base_url(pod["status"]["podIP"], spec.port)
-        try:
-            have = engine_client.get_control(url)
-            if {k: have.get(k) for k in want} != want:
-                engine_client.put_control(url, want)
-                logger.info(f"pushed control {want} to {pod['metadata']['name']}")
-            agreed += 1
-        except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
-            logger.warning(f"control not pushed to {pod['metadata']['name']}: {e}")
-    return agreed == spec.topology.nodes
+    pod = _node0(name, kube.list_pods(namespace, _selector(name)) if pods is None else pods)
+    if pod is None:
+        return False
+    url = engine_client.base_url(pod["status"]["podIP"], spec.port)
+    try:
+        have = engine_client.get_control(url)
+        if {k: have.get(k) for k in want} != want:
+            engine_client.put_control(url, want)
+            logger.info(f"pushed control {want} to {pod['metadata']['name']}")
+        return True
+    except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
+        logger.warning(f"control not pushed to {pod['metadata']['name']}: {e}")
+        return False
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -152,6 +158,19 @@ def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, names
     return d.reason
 
 
+def _stall_exit(pods: list[dict], status: dict, patch, body) -> str | None:
+    """An engine exit with the stall code not counted yet: count it, say so, return its message."""
+    seen = group.stall_exit(pods)
+    if seen is None or seen[0] == status.get("lastStallExit"):
+        return None
+    key, message = seen
+    patch.status["stalls"] = (status.get("stalls") or 0) + 1
+    patch.status["lastStallExit"] = key
+    patch.status["lastStallTime"] = _iso(_now())
+    kopf.warn(body, reason="EngineStalled", message=message)
+    return message
+
+
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CFG.poll_s, initial_delay=min(CFG.poll_s, 2.0))
 def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stopped, **_) -> None:
     if stopped:  # the rollout is being deleted (or the operator is exiting): no more engine calls
@@ -163,10 +182,11 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         f"{p['metadata']['name']}({p['metadata']['uid'][:8]} {(p.get('status') or {}).get('phase')}"
         f"{' deleting' if p['metadata'].get('deletionTimestamp') else ''}{' ready' if _ready(p) else ''})"
         for p in pods))
+    stall = _stall_exit(pods, status, patch, body)   # before a restart replaces the pods that say so
     restarting = _group_restart(s, pods, status, memo, namespace, body, patch, logger)
     ready = 0 if restarting else sum(1 for p in _running(pods) if _ready(p))
     health = metrics = None
-    rank0 = next((p for p in _running(pods) if p["metadata"]["name"] == f"{name}-0"), None)
+    rank0 = _node0(name, pods)
     if not restarting and ready == s.topology.nodes and rank0 is not None:
         url = engine_client.base_url(rank0["status"]["podIP"], s.port)
         health = engine_client.health(url)
@@ -177,12 +197,13 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
                 metrics = engine_client.metrics(url)
             except engine_client.EngineError as e:
                 logger.warning(f"metrics unavailable: {e}")
-        if health.ok and push_control(namespace, name, s, logger):
+        if health.ok and push_control(namespace, name, s, logger, pods):
             patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
+    previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
                          generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
-                         health=health, metrics=metrics, previous_stalls=status.get("stalls"),
-                         restarting=restarting)
+                         health=health, metrics=metrics, restarting=restarting, stall=stall,
+                         previous_stalled=previous)
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
                                                                         _iso(_now()))))

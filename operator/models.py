@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from pdrollout.engine.config import Activation, ControlSettings, EngineConfig, Ordering
+from pdrollout.engine.distributed.layout import DEVICES, EXPERT_BACKENDS
+from pdrollout.engine.distributed.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
 from pdrollout.engine.distributed.topology import Topology as RankTopology
 
 GROUP = "pdrollout.io"
@@ -18,6 +20,8 @@ KIND = "PDRollout"
 
 Dtype = Literal[get_args(EngineConfig.model_fields["dtype"].annotation)]  # the engine's own list
 RestartPolicy = Literal["RecreateGroupOnPodRestart", "None"]
+Device = Literal[DEVICES]                     # the engine's own lists
+ExpertBackend = Literal[EXPERT_BACKENDS]
 QPDepth = Literal[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
@@ -119,16 +123,28 @@ class Resources(_Model):
     rdma_per_node: int = Field(default=1, ge=0, description="0: request no RDMA device.")
 
 
+_DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
+_DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
+                f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
+
+
 class PDRolloutSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_rules(
-        ("self.topology.nodes == 1 || size(self.network.ibHCAs) > 0",
+        ("self.device == 'cpu' || self.topology.nodes == 1 || size(self.network.ibHCAs) > 0",
          "a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)"),
-        ("self.topology.nodes == 1 || self.resources.rdmaPerNode > 0",
+        ("self.device == 'cpu' || self.topology.nodes == 1 || self.resources.rdmaPerNode > 0",
          "a two-node rollout needs resources.rdmaPerNode > 0"),
+        ("self.expertBackend != 'deep_ep' || self.device == 'cuda'", "expertBackend deep_ep needs device cuda"),
+        (f"self.expertBackend != 'deep_ep' || (self.topology.nodes == 1 && "
+         f"self.topology.expertParallel in {_DEEP_EP_RANKS_CEL})", _DEEP_EP_MSG),
     ))
 
     image: str = Field(min_length=1)
     model: ModelSpec
+    device: Device = Field(default="cuda", description="cuda: one rank per GPU; cpu: gpusPerNode CPU ranks per "
+                                                       "pod over gloo (no GPUs, no RDMA requested).")
+    expert_backend: ExpertBackend = Field(default="torch", description="Expert all-to-all of the multi-rank "
+                                                                        "engine: torch (NCCL/gloo) or deep_ep.")
     topology: Topology = Field(default_factory=Topology)
     multiplexing: Multiplexing = Field(default_factory=Multiplexing)
     network: Network = Field(default_factory=Network)
@@ -137,11 +153,17 @@ class PDRolloutSpec(_Model):
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
 
     @model_validator(mode="after")
-    def _two_nodes(self) -> "PDRolloutSpec":  # mirrors the CEL rules above
-        if self.topology.nodes > 1 and not self.network.ib_hcas:
+    def _runnable(self) -> "PDRolloutSpec":  # mirrors the CEL rules above
+        rdma = self.device == "cuda" and self.topology.nodes > 1
+        if rdma and not self.network.ib_hcas:
             raise ValueError("a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)")
-        if self.topology.nodes > 1 and self.resources.rdma_per_node < 1:
+        if rdma and self.resources.rdma_per_node < 1:
             raise ValueError("a two-node rollout needs resources.rdmaPerNode > 0")
+        if self.expert_backend == "deep_ep" and self.device != "cuda":
+            raise ValueError("expertBackend deep_ep needs device cuda")
+        if self.expert_backend == "deep_ep" and (self.topology.nodes != 1
+                                                 or self.topology.expert_parallel not in DEEP_EP_RANKS):
+            raise ValueError(_DEEP_EP_MSG)
         return self
 
 
@@ -175,7 +197,10 @@ class PDRolloutStatus(_Model):
     makespan_seconds: float | None = None
     ttft_p99_seconds: float | None = None
     mean_decode_wait_seconds: float | None = None
-    stalls: int | None = None
+    stalls: int | None = Field(default=None, description="Engine exits with the stall code seen by the operator.")
+    last_stall_time: str | None = None
+    last_stall_exit: str | None = Field(default=None, description="The stall exit counted last (pod UID/restarts/"
+                                                                  "finish time).")
     group_restarts: int | None = None
     restart_streak: int | None = Field(default=None, description="Group restarts since last Running.")
     group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")

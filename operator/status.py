@@ -15,8 +15,9 @@ class Observation:
     observed_generation: int | None
     health: Health | None = None          # None: not polled (pods not all ready)
     metrics: EngineMetrics | None = None
-    previous_stalls: int | None = None
     restarting: str | None = None         # why the group is being recreated, if it is
+    stall: str | None = None              # an engine exited with the stall code (seen this pass)
+    previous_stalled: dict | None = None  # the Stalled condition as status had it
 
 
 def _cond(t: ConditionType, ok: bool, reason: str, message: str = "") -> Condition:
@@ -25,11 +26,6 @@ def _cond(t: ConditionType, ok: bool, reason: str, message: str = "") -> Conditi
 
 def decide(o: Observation) -> tuple[Phase, list[Condition]]:
     """Phase and the four conditions; reasons are CamelCase words users can grep for."""
-    stalled = (o.metrics is not None and o.metrics.stalls is not None and o.previous_stalls is not None
-               and o.metrics.stalls > o.previous_stalls)
-    stall_cond = (_cond(ConditionType.STALLED, True, "StallsIncreased",
-                        f"engine stalls {o.previous_stalls} -> {o.metrics.stalls}") if stalled
-                  else _cond(ConditionType.STALLED, False, "NoNewStalls"))
     behind = o.observed_generation is not None and o.generation is not None \
         and o.observed_generation < o.generation
     pods = f"{o.ready_nodes}/{o.desired_nodes} pods ready"
@@ -60,7 +56,20 @@ def decide(o: Observation) -> tuple[Phase, list[Condition]]:
         conds = [_cond(ConditionType.READY, True, "EngineHealthy", o.health.detail),
                  _cond(ConditionType.PROGRESSING, behind, "Reconciling" if behind else "Converged", pods),
                  _cond(ConditionType.DEGRADED, False, "EngineHealthy")]
-    return phase, conds + [stall_cond]
+    return phase, conds + [stall_condition(o, phase)]
+
+
+def stall_condition(o: Observation, phase: Phase) -> Condition:
+    """True from an engine's exit with the stall code until the group runs healthy again (the
+    restart that follows a stall would otherwise hide it)."""
+    prev = o.previous_stalled or {}
+    if o.stall:
+        return _cond(ConditionType.STALLED, True, "EngineStalled", o.stall)
+    if prev.get("status") == "True" and phase is not Phase.RUNNING:
+        return _cond(ConditionType.STALLED, True, prev.get("reason") or "EngineStalled", prev.get("message", ""))
+    if prev.get("status") == "True":
+        return _cond(ConditionType.STALLED, False, "Recovered", f"running again after: {prev.get('message', '')}")
+    return _cond(ConditionType.STALLED, False, "NoStall")
 
 
 def merge_conditions(old: list[dict], new: list[Condition], now: str) -> list[dict]:
@@ -80,7 +89,7 @@ def status_patch(o: Observation, phase: Phase, conds: list[dict]) -> dict:
     m = o.metrics
     if m is not None:  # keep the last known figures while the engine is away
         for key, value in (("makespanSeconds", m.makespan_s), ("ttftP99Seconds", m.ttft_p99_s),
-                           ("meanDecodeWaitSeconds", m.mean_decode_wait_s), ("stalls", m.stalls)):
+                           ("meanDecodeWaitSeconds", m.mean_decode_wait_s)):
             if value is not None:
                 patch[key] = value
     return patch

@@ -40,13 +40,13 @@ from typing import Any, Callable
 
 from .expert_comm import (ExpertComm, ExpertCommError, Handle, PendingDispatch, Phase,
                           PhaseState, RecvMeta, disjoint)
-from .netenv import ALIGN, local_experts, nvshmem_env, qp_split
+from .netenv import ALIGN, DEEP_EP_INTRANODE_RANKS, local_experts, nvshmem_env, qp_split_from_env
 
 # Compile-time switches of stock DeepEP v1.2.1, checked before any Buffer is made (a kernel
 # assertion on the GPU is far costlier than a ValueError here).
 LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)   # low-latency kernels' hidden sizes
 LL_MAX_TOPK = 11
-NORMAL_RANKS = (2, 4, 8)                                   # intranode normal kernels
+NORMAL_RANKS = DEEP_EP_INTRANODE_RANKS                     # intranode normal kernels
 DEFAULT_LL_MAX_TOKENS = 128
 
 
@@ -129,7 +129,10 @@ class DeepEPExpertComm(ExpertComm):
         problems = check_shapes(num_experts, self.ep, hidden, topk, self.ll_max)
         if problems:
             raise ExpertCommError("; ".join(problems))
-        self.qps = qp_split(self.e_local)
+        try:   # the operator's split (spec.network.nvshmem.qpsPerRank), or the engine's own
+            self.qps = qp_split_from_env(os.environ, self.e_local)
+        except ValueError as e:
+            raise ExpertCommError(str(e)) from None
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         groups = {}
         for ph in (Phase.DECODE, Phase.PREFILL):  # one communicator per phase (Buffer setup exchanges)
@@ -158,7 +161,7 @@ class DeepEPExpertComm(ExpertComm):
                        for _ in range(p_buffers)]
 
         # D: low-latency mode; NVSHMEM reads its environment when the runtime initializes
-        self.env = nvshmem_env(self.e_local)
+        self.env = nvshmem_env(len(self.qps.decode))
         if apply_env:   # operator-injected values (same netenv arithmetic) win
             for k, v in self.env.items():
                 os.environ.setdefault(k, v)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+from .layout import EXPERT_BACKENDS
 from .netenv import QPSplit, local_experts, qp_split
 
 
@@ -374,9 +375,6 @@ class TorchExpertComm(ExpertComm):
         return torch.empty_like(recv_hidden).index_copy_(0, order, out_grouped)
 
 
-EXPERT_BACKENDS = ("torch", "deep_ep")
-
-
 def make_expert_comm(backend: str, **kw) -> ExpertComm:
     """backend: 'torch' (everywhere) or 'deep_ep' (alias 'deepep'; CUDA with deep_ep importable)."""
     if backend == "torch":
@@ -385,4 +383,4 @@ def make_expert_comm(backend: str, **kw) -> ExpertComm:
         kw.pop("pg_backend", None)   # DeepEP makes its own (default-backend) setup groups
         from .deepep_comm import DeepEPExpertComm
         return DeepEPExpertComm(**kw)
-    raise ValueError(f"expert backend must be torch|deep_ep, got {backend!r}")
+    raise ValueError(f"expert backend must be one of {'|'.join(EXPERT_BACKENDS)}, got {backend!r}")

@@ -84,7 +84,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
     trace = Trace(rank)
     t_start = time.monotonic()
 
-    def on_stall_exit(err: StallError) -> None:  # main thread is stuck in a collective
+    def on_exit(err: StallError) -> None:  # main thread is stuck in a collective
         res.update(stalled=True, stall_report=err.report, stall_waited_s=err.waited_s,
                    stall_detected_s=time.monotonic() - t_start, stall_frontiers=err.frontiers,
                    trace=trace.records)
@@ -92,7 +92,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
         os._exit(EXIT_STALL)
 
     wd = Watchdog(ctx.store(f"wd/{sc.name}"), rank, sc.world, sc.watchdog_bound_s,
-                  on_stall_exit=on_stall_exit)
+                  on_exit=on_exit)
     dev = CpuDevice(sc.slots, sc.dispatch, seed=sc.seed + rank,
                     on_progress=lambda m: wd.progress(),
                     on_enqueue=lambda m: _traced(trace, wd, m))

@@ -41,6 +41,7 @@ class MultiRankEngine:
         self._announced: set[str] = set()
         self.step_id = 0
         self.closed = False
+        self._first_step()
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams,
@@ -75,7 +76,39 @@ class MultiRankEngine:
             return False
         return all(rep.flush_cache() for rep in self.replicas)
 
+    def check(self) -> None:
+        """Raises the group's failure (a stall or a lost peer) even while no step runs."""
+        self.worker.wd.check()
+
+    def verdict(self, exc: BaseException) -> int:
+        """The exit code for a failure of this group (distributed/exits.py)."""
+        return self.worker.wd.verdict(exc)
+
+    def on_exit(self, hook) -> None:
+        """`hook(err, code)` runs before a forced exit of this process (the group failed while a
+        thread was stuck in a collective)."""
+        self.worker.exit_hooks.append(hook)
+
     # --- the loop ---------------------------------------------------------------------------
+    def _first_step(self) -> None:
+        """Step 0: one warm-up row per path and replica through every collective, writing only the
+        KV cache's null slot. Once it returns, every rank of every node has joined and run a step."""
+        null = self.worker.num_blocks   # block id of the null slot's block
+        row = lambda kind: RowSpec("warmup", kind, 0, (0,), (null,), samples=False)
+        work = tuple(ReplicaWork(decode=(row("decode"),), prefill=(row("prefill"),)) for _ in self.replicas)
+        self._exchange(StepPlan(0, self.control.model_dump(), work, multiplexing=self.config.mode == "pd"))
+        self.step_id = 1
+        for rep in self.replicas:
+            rep.step_id = 1
+
+    def _exchange(self, plan: StepPlan) -> tuple[StepReport, list[StepReport]]:
+        """Broadcast one plan, run this rank's part, gather every rank's report."""
+        dist.broadcast_object_list([plan], src=0)
+        mine = self.worker.execute(plan)
+        reports: list[StepReport] = [None] * self.topo.world
+        dist.gather_object(mine, reports, dst=0)
+        return mine, reports
+
     def step(self) -> list[RequestOutput]:
         if self._pending_control is not None:
             self.control, self._pending_control = self._pending_control, None
@@ -111,10 +144,7 @@ class MultiRankEngine:
         plan = StepPlan(step, self.control.model_dump(), tuple(works), new, drop,
                         any(p is not None and p.multiplexing for p in plans))
         t0 = time.monotonic()
-        dist.broadcast_object_list([plan], src=0)
-        mine = self.worker.execute(plan)
-        reports: list[StepReport] = [None] * self.topo.world
-        dist.gather_object(mine, reports, dst=0)
+        mine, reports = self._exchange(plan)
         now = time.monotonic()
         for r, (rep, p) in enumerate(zip(self.replicas, plans)):
             if p is None:
@@ -137,8 +167,7 @@ class MultiRankEngine:
             "decode_rows": sum(w.decode_rows for w in works),
             "prefill_tokens": sum(w.prefill_tokens for w in works), "decode_wait_s": waits,
             "multiplexing_active": mine.multiplexed, "span": max((p.span for p in plans if p), default=1),
-            "rendezvous_s": mine.rendezvous_s, "turnstile_rounds": mine.rounds, "stalls": 0,
-            "ordering": mine.ordering})
+            "rendezvous_s": mine.rendezvous_s, "turnstile_rounds": mine.rounds, "ordering": mine.ordering})
 
     @staticmethod
     def _work(rep: ReplicaEngine, plan) -> ReplicaWork:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALIGN = 128  # DeepEP aligns buffer sizes to 128 bytes
+DEEP_EP_INTRANODE_RANKS = (2, 4, 8)   # stock DeepEP's intranode normal kernels (the CR checks it too)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,40 @@ def qp_split(qps_per_phase: int) -> QPSplit:
         raise ValueError(f"qps_per_phase must be >= 1, got {qps_per_phase}")
     s = qps_per_phase
     return QPSplit(decode=range(0, s), prefill=range(s, 2 * s))
+
+
+QP_RANGE_ENV = {"decode": "PDROLLOUT_QP_RANGE_D", "prefill": "PDROLLOUT_QP_RANGE_P"}
+
+
+def format_range(r: range) -> str:
+    return f"{r.start}:{r.stop}"   # half-open, as PDROLLOUT_QP_RANGE_* holds it
+
+
+def qp_split_from_env(env, local_experts: int) -> QPSplit:
+    """The QP split the operator injected (PDROLLOUT_QP_RANGE_D/P, from spec.network.nvshmem.qpsPerRank),
+    checked against what the low-latency kernels need; the engine's own split when absent."""
+    raw = {ph: env.get(key) for ph, key in QP_RANGE_ENV.items()}
+    if not any(raw.values()):
+        return qp_split(local_experts)
+    if not all(raw.values()):
+        raise ValueError(f"set both or neither of {' and '.join(QP_RANGE_ENV.values())}, got {raw}")
+    ranges = {}
+    for ph, text in raw.items():
+        try:
+            a, b = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"{QP_RANGE_ENV[ph]}={text!r} is not a half-open range 'start:stop'") from None
+        ranges[ph] = range(a, b)
+    split = qp_split(len(ranges["decode"]))
+    if (ranges["decode"], ranges["prefill"]) != (split.decode, split.prefill):
+        raise ValueError(f"QP ranges D {raw['decode']} and P {raw['prefill']} must be [0, s) and [s, 2s)")
+    if len(split.decode) < local_experts:
+        raise ValueError(f"D's QP range {raw['decode']} holds {len(split.decode)} QPs, but the low-latency kernels use "
+                         f"one per local expert ({local_experts}): raise spec.network.nvshmem.qpsPerRank")
+    rc = env.get("NVSHMEM_IBGDA_NUM_RC_PER_PE")
+    if rc not in (None, "", str(split.total)):
+        raise ValueError(f"NVSHMEM_IBGDA_NUM_RC_PER_PE={rc} but the QP ranges need {split.total} (2s)")
+    return split
 
 
 def local_experts(num_experts: int, ep: int) -> int:

@@ -35,7 +35,6 @@ from .controller import TurnstileController
 from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
-from .launch import EXIT_ERROR, EXIT_STALL
 from .rendezvous import Rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
 from .topology import Topology
@@ -128,8 +127,15 @@ def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: tor
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, topo: Topology, rank: int, store, options: RankOptions) -> None:
+    def __init__(self, config: EngineConfig, topo: Topology, rank: int, store, options: RankOptions,
+                 counters=None) -> None:
         self.config, self.topo, self.rank, self.opt = config, topo, rank, options
+        self.counters = counters           # node.RankCounters: this node's view of its ranks' steps
+        self.exit_hooks: list = []         # run before a forced exit (rank 0: answer in-flight requests)
+        # The watchdog first: heartbeats from here on, so a rank that dies while loading is a lost peer.
+        self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_exit=self._exit_now,
+                           on_declare=self._thread_stacks, grace_s=2.0 if rank == 0 else 1.0,
+                           extra=self._frontier).start()
         self.cfg = ModelConfig.load(config.model)
         self.replica, self.leader = topo.replica(rank), topo.local_index(rank) == 0
         self.device = rank_device(config, rank)
@@ -139,11 +145,8 @@ class Worker:
         # CUDA: the data collectives (attention reduce/gathers, expert all-to-alls) on NCCL groups;
         # plans, rendezvous and the watchdog stay on gloo (the default group and the store).
         groups = make_groups(topo, rank, backend="nccl" if self.cuda else None, registered_ctas=options.nccl_ctas)
-        self.wd = Watchdog(store, rank, topo.world, options.watchdog_bound_s, on_stall_exit=self._stall_exit,
-                           on_declare=self._thread_stacks)
         self.dev = CpuDevice(options.slots, on_progress=lambda m: self.wd.progress(),
                              on_enqueue=self._on_enqueue)
-        self.wd.extra = self._frontier
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         shard = shard_of(topo, rank)
         if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
@@ -200,7 +203,6 @@ class Worker:
             self._warm_paths()
         if self.cuda and options.gpu_timeline:
             self.timeline = self.col.timeline = GpuTimeline(rank, self.device)
-        self.wd.start()
 
     def _warm_kernels(self) -> None:
         """Before P and D can overlap on CUDA: every GEMM the paths can issue, once. Native stacks of
@@ -248,6 +250,8 @@ class Worker:
     def _frontier(self) -> dict:
         """The host device model's frontier; on CUDA also each stream's last issued collective and
         whether the stream drained (a stalled GPU shows busy streams behind peers' collectives)."""
+        if getattr(self, "dev", None) is None:   # still loading
+            return {}
         f = self.dev.frontier()
         if self.cuda and getattr(self, "col", None) is not None:
             f["cuda"] = {k: {"last": self.col.issued.get(k), "idle": s.query()}
@@ -301,8 +305,17 @@ class Worker:
                 subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], stdout=f,
                                stderr=subprocess.STDOUT, timeout=120, check=False)
 
-    def _stall_exit(self, err) -> None:   # a thread is stuck inside a collective: leave (stacks: _thread_stacks)
-        os._exit(EXIT_STALL)
+    def _exit_now(self, err: BaseException) -> None:
+        """The group failed and a thread may be stuck inside a collective: leave with the verdict
+        (stacks: _thread_stacks), after the exit hooks had their say."""
+        code = self.wd.verdict(err)
+        for hook in self.exit_hooks:
+            try:
+                hook(err, code)
+            except Exception as e:
+                print(f"[rank {self.rank}] exit hook failed: {e!r}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(code)
 
     def _on_enqueue(self, meta: dict) -> None:
         if meta.get("collective"):
@@ -348,6 +361,10 @@ class Worker:
             if logits_d is not None:
                 self._sample(list(mine.decode), logits_d, report)
         self.wd.update(busy=False, phase="idle")
+        if self.counters is not None:
+            self.counters.add(self.rank, steps=1, rounds=report.rounds, rendezvous=len(report.rendezvous_s),
+                              rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
+                              prefill_tokens=mine.prefill_tokens)
         if self._log:
             self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                         "ordering": report.ordering, "rounds": report.rounds,
@@ -428,10 +445,9 @@ class Worker:
                 logits = self._forward("p", plan, plan.replicas, lambda w: w.prefill, boundary=boundary)
                 self.ctl.finish(epoch)
                 self._p_done.put(logits)
-            except BaseException:   # fail fast: peers see the closed connections and stop too
+            except BaseException as e:   # fail fast: peers see the closed connections and stop too
                 traceback.print_exc()
-                sys.stderr.flush()
-                os._exit(EXIT_STALL if self.wd.stall is not None else EXIT_ERROR)
+                self._exit_now(e)
 
     # ---- forward -------------------------------------------------------------------------
     def _d_done(self, logits):
@@ -534,8 +550,7 @@ def worker_loop(worker: Worker) -> int:
             return 0
         try:
             report = worker.execute(plan)
-        except BaseException:
+        except BaseException as e:
             traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(EXIT_ERROR)
+            worker._exit_now(e)
         dist.gather_object(report, None, dst=0)

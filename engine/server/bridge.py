@@ -16,9 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..distributed.exits import EXIT_ERROR, EXIT_STALL, exit_code, name as exit_name
 from .metrics import ServerMetrics
 
 log = logging.getLogger("pdrollout.server")
+IDLE_CHECK_S = 0.5   # how often an idle engine thread asks a multi-rank group whether it failed
 
 
 class EngineUnavailable(RuntimeError):
@@ -67,6 +69,7 @@ class EngineBridge:
         self.engine = None                 # touched only by the engine thread after start()
         self.state = "loading"             # loading | ready | failed | stopped
         self.error: Optional[str] = None
+        self.exit_code = 0                 # the process's exit code once failed (distributed/exits.py)
         self.ready = asyncio.Event()
         self.failed = asyncio.Event()
         self.tracked: dict[str, Tracked] = {}
@@ -118,17 +121,31 @@ class EngineBridge:
         try:
             self.engine = self._factory()
         except BaseException as e:  # the server stays up and reports why on /health
-            self._fail(f"engine failed to load: {type(e).__name__}: {e}")
+            code = exit_code(e)
+            self._fail(f"engine failed to load ({exit_name(code)}): {type(e).__name__}: {e}", code)
             log.error("engine failed to load\n%s", traceback.format_exc())
             return
+        if hasattr(self.engine, "on_exit"):   # a group failure that ends this process answers first
+            self.engine.on_exit(self._last_words)
+        ranks = getattr(self.engine, "ranks", None)
+        if getattr(ranks, "counters", None) is not None:   # node 0's ranks on /metrics
+            codes = (lambda: {0: None, **ranks.local.codes()}) if ranks.local else (lambda: {0: None})
+            self._metrics.add_ranks(ranks.counters, codes, ranks.layout)
         self._publish_stats()
         self._loop.call_soon_threadsafe(self._set_ready)
         engine = self.engine
+        check = getattr(engine, "check", lambda: None)   # a multi-rank group can fail while idle
         while True:
             with self._cond:
                 while (not self._inbox and not self._stopping
                        and (self._paused or not engine.has_unfinished())):
-                    self._cond.wait()
+                    self._cond.wait(IDLE_CHECK_S)
+                    try:
+                        check()
+                    except Exception as e:
+                        code = self._verdict(e)
+                        self._fail(f"engine failed ({exit_name(code)}): {type(e).__name__}: {e}", code)
+                        return
                 cmds = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
@@ -146,7 +163,8 @@ class EngineBridge:
                     engine.step() if engine.has_unfinished() else [])
             except Exception as e:
                 log.error("engine step failed\n%s", traceback.format_exc())
-                self._fail(f"engine step failed: {type(e).__name__}: {e}")
+                code = self._verdict(e)
+                self._fail(f"engine step failed ({exit_name(code)}): {type(e).__name__}: {e}", code)
                 return
             events = engine.events[:]
             engine.events.clear()
@@ -163,9 +181,27 @@ class EngineBridge:
         self.last_stats = stats          # a dict swap: readers on the loop see old or new
         self._metrics.set_engine_stats(stats)
 
-    def _fail(self, message: str) -> None:
+    def _verdict(self, e: BaseException) -> int:
+        verdict = getattr(self.engine, "verdict", None)
+        return verdict(e) if verdict is not None else exit_code(e)
+
+    def _last_words(self, err: BaseException, code: int) -> None:
+        """Runs on the watchdog's thread before a forced exit: fail the in-flight requests and give
+        the event loop a moment to send their answers."""
+        done = threading.Event()
+        self._fail(f"engine failed ({exit_name(code)}): {type(err).__name__}: {err}", code)
+        self._loop.call_soon_threadsafe(done.set)
+        done.wait(2.0)
+        time.sleep(0.5)
+
+    def _fail(self, message: str, code: int = EXIT_ERROR) -> None:
+        if code == EXIT_STALL:
+            self._metrics.stalls.inc()
+
         def on_loop():
-            self.state, self.error = "failed", message
+            if self.state == "failed":
+                return
+            self.state, self.error, self.exit_code = "failed", message, code
             self.failed.set()
             for t in list(self.tracked.values()):
                 if not t.finished:

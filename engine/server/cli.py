@@ -18,7 +18,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
     p.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --model)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or a directory holding one; enables text prompts and text output")
@@ -32,55 +31,58 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream only new tokens per chunk (SGLang's flag; default: cumulative)")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--nproc", type=int, default=1, help="ranks (rank 0 serves HTTP, the others are workers)")
-    p.add_argument("--adp", type=int, default=1, help="attention data-parallel width")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel width")
-    from ..cli import add_rank_args
+    from ..cli import add_layout_args, add_rank_args
+    add_layout_args(p)
     add_rank_args(p)
     p.set_defaults(func=run_serve)
     return p
 
 
-def _engine_overrides(spec: str | None) -> dict:
-    if not spec:
-        return {}
-    text = Path(spec).read_text() if Path(spec).is_file() else spec
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise SystemExit("--engine-config must be a JSON object")
-    return value
+def _fail(message: str, code: int) -> int:
+    print(f"pdrollout serve: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from ..cli import engine_overrides, layout_from_args
     from ..config import EngineConfig
+    from ..distributed.exits import EXIT_CONFIG
+    from ..distributed.layout import LayoutError
     from .app import ServerSettings
     from .serve import run
     from .tokenizer import find_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Validate the engine config before listening, so a typo fails fast with a clear message.
-    config = EngineConfig(model=args.model, device=args.device, mode=args.mode,
-                          **_engine_overrides(args.engine_config))
+    # Validate the layout and the engine config before listening, so a typo fails fast and clearly.
+    try:
+        layout = layout_from_args(args)
+        config = EngineConfig(model=args.model, device=layout.device, mode=args.mode,
+                              **engine_overrides(args.engine_config))
+    except (LayoutError, ValueError) as e:   # pydantic's ValidationError is a ValueError
+        return _fail(str(e), EXIT_CONFIG)
+    options = None
+    if layout.world > 1:
+        from ..distributed.entry import prepare, run_worker_node
+        options, error = prepare(args, config, layout, "serve")
+        if error:
+            return _fail(error.removeprefix("pdrollout serve: "), EXIT_CONFIG)
+        if not layout.is_master:   # a worker node: its ranks, /health and /metrics; no API
+            rc = run_worker_node(layout, config, options, args.host, args.port)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
     settings = ServerSettings(model=args.model, served_model_name=args.served_model_name, host=args.host,
-                              port=args.port, mode=args.mode, device=args.device,
+                              port=args.port, mode=args.mode, device=layout.device,
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
                               rollout_idle_s=args.rollout_idle,
                               incremental_streaming_output=args.incremental_streaming_output)
     tokenizer = find_tokenizer(args.model, args.tokenizer)
     made: list = []
-    topo = None
-    if args.nproc > 1:
-        from ..distributed.entry import check_topology
-        from ..distributed.topology import TopologyError
-        try:
-            topo = check_topology(args.model, args.nproc, args.adp, args.ep)
-        except TopologyError as e:   # before any process starts
-            raise SystemExit(f"pdrollout serve: {e}")
 
     def make_engine():
-        if topo is not None:   # rank 0 here, ranks 1..N-1 spawned (or torchrun's)
-            from ..distributed.entry import options_from_args, start_engine
-            made.append(start_engine(config, topo, options_from_args(args)))
+        if options is not None:   # node 0's rank 0 here; its other ranks spawned (or torchrun's)
+            from ..distributed.entry import start_engine
+            made.append(start_engine(config, layout, options, args.host))
             return made[-1]
         from ..engine import Engine
         return Engine(config)
@@ -91,7 +93,10 @@ def run_serve(args: argparse.Namespace) -> int:
     rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
     for engine in made:   # the engine thread has stopped: tell the workers, then reap them
         from ..distributed.entry import stop_engine
-        stop_engine(engine)
+        if rc == 0:
+            stop_engine(engine)
+        else:                 # the group failed: no stop plan can reach it, end this node's ranks
+            engine.ranks.join(0)
     # Interpreter teardown with torch loaded takes seconds; the server is already shut down
     # cleanly, so leave now (a SIGTERM'd pod should exit fast).
     logging.shutdown()

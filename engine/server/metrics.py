@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 P = "pdrollout:"
@@ -64,6 +65,10 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def add_ranks(self, counters, codes, layout) -> None:
+        """Export this node's ranks (`node.RankCounters`; `codes()`: rank -> exit code or None)."""
+        self.registry.register(RankCollector(counters, codes, layout))
 
     # --- event loop -------------------------------------------------------------------------
     def first_token(self, seconds: float) -> None:
@@ -121,3 +126,44 @@ def _as_list(v) -> list:
     if v is None:
         return []
     return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+# Per-rank figures of one node's ranks: every node's /metrics shows its own ranks (node 0 also
+# serves the engine-wide metrics above). Fields of `node.RankCounters`.
+_RANK_COUNTERS = (("steps", "rank_steps", "Steps this rank executed"),
+                  ("rounds", "rank_turnstile_rounds", "Turnstile rounds with a rendezvous on this rank"),
+                  ("rendezvous", "rank_rendezvous", "Rendezvous this rank took part in"),
+                  ("rendezvous_s", "rank_rendezvous_seconds", "Seconds this rank spent in rendezvous"),
+                  ("decode_rows", "rank_decode_rows", "Decode rows of this rank's replica it executed"),
+                  ("prefill_tokens", "rank_prefill_tokens", "Prefill tokens of this rank's replica it executed"))
+
+
+class RankCollector:
+    def __init__(self, counters, codes, layout) -> None:
+        self.counters, self.codes, self.layout = counters, codes, layout
+
+    def collect(self):
+        node = str(self.layout.node_rank)
+        codes = self.codes()
+        up = GaugeMetricFamily(P + "rank_up", "1 while the rank's process runs", labels=["rank", "node"])
+        ready = GaugeMetricFamily(P + "node_ranks_stepped", "Ranks of this node that executed a step",
+                                  labels=["node"])
+        families = {f: CounterMetricFamily(P + n, h, labels=["rank", "node"]) for f, n, h in _RANK_COUNTERS}
+        stepped = 0
+        for r in self.layout.local_ranks:
+            values = self.counters.get(r)
+            up.add_metric([str(r), node], 1.0 if codes.get(r) is None else 0.0)
+            stepped += values["steps"] >= 1
+            for f, fam in families.items():
+                fam.add_metric([str(r), node], values[f])
+        ready.add_metric([node], stepped)
+        yield up
+        yield ready
+        yield from families.values()
+
+
+def rank_metrics_text(counters, codes: dict, layout) -> bytes:
+    """/metrics of a worker node: its ranks only."""
+    registry = CollectorRegistry()
+    registry.register(RankCollector(counters, lambda: codes, layout))
+    return generate_latest(registry)

@@ -1,7 +1,8 @@
 """Runs the server: listen at once (/health says 503 while the engine loads), load the engine
 on its thread, serve until SIGTERM/SIGINT, then shut down gracefully: stop accepting, let
 in-flight requests finish for up to `drain_timeout_s`, abort the rest (they end with
-finish_reason abort), close connections, exit 0. Exit 1 if the engine fails."""
+finish_reason abort), close connections, exit 0. If the engine fails, in-flight requests end with
+an abort that says why and the exit code classifies the failure (distributed/exits.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -81,4 +82,4 @@ async def run(settings: ServerSettings, engine_factory: Callable[[], Any], token
         log.info("shutting down")
     expiry.cancel()
     await shutdown(server, runner)
-    return 1 if failed else 0
+    return server.bridge.exit_code if failed else 0

@@ -16,7 +16,7 @@ def _watch(store, rank, **kw):
     done = threading.Event()
     wd = Watchdog(store, rank, 2, bound_s=0.3, poll_s=0.02, grace_s=0.4,
                   on_declare=lambda e: calls.append(("declare", time.monotonic())),
-                  on_stall_exit=lambda e: (calls.append(("exit", time.monotonic())), done.set()), **kw)
+                  on_exit=lambda e: (calls.append(("exit", time.monotonic())), done.set()), **kw)
     return wd, calls, done
 
 

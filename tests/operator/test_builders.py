@@ -8,6 +8,7 @@ import yaml
 
 from pdrollout.engine.config import EngineConfig
 from pdrollout.engine.distributed import netenv
+from pdrollout.engine.distributed.layout import resolve
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
 
@@ -22,64 +23,120 @@ def env_map(env: list[dict]) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
 
 
+FIELD_ENV = {
+    "PDROLLOUT_NODE_RANK": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+    "POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+    "POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
+    "PDROLLOUT_ROLLOUT_INFO": "/etc/pdrollout/rollout.json",
+}
+
+
 def test_two_node_ep16_adp8_env_is_exact():
+    """The layout is in the mounted file; env holds only the pod's own values and what NCCL reads."""
     env = env_map(builders.engine_env("big", "rl", spec_of("examples/pdrollout-2node.yaml")))
     hcas = ",".join(f"mlx5_{i}:1" for i in range(8))
-    assert env == {
-        "PDROLLOUT_NODE_RANK": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
-        "POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
-        "POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
-        "PDROLLOUT_ROLLOUT": "big",
-        "PDROLLOUT_NNODES": "2",
-        "PDROLLOUT_GPUS_PER_NODE": "8",
-        "PDROLLOUT_WORLD_SIZE": "16",
-        "PDROLLOUT_MASTER_ADDR": "big-0.big.rl.svc.cluster.local",
-        "PDROLLOUT_MASTER_PORT": "29500",
-        "PDROLLOUT_EP": "16", "PDROLLOUT_ADP": "8", "PDROLLOUT_ATP": "2", "PDROLLOUT_ETP": "1",
-        "PDROLLOUT_PORT": "30000",
-        "PDROLLOUT_ROLLOUT_INFO": "/etc/pdrollout/rollout.json",
-        "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": hcas, "NCCL_NVLS_ENABLE": "0",
-        "NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_QP_DEPTH": "1024", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "16",
-        "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_HCA_LIST": hcas, "NVSHMEM_MAX_TEAMS": "7",
-        "NVSHMEM_CUMEM_GRANULARITY": str(1 << 29), "NVSHMEM_DISABLE_P2P": "0",
-        "PDROLLOUT_QP_RANGE_D": "0:8", "PDROLLOUT_QP_RANGE_P": "8:16",
-    }
+    assert env == {**FIELD_ENV, "NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": hcas, "NCCL_NVLS_ENABLE": "0"}
+
+
+def test_deep_ep_env_is_exact():
+    env = env_map(builders.engine_env("r", "ns", spec_of("examples/pdrollout.yaml")))
+    assert env == {**FIELD_ENV, "NCCL_SOCKET_IFNAME": "eth0", "NCCL_NVLS_ENABLE": "0",
+                   "NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_QP_DEPTH": "1024", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "32",
+                   "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_MAX_TEAMS": "7",
+                   "NVSHMEM_CUMEM_GRANULARITY": str(1 << 29), "NVSHMEM_DISABLE_P2P": "0",
+                   "PDROLLOUT_QP_RANGE_D": "0:16", "PDROLLOUT_QP_RANGE_P": "16:32"}
+
+
+def test_cpu_env_has_no_network_settings():
+    env = env_map(builders.engine_env("t", "ns", spec_of("examples/pdrollout-cpu.yaml")))
+    assert env == FIELD_ENV
 
 
 @pytest.mark.parametrize("s", [1, 8, 24])
-def test_qp_ranges_split_phases_as_the_engine_does(s):
-    spec = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"},
+def test_qp_ranges_split_phases_as_the_engine_reads_them(s):
+    spec = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}, "expertBackend": "deep_ep",
                                          "network": {"nvshmem": {"qpsPerRank": s}}})
     env = env_map(builders.engine_env("r", "ns", spec))
-    split = netenv.qp_split(s)
     assert env["PDROLLOUT_QP_RANGE_D"] == f"0:{s}" and env["PDROLLOUT_QP_RANGE_P"] == f"{s}:{2 * s}"
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == str(2 * s)
+    split = netenv.qp_split_from_env(env, local_experts=s)          # the DeepEP backend's own reading
     assert (split.decode, split.prefill) == (range(0, s), range(s, 2 * s))
-    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == str(2 * s) == str(split.total)
+    with pytest.raises(ValueError, match=f"holds {s} QPs, but the low-latency kernels use one per local expert"):
+        netenv.qp_split_from_env(env, local_experts=s + 1)
 
 
-def test_ibgda_only_between_nodes_and_only_if_wanted():
+def test_qp_ranges_that_contradict_are_named():
+    with pytest.raises(ValueError, match="set both or neither"):
+        netenv.qp_split_from_env({"PDROLLOUT_QP_RANGE_D": "0:8"}, 8)
+    with pytest.raises(ValueError, match="must be \\[0, s\\) and \\[s, 2s\\)"):
+        netenv.qp_split_from_env({"PDROLLOUT_QP_RANGE_D": "0:8", "PDROLLOUT_QP_RANGE_P": "9:17"}, 8)
+    with pytest.raises(ValueError, match="NVSHMEM_IBGDA_NUM_RC_PER_PE=8 but the QP ranges need 16"):
+        netenv.qp_split_from_env({"PDROLLOUT_QP_RANGE_D": "0:8", "PDROLLOUT_QP_RANGE_P": "8:16",
+                                  "NVSHMEM_IBGDA_NUM_RC_PER_PE": "8"}, 8)
+    assert netenv.qp_split_from_env({}, 8) == netenv.qp_split(8)   # not injected: the engine's own split
+
+
+def test_ibgda_off_inside_a_node():
     one = spec_of("examples/pdrollout.yaml")
     assert env_map(builders.engine_env("r", "ns", one))["NVSHMEM_IB_ENABLE_IBGDA"] == "0"  # NVLink inside a node
-    two = spec_of("examples/pdrollout-2node.yaml")
-    assert env_map(builders.engine_env("r", "ns", two))["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
-    off = two.model_copy(update={"network": two.network.model_copy(
-        update={"nvshmem": two.network.nvshmem.model_copy(update={"ibgda": False})})})
-    assert env_map(builders.engine_env("r", "ns", off))["NVSHMEM_IB_ENABLE_IBGDA"] == "0"
     assert "NCCL_IB_HCA" not in env_map(builders.engine_env("r", "ns", one)), "no HCAs listed: none set"
 
 
 @pytest.mark.parametrize("nodes,gpus,ep,adp,atp,etp", [
     (1, 8, 8, 2, 4, 1), (1, 8, 8, 8, 1, 1), (2, 8, 16, 8, 2, 1), (2, 8, 8, 16, 1, 2), (1, 4, 2, 1, 4, 2)])
-def test_topology_arithmetic(nodes, gpus, ep, adp, atp, etp):
+def test_topology_arithmetic_reaches_the_engine(nodes, gpus, ep, adp, atp, etp, tmp_path):
     spec = PDRolloutSpec.model_validate({
         "image": "i", "model": {"path": "/m"}, "network": {"ibHCAs": ["mlx5_0"]},
         "topology": {"nodes": nodes, "gpusPerNode": gpus, "expertParallel": ep, "attentionDataParallel": adp}})
-    env = env_map(builders.engine_env("r", "ns", spec))
-    assert env["PDROLLOUT_WORLD_SIZE"] == str(nodes * gpus)
-    assert (env["PDROLLOUT_ATP"], env["PDROLLOUT_ETP"]) == (str(atp), str(etp))
     info = builders.rollout_info("r", "ns", spec)
-    assert info["attentionTP"] * info["attentionDataParallel"] == info["worldSize"]
-    assert info["expertTP"] * info["expertParallel"] == info["worldSize"]
+    assert info["attentionTP"] * info["attentionDataParallel"] == info["worldSize"] == nodes * gpus
+    assert (info["attentionTP"], info["expertTP"]) == (atp, etp)
+    path = tmp_path / "rollout.json"
+    path.write_text(json.dumps(info))
+    for node in range(nodes):   # what each pod's engine makes of the file and its own node rank
+        layout = resolve(env={"PDROLLOUT_ROLLOUT_INFO": str(path), "PDROLLOUT_NODE_RANK": str(node)})
+        assert (layout.world, layout.nnodes, layout.nproc_per_node, layout.adp, layout.ep) == \
+            (nodes * gpus, nodes, gpus, adp, ep)
+        assert (layout.topology.atp, layout.topology.etp) == (atp, etp)
+        assert list(layout.local_ranks) == list(range(node * gpus, (node + 1) * gpus))
+        assert layout.master_addr == "r-0.r.ns.svc.cluster.local" and layout.device == "cuda"
+
+
+@pytest.mark.parametrize("example", ["examples/pdrollout.yaml", "examples/pdrollout-2node.yaml",
+                                     "examples/pdrollout-cpu.yaml"])
+def test_pod_command_is_what_the_engine_cli_accepts(example, tmp_path):
+    """The container's args and env, parsed by the engine's own CLI: the whole group in every pod
+    (this test would have caught pods that each started a one-GPU engine)."""
+    from pdrollout.engine.cli import build_parser, layout_from_args
+    spec = spec_of(example)
+    name, ns = "r", "ns"
+    c = builders.statefulset(name, ns, spec)["spec"]["template"]["spec"]["containers"][0]
+    files = builders.configmap(name, ns, spec)["data"]
+    for key, text in files.items():
+        (tmp_path / key).write_text(text)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    env["PDROLLOUT_ROLLOUT_INFO"] = str(tmp_path / "rollout.json")
+    resolved = {**env, "POD_IP": "10.0.0.7", "PDROLLOUT_NODE_RANK": str(spec.topology.nodes - 1)}
+    args = [a.replace("$(POD_IP)", resolved["POD_IP"]).replace(builders.CONFIG_DIR, str(tmp_path)) for a in c["args"]]
+    assert c["command"] == ["pdrollout"]
+    a = build_parser().parse_args(args)
+    assert (a.command, a.host, a.port) == ("serve", "10.0.0.7", spec.port)
+    import os
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update({k: v for k, v in resolved.items() if v is not None})
+        layout = layout_from_args(a)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    t = spec.topology
+    assert (layout.world, layout.nnodes, layout.node_rank, layout.nproc_per_node) == \
+        (t.world_size, t.nodes, t.nodes - 1, t.gpus_per_node)
+    assert (layout.adp, layout.ep, layout.device, layout.expert_backend) == \
+        (t.attention_data_parallel, t.expert_parallel, spec.device, spec.expert_backend)
+    EngineConfig.model_validate({"model": spec.model.path, "device": layout.device,
+                                 **json.loads(files["engine-config.json"])})
 
 
 def test_statefulset_one_pod_per_node_with_all_gpus_and_exclusive_placement():
@@ -105,6 +162,13 @@ def test_no_rdma_requested_when_zero():
     spec = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}, "resources": {"rdmaPerNode": 0}})
     limits = builders.statefulset("r", "ns", spec)["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "rdma/ib" not in limits and limits["nvidia.com/gpu"] == "8"
+
+
+def test_cpu_pods_request_no_gpu_no_rdma_no_capabilities():
+    pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout-cpu.yaml"))["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
+    assert "securityContext" not in c and "tolerations" not in pod
 
 
 def test_multiplexing_is_not_in_the_pod_template():
@@ -135,6 +199,14 @@ def test_headless_service_publishes_not_ready_addresses():
     assert svc["spec"]["selector"] == {"pdrollout.io/rollout": "r"}
 
 
+def test_client_service_selects_node_0_alone():
+    spec = spec_of("examples/pdrollout-2node.yaml")
+    svc = builders.api_service("r", "ns", spec)
+    assert svc["metadata"]["name"] == "r-api" and "clusterIP" not in svc["spec"]
+    assert svc["spec"]["selector"] == {"pdrollout.io/rollout": "r", "apps.kubernetes.io/pod-index": "0"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 30000, "targetPort": "http"}]
+
+
 def test_adopt_sets_controller_owner_reference():
     owner = {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout",
              "metadata": {"name": "r", "namespace": "ns", "uid": "1234", "labels": {}}}
@@ -144,4 +216,4 @@ def test_adopt_sets_controller_owner_reference():
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout", "name": "r", "uid": "1234",
                        "controller": True, "blockOwnerDeletion": True}
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "StatefulSet"]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Service", "StatefulSet"]

@@ -84,7 +84,8 @@ def test_enough_invalid_cases():
     assert len(INVALID) >= 5
 
 
-@pytest.mark.parametrize("path", ["examples/pdrollout.yaml", "examples/pdrollout-2node.yaml"])
+@pytest.mark.parametrize("path", ["examples/pdrollout.yaml", "examples/pdrollout-2node.yaml",
+                                  "examples/pdrollout-cpu.yaml"])
 def test_examples_are_valid(path):
     doc = yaml.safe_load((ROOT / path).read_text())
     assert doc["apiVersion"] == "pdrollout.io/v1alpha1" and doc["kind"] == "PDRollout"

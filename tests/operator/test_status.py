@@ -20,11 +20,10 @@ def conds(c):
 
 
 def test_running_when_all_ready_and_healthy():
-    phase, c = st.decide(obs(health=Health(True, "HTTP 200: ok"), metrics=EngineMetrics(stalls=0),
-                             previous_stalls=0))
+    phase, c = st.decide(obs(health=Health(True, "HTTP 200: ok"), metrics=EngineMetrics()))
     assert phase is Phase.RUNNING
     assert conds(c) == {"Ready": ("True", "EngineHealthy"), "Progressing": ("False", "Converged"),
-                        "Degraded": ("False", "EngineHealthy"), "Stalled": ("False", "NoNewStalls")}
+                        "Degraded": ("False", "EngineHealthy"), "Stalled": ("False", "NoStall")}
 
 
 def test_starting_while_pods_come_up():
@@ -40,11 +39,31 @@ def test_degraded_when_rank0_unhealthy(reachable, reason):
     assert conds(c)["Degraded"] == ("True", reason) and conds(c)["Ready"] == ("False", reason)
 
 
-def test_stalled_only_when_stalls_grow():
-    _, c = st.decide(obs(health=Health(True, "ok"), metrics=EngineMetrics(stalls=5), previous_stalls=3))
-    assert conds(c)["Stalled"] == ("True", "StallsIncreased")
-    _, c = st.decide(obs(health=Health(True, "ok"), metrics=EngineMetrics(stalls=5), previous_stalls=5))
-    assert conds(c)["Stalled"][0] == "False"
+def test_stalled_from_a_stall_exit_until_running_again():
+    why = "engine of pod r-1 exited with the stall code 3"
+    phase, c = st.decide(obs(restarting="container engine of pod r-1 restarted", stall=why))
+    stalled = next(x for x in c if x.type.value == "Stalled")
+    assert phase is Phase.RESTARTING and (stalled.status, stalled.reason, stalled.message) == \
+        ("True", "EngineStalled", why)
+    prev = stalled.model_dump(by_alias=True, mode="json")
+    _, c = st.decide(obs(ready_nodes=1, previous_stalled=prev))          # group coming back: still True
+    assert conds(c)["Stalled"] == ("True", "EngineStalled")
+    _, c = st.decide(obs(health=Health(True, "ok"), previous_stalled=prev))   # running again
+    assert conds(c)["Stalled"] == ("False", "Recovered")
+    _, c = st.decide(obs(health=Health(True, "ok")))
+    assert conds(c)["Stalled"] == ("False", "NoStall")
+
+
+def test_stall_exit_is_read_from_the_engine_container():
+    def pod_with(code, uid="u1", where="lastState"):
+        return {"metadata": {"name": "r-1", "uid": uid}, "status": {"containerStatuses": [
+            {"name": "engine", "restartCount": 1, where: {"terminated": {"exitCode": code,
+                                                                          "finishedAt": "2026-11-30T10:00:00Z"}}}]}}
+    key, msg = group.stall_exit([pod_with(3)])
+    assert key == "u1/1/2026-11-30T10:00:00Z" and "stall code 3" in msg and "r-1" in msg
+    assert group.stall_exit([pod_with(3, where="state")])[0] == key
+    assert group.stall_exit([pod_with(4)]) is None                       # peer lost: a restart, not a stall
+    assert "exit 4 (peer lost)" in group.pod_failure(pod_with(4))
 
 
 def test_progressing_while_generation_not_observed():
@@ -71,9 +90,10 @@ def test_condition_transition_time_kept_while_status_unchanged():
 def test_status_patch_keeps_last_figures_when_engine_away():
     p = st.status_patch(obs(), Phase.DEGRADED, [])
     assert "makespanSeconds" not in p and p["phase"] == "Degraded" and p["readyNodes"] == 2
-    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=3.0, ttft_p99_s=0.2, mean_decode_wait_s=0.01,
-                                                  stalls=0)), Phase.RUNNING, [])
-    assert (p["makespanSeconds"], p["ttftP99Seconds"], p["meanDecodeWaitSeconds"], p["stalls"]) == (3.0, 0.2, 0.01, 0)
+    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=3.0, ttft_p99_s=0.2, mean_decode_wait_s=0.01)),
+                        Phase.RUNNING, [])
+    assert (p["makespanSeconds"], p["ttftP99Seconds"], p["meanDecodeWaitSeconds"]) == (3.0, 0.2, 0.01)
+    assert "stalls" not in p   # counted from engine exits by the handler, not from metrics
 
 
 def pod(name, created=NOW, phase="Running", restarts=0, deleting=False, terminated=False):

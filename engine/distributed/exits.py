@@ -1,0 +1,84 @@
+"""Exit codes of every pdrollout process, and the one rule that picks one (stdlib only).
+
+A group fails as a whole: any rank's stall or death ends every rank on every node, and the exit
+code says why, so a supervisor (the node launcher, the kubelet, the operator) can tell a protocol
+stall from a lost peer from a configuration the engine cannot run:
+
+  0  EXIT_OK         stopped on request
+  1  EXIT_ERROR      anything else (a bug: the log has the traceback)
+  2  EXIT_CONFIG     bad configuration: layout, topology, flags, model files
+  3  EXIT_STALL      the watchdog saw no rank progress for its bound while work was outstanding
+  4  EXIT_PEER_LOST  a rank died, stopped answering, or never joined
+
+A stall ends with the ranks exiting, so their peers then see closed connections: the stall report
+wins over the lost peer it causes (`verdict`).
+"""
+from __future__ import annotations
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_STALL, EXIT_PEER_LOST = 0, 1, 2, 3, 4
+NAMES = {EXIT_OK: "ok", EXIT_ERROR: "error", EXIT_CONFIG: "bad configuration", EXIT_STALL: "stall",
+         EXIT_PEER_LOST: "peer lost"}
+# When several ranks of a node exit with different codes, the node reports the most telling one.
+PRIORITY = (EXIT_STALL, EXIT_PEER_LOST, EXIT_CONFIG, EXIT_ERROR)
+
+
+class PeerLostError(RuntimeError):
+    """A rank of the group died, stopped answering, or never joined."""
+
+
+class GroupJoinTimeout(PeerLostError):
+    """Peers did not arrive within the join bound."""
+
+
+# What gloo and the TCPStore say when the process on the other end is gone.
+_CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+                    "socket closed", "end of file", "timed out", "no route to host")
+
+
+def name(code: int | None) -> str:
+    return NAMES.get(code, "signal" if code is not None and code < 0 else f"exit {code}")
+
+
+def is_connection_lost(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionError, EOFError)):
+            return True
+        text = str(exc).lower()
+        if any(s in text for s in _CONNECTION_LOST):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def is_config_error(exc: BaseException) -> bool:
+    # by name: the config and topology errors live in modules this stdlib-only one must not import
+    return any(t.__name__ in ("ConfigError", "TopologyError", "LayoutError", "ExpertCommError")
+               for t in type(exc).__mro__)
+
+
+def exit_code(exc: BaseException | None, *, stall: bool = False, lost: bool = False) -> int:
+    """The exit code for a process ending with `exc`; `stall`/`lost`: what the group's watchdog
+    declared (the store's record, which every rank reads, or this rank's own view)."""
+    if stall or type(exc).__name__ == "StallError":
+        return EXIT_STALL
+    if lost or isinstance(exc, PeerLostError):
+        return EXIT_PEER_LOST
+    if exc is None:
+        return EXIT_OK
+    if is_config_error(exc):
+        return EXIT_CONFIG
+    if is_connection_lost(exc):
+        return EXIT_PEER_LOST
+    return EXIT_ERROR
+
+
+def most_telling(codes: list[int | None]) -> int:
+    """One code for a node whose ranks exited with `codes` (None: still running)."""
+    for c in PRIORITY:
+        if c in codes:
+            return c
+    if any(c is not None and c != EXIT_OK for c in codes):   # killed by a signal
+        return EXIT_PEER_LOST
+    return EXIT_OK
