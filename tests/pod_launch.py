@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -21,8 +22,14 @@ from pathlib import Path
 
 from pdrollout.operator import builders
 
-# Inherited variables that would change what the engine does: only the pod's env may say these.
-_SCRUB = re.compile(r"^(PDROLLOUT_|RANK$|WORLD_SIZE$|LOCAL_RANK$|MASTER_ADDR$|MASTER_PORT$|GLOO_|NCCL_|NVSHMEM_)")
+# Inherited variables that would change the group's layout: only the pod's env may say these.
+_SCRUB = re.compile(r"^(PDROLLOUT_|RANK$|WORLD_SIZE$|LOCAL_RANK$|MASTER_ADDR$|MASTER_PORT$|GLOO_SOCKET_IFNAME$)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def expand(text: str, env: dict[str, str]) -> str:

@@ -11,11 +11,14 @@ ln -sfn "$ROOT/engine" /tmp/pdshim/pdrollout/engine
 ln -sfn "$ROOT/operator" /tmp/pdshim/pdrollout/operator
 export PYTHONPATH="/tmp/pdshim:/tmp/site:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# The __main__ guard matters: CUDA ranks start by spawn, which re-imports this script as the
+# children's main module; without the guard every rank would run the command again.
 cat > /tmp/pdshim/pdrollout_cli <<PY
 #!/usr/bin/env python3
 import sys
 from pdrollout.engine.cli import main
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
 PY
 chmod +x /tmp/pdshim/pdrollout_cli
 mkdir -p /tmp/pdshim/bin && ln -sfn /tmp/pdshim/pdrollout_cli /tmp/pdshim/bin/pdrollout

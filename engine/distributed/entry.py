@@ -135,6 +135,7 @@ def start_engine(config, layout: GroupLayout, options, host: str | None = None):
     from .worker import Worker
     check_device(config, options)
     group = start_ranks(layout, config, options, host)
+    worker = None
     try:
         worker = Worker(config, layout.topology, 0, dist.PrefixStore("wd", group.store), options, group.counters)
         if group.local is not None:   # a local rank that ends is a lost peer for the whole group
@@ -142,8 +143,10 @@ def start_engine(config, layout: GroupLayout, options, host: str | None = None):
             group.stop_watch = threading.Event()
             watch(group.local, lambda r, c: c != EXIT_STALL and worker.wd.declare_lost(
                 f"lost: rank {r} (node 0) exited with code {c} ({exit_name(c)})"), stop=group.stop_watch)
-        engine = MultiRankEngine(config, worker)
-    except BaseException:
+        engine = MultiRankEngine(config, worker)   # runs step 0: the group can fail (or stall) here
+    except BaseException as e:
+        if worker is not None:
+            e.exit_code = worker.wd.verdict(e)
         group.join(0)
         raise
     engine.ranks = group

@@ -60,7 +60,11 @@ def is_config_error(exc: BaseException) -> bool:
 
 def exit_code(exc: BaseException | None, *, stall: bool = False, lost: bool = False) -> int:
     """The exit code for a process ending with `exc`; `stall`/`lost`: what the group's watchdog
-    declared (the store's record, which every rank reads, or this rank's own view)."""
+    declared (the store's record, which every rank reads, or this rank's own view). An exception
+    that already carries its group's verdict (`exc.exit_code`, set where the watchdog was at hand)
+    keeps it."""
+    if isinstance(getattr(exc, "exit_code", None), int):
+        return exc.exit_code
     if stall or type(exc).__name__ == "StallError":
         return EXIT_STALL
     if lost or isinstance(exc, PeerLostError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -21,17 +20,11 @@ from pdrollout.engine.distributed.exits import EXIT_PEER_LOST
 from pdrollout.engine.distributed.worker import RankOptions
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
-from pod_launch import get_text, health, http, launch, metric, wait_health, write_config
+from pod_launch import free_port, get_text, health, http, launch, metric, wait_health, write_config
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(3 + 9 * i)] for i in range(4)]
 WATCHDOG_BOUND_S = RankOptions().watchdog_bound_s   # the operator's command sets none: the default
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -39,14 +32,14 @@ def group(tiny_model, tmp_path):
     """Both pods of a `device: cpu` rollout, node 1 started first (it must wait for node 0)."""
     spec = PDRolloutSpec.model_validate({
         "image": "pdrollout/engine-cpu:test", "model": {"path": str(tiny_model), "dtype": "float32"},
-        "device": "cpu", "port": _free_port(),
+        "device": "cpu", "port": free_port(),
         "topology": {"nodes": 2, "gpusPerNode": 2, "expertParallel": 4, "attentionDataParallel": 2},
         "multiplexing": {"activation": "on", "ordering": "fine-grained", "span": 1, "prefillBudgetTokens": 24}})
     name, ns = "tiny", "t"
     net = f"127.{random.randint(1, 250)}.{random.randint(1, 250)}"   # two loopback "pod IPs" of our own
     ips = [f"{net}.2", f"{net}.3"]
     container = builders.statefulset(name, ns, spec)["spec"]["template"]["spec"]["containers"][0]
-    config = write_config(builders.configmap(name, ns, spec), tmp_path / "config", ips[0], _free_port())
+    config = write_config(builders.configmap(name, ns, spec), tmp_path / "config", ips[0], free_port())
     pods: dict[int, object] = {}
 
     def start(node: int):

@@ -71,12 +71,15 @@ def test_helm_install_and_example(cluster, installed, operator, namespace, wait)
 
     env = {e["name"]: e.get("value") for e in
            json.loads(sts)["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["PDROLLOUT_WORLD_SIZE"] == "8" and env["PDROLLOUT_NNODES"] == "1"
-    assert (env["PDROLLOUT_EP"], env["PDROLLOUT_ADP"], env["PDROLLOUT_ATP"], env["PDROLLOUT_ETP"]) == \
-        ("8", "2", "4", "1")
-    assert env["PDROLLOUT_MASTER_ADDR"] == f"{name}-0.{name}.{namespace}.svc.cluster.local"
-    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "16" and env["PDROLLOUT_QP_RANGE_D"] == "0:8" \
-        and env["PDROLLOUT_QP_RANGE_P"] == "8:16" and env["NCCL_SOCKET_IFNAME"] == "eth0" \
+    assert env["PDROLLOUT_ROLLOUT_INFO"] == "/etc/pdrollout/rollout.json"
+    info = json.loads(cluster.get("configmap", f"{name}-engine", "-n", namespace)["data"]["rollout.json"])
+    assert (info["nodes"], info["gpusPerNode"], info["worldSize"]) == (1, 8, 8)
+    assert (info["expertParallel"], info["attentionDataParallel"], info["attentionTP"], info["expertTP"]) == \
+        (8, 2, 4, 1)
+    assert info["masterAddr"] == f"{name}-0.{name}.{namespace}.svc.cluster.local"
+    assert (info["device"], info["expertBackend"]) == ("cuda", "deep_ep")
+    assert env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "32" and env["PDROLLOUT_QP_RANGE_D"] == "0:16" \
+        and env["PDROLLOUT_QP_RANGE_P"] == "16:32" and env["NCCL_SOCKET_IFNAME"] == "eth0" \
         and env["NVSHMEM_IB_ENABLE_IBGDA"] == "0"
 
     # The pod runs on a kwok GPU node with a loopback pod IP; its index label feeds the node rank.
@@ -184,7 +187,7 @@ def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, 
     cluster.kubectl("delete", "pdrollout", name, "-n", namespace, "--timeout=60s")
 
     def gone():
-        left = [f"{k}/{n}" for k, n in (("statefulset", name), ("service", name),
+        left = [f"{k}/{n}" for k, n in (("statefulset", name), ("service", name), ("service", f"{name}-api"),
                                          ("configmap", f"{name}-engine"))
                 if cluster.kubectl("get", k, n, "-n", namespace, check=False).returncode == 0]
         left += [p["metadata"]["name"] for p in cluster.get("pods", "-n", namespace)["items"]]

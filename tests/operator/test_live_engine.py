@@ -95,7 +95,7 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     st = wait("makespan in status", lambda: (s := status(cluster, ns, name)).get("makespanSeconds") and s,
               timeout=30)
     assert st["makespanSeconds"] == pytest.approx(fin["makespan_s"], rel=1e-6)
-    assert st["ttftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0 and st["stalls"] == 0
+    assert st["ttftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0 and "stalls" not in st
     table = cluster.kubectl("get", "pdr", name, "-n", ns).stdout.splitlines()[1].split()
     assert table[1:4] == ["Running", "1", "1"] and float(table[4]) == pytest.approx(fin["makespan_s"], rel=1e-3)
 
