@@ -84,10 +84,10 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
     trace = Trace(rank)
     t_start = time.monotonic()
 
-    def on_exit(err: StallError) -> None:  # main thread is stuck in a collective
-        res.update(stalled=True, stall_report=err.report, stall_waited_s=err.waited_s,
-                   stall_detected_s=time.monotonic() - t_start, stall_frontiers=err.frontiers,
-                   trace=trace.records)
+    def on_exit(err: BaseException) -> None:  # main thread is stuck in a collective (a stall, or a lost peer)
+        res.update(stalled=isinstance(err, StallError), stall_report=getattr(err, "report", str(err)),
+                   stall_waited_s=getattr(err, "waited_s", None), stall_detected_s=time.monotonic() - t_start,
+                   stall_frontiers=getattr(err, "frontiers", None), trace=trace.records)
         ctx.write_result(done + [res])
         os._exit(EXIT_STALL)
 

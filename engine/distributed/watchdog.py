@@ -8,7 +8,8 @@ first one said:
 
 * stall: some rank has outstanding work and no rank's progress counter moved for `bound_s`,
   while every rank's heartbeat is fresh (live ranks waiting on each other);
-* lost: some rank's heartbeat stopped for `lost_bound_s` (dead, stopped, or never started), the
+* lost: some rank's heartbeat stopped for `lost_bound_s` (half the stall bound, at least 5 s: dead,
+  stopped, or never started), the
   store itself is unreachable (node 0 is gone), or a launcher reported a rank's death.
 
 `check()` then raises StallError or PeerLostError, and if the owning thread is itself stuck in a
@@ -54,6 +55,9 @@ def report_lost(store: Any, rank: int, report: str) -> None:
         pass
 
 
+LOST_FLOOR_S = 5.0
+
+
 class Watchdog:
     STORE_FAILURES = 3        # consecutive store errors before node 0 counts as gone
 
@@ -61,10 +65,15 @@ class Watchdog:
                  extra: Callable[[], dict] | None = None,
                  on_exit: Callable[[BaseException], None] | None = None, grace_s: float = 1.0,
                  on_declare: Callable[[StallError], None] | None = None,
-                 lost_bound_s: float | None = None) -> None:
+                 lost_bound_s: float | None = None, join_bound_s: float = 300.0) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.bound_s, self.poll_s, self.grace_s = bound_s, poll_s, grace_s
-        self.lost_bound_s = bound_s if lost_bound_s is None else lost_bound_s
+        # Heartbeats come every poll; half the stall bound of silence is a dead or stopped rank, with
+        # a floor so a loaded machine's scheduling gaps never read as a loss.
+        self.lost_bound_s = max(bound_s / 2, LOST_FLOOR_S) if lost_bound_s is None else lost_bound_s
+        # A rank that never published yet is still starting (its group joined; its watchdog comes up
+        # once its process gets there): it has the join bound, not the heartbeat bound.
+        self.join_bound_s = max(join_bound_s, self.lost_bound_s)
         # a heartbeat older than this is not "fresh": such a rank is on its way to lost, not stalled
         self.fresh_s = min(self.lost_bound_s, max(2.0, 20 * poll_s))
         self.extra, self.on_exit, self.on_declare = extra, on_exit, on_declare
@@ -178,11 +187,13 @@ class Watchdog:
                 if beat != beats[r][0]:
                     beats[r] = (beat, now)
             silent = {r: now - t for r, (_, t) in beats.items() if r != self.rank and not fs.get(r, {}).get("left")}
-            gone = sorted(r for r, s in silent.items() if s >= self.lost_bound_s)
+            gone = sorted(r for r, s in silent.items()
+                          if s >= (self.lost_bound_s if r in fs else self.join_bound_s))
             if gone:
-                why = "; ".join(f"rank {r}: " + ("no heartbeat for" if fs.get(r) else "never joined in")
-                                + f" {silent[r]:.1f}s" for r in gone)
-                report = (f"lost: {why} (bound {self.lost_bound_s}s); frontiers:\n{format_frontiers(fs)}")
+                why = "; ".join(f"rank {r}: " + (f"no heartbeat for {silent[r]:.1f}s (bound {self.lost_bound_s}s)"
+                                                 if r in fs else f"never started in {silent[r]:.1f}s")
+                                for r in gone)
+                report = f"lost: {why}; frontiers:\n{format_frontiers(fs)}"
                 self.declare_lost(report)
                 self._exit_after_grace(self.lost)
                 return
@@ -190,7 +201,7 @@ class Watchdog:
             if sig != last_sig or not any(f.get("busy") for f in fs.values()):
                 last_sig, since = sig, now
                 continue
-            if any(s >= self.fresh_s for s in silent.values()):
+            if any(s >= self.fresh_s for r, s in silent.items() if r in fs):
                 continue   # a rank is not answering: that is a loss in the making, not a stall
             waited = now - since
             if waited >= self.bound_s and self.stall is None:

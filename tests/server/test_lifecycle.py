@@ -12,6 +12,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdrollout.engine.distributed.exits import EXIT_CONFIG
+
 LONG = {"input_ids": [4, 8, 15, 16, 23, 42], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
 
 
@@ -86,11 +88,12 @@ def test_sigterm_drains_then_aborts_and_exits_zero(start_server):
 
 
 def test_engine_that_fails_to_load_exits_nonzero(tmp_path):
-    """A model the engine cannot load: the process logs why and exits 1 (a pod restarts)."""
+    """A model the engine cannot load: the process logs why and exits with the bad-configuration code
+    (distributed/exits.py), so a supervisor can tell it from a crash."""
     bad = tmp_path / "not-a-model"
     bad.mkdir()
     cmd = [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())",
            "serve", "--model", str(bad), "--port", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == EXIT_CONFIG
     assert "config.json not found" in r.stderr and "ready on" not in r.stdout
