@@ -15,7 +15,7 @@ import time
 
 def _rank(ctx, rounds: int, warmup: int):
     import torch.distributed as dist
-    from pdrollout.engine.distributed.rendezvous import Rendezvous
+    from pdrollout.engine.runtime.rendezvous import Rendezvous
     rdv = Rendezvous(dist.new_group(list(range(ctx.world))), world=ctx.world)
     for i in range(warmup):
         rdv.pre_d(0, i, True)
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=50)
     args = ap.parse_args()
-    from pdrollout.engine.distributed.launch import run_ranks
+    from ranks import run_ranks
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load avg {os.getloadavg()[0]:.1f}")
     print("| ranks | rendezvous | mean ms | p50 ms | p99 ms | round (2 rendezvous) ms |")
     print("|---|---|---|---|---|---|")

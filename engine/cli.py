@@ -7,8 +7,8 @@ import sys
 
 
 def _cmd_checkpoint(a) -> int:
-    from .checkpoint import write_checkpoint
-    from .config import load_preset
+    from .model.checkpoint import write_checkpoint
+    from .protocol.config import load_preset
     out = write_checkpoint(load_preset(a.config), a.out, seed=a.seed, dtype=a.dtype, layout=a.layout)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -17,10 +17,10 @@ def _cmd_checkpoint(a) -> int:
 
 
 def _cmd_generate(a) -> int:
-    from .config import ControlSettings, EngineConfig
-    from .distributed.exits import EXIT_CONFIG
-    from .distributed.layout import LayoutError
-    from .engine import Engine
+    from .protocol.config import ControlSettings, EngineConfig
+    from .protocol.exits import EXIT_CONFIG
+    from .protocol.layout import LayoutError
+    from .runtime.engine import Engine
     from .generate import run_requests, read_requests
     try:
         layout = layout_from_args(a)
@@ -36,7 +36,7 @@ def _cmd_generate(a) -> int:
         print(f"pdrollout generate: {e}", file=sys.stderr)
         return EXIT_CONFIG
     if layout.world > 1:
-        from .distributed.entry import launch_generate   # multi-rank engine
+        from .runtime.launcher import launch_generate
         return launch_generate(a, cfg, layout)
     if layout.expert_backend != "torch":
         print(f"pdrollout generate: --expert-backend {layout.expert_backend} needs --nproc > 1 (expert parallelism)",
@@ -88,7 +88,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def layout_from_args(a: argparse.Namespace):
     """The GroupLayout from flags, env and the layout file; LayoutError if they do not form a group."""
-    from .distributed.layout import resolve
+    from .protocol.layout import resolve
     return resolve({"nproc": a.nproc, "layout": a.layout, "device": a.device, "adp": a.adp, "ep": a.ep,
                     "expert_backend": a.expert_backend, "nnodes": a.nnodes, "node_rank": a.node_rank,
                     "nproc_per_node": a.nproc_per_node, "master_addr": a.master_addr,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pdrollout.engine.config import EngineConfig
-from pdrollout.engine.distributed import netenv
-from pdrollout.engine.distributed.layout import LAYOUT_FILE_ENV, GroupLayout
+from pdrollout.engine.protocol.config import EngineConfig
+from pdrollout.engine.protocol import netenv
+from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator.models import PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -55,7 +55,7 @@ def _field(key: str, path: str) -> dict:
 
 
 def network_env(spec: PDRolloutSpec) -> dict[str, str]:
-    """NCCL/NVSHMEM settings from the engine's own arithmetic (pdrollout.engine.distributed.netenv),
+    """NCCL/NVSHMEM settings from the engine's own arithmetic (pdrollout.engine.protocol.netenv),
     so the operator and the DeepEP backend cannot disagree. Only what the engine reads: nothing on
     CPU (gloo binds the pod IP itself), NCCL on CUDA, NVSHMEM and the QP split for DeepEP. IBGDA runs
     between nodes; `ibgda: false` turns it off there too (IBRC)."""

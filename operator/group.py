@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from pdrollout.engine.distributed.exits import EXIT_STALL, name as exit_name
+from pdrollout.engine.protocol.exits import EXIT_STALL, name as exit_name
 from pdrollout.operator.builders import ENGINE_CONTAINER
 
 

@@ -8,10 +8,10 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pdrollout.engine.config import Activation, ControlSettings, EngineConfig, Ordering
-from pdrollout.engine.distributed.layout import DEVICES, EXPERT_BACKENDS
-from pdrollout.engine.distributed.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
-from pdrollout.engine.distributed.topology import Topology as RankTopology
+from pdrollout.engine.protocol.config import Activation, ControlSettings, EngineConfig, Ordering
+from pdrollout.engine.protocol.layout import DEVICES, EXPERT_BACKENDS
+from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
+from pdrollout.engine.protocol.topology import Topology as RankTopology
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"

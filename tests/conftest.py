@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from pdrollout.engine.checkpoint import write_checkpoint
-from pdrollout.engine.config import load_preset
+from pdrollout.engine.model.checkpoint import write_checkpoint
+from pdrollout.engine.protocol.config import load_preset
 
 TINY = load_preset("tiny")
 

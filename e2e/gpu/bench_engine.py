@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pdrollout.engine.config import ControlSettings, EngineConfig, ModelConfig, load_preset
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.request import SamplingParams
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import SamplingParams
 
 
 def measure_ceilings():

@@ -96,7 +96,7 @@ def rank_main(rank: int, args, port: int) -> None:
 def _rank_body(rank, args, port, R, stage):
     import torch
     import torch.distributed as dist
-    from pdrollout.engine.distributed.expert_comm import Phase, TorchExpertComm, disjoint
+    from pdrollout.engine.runtime.expert_comm import Phase, TorchExpertComm, disjoint
 
     gpu = args.backend == "nccl"
     use_deepep = gpu or args.deepep
@@ -166,7 +166,7 @@ def _rank_body(rank, args, port, R, stage):
 
     de = None
     if use_deepep:
-        from pdrollout.engine.distributed.deepep_comm import DeepEPExpertComm
+        from pdrollout.engine.runtime.deepep_comm import DeepEPExpertComm
         t = time.time()
         de = DeepEPExpertComm(ep_ranks, rank, E, H, max_tokens=max(args.p_tokens, args.round_p_tokens), topk=K,
                               dtype=bf16, d_max_tokens=args.ll_max, device=dev)

@@ -47,13 +47,13 @@ GROUPS = {
 def prepare() -> None:
     os.makedirs(MODEL, exist_ok=True)
     if DEVICE == "cuda":
-        from pdrollout.engine.config import load_preset
+        from pdrollout.engine.protocol.config import load_preset
         cfg = load_preset("qwen3-30b-a3b")
         cfg["num_hidden_layers"] = LAYERS
         json.dump(cfg, open(f"{MODEL}/config.json", "w"))
     elif not os.path.exists(f"{MODEL}/config.json"):
-        from pdrollout.engine.checkpoint import write_checkpoint
-        from pdrollout.engine.config import load_preset
+        from pdrollout.engine.model.checkpoint import write_checkpoint
+        from pdrollout.engine.protocol.config import load_preset
         write_checkpoint(load_preset("tiny"), MODEL, seed=0)
     n, plen, olen = (64, 32, 256) if DEVICE == "cuda" else (8, 8, 16)
     with open(DECODE_ONLY, "w") as f:

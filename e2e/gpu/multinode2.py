@@ -31,8 +31,8 @@ NEW_TOKENS = 8
 
 def model_dir(work: Path) -> Path:
     """A small Qwen3-MoE in fp32: 16 q / 4 kv heads (ATP2), 8 experts (EP2), 4 layers."""
-    from pdrollout.engine.checkpoint import write_checkpoint
-    from pdrollout.engine.config import load_preset
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    from pdrollout.engine.protocol.config import load_preset
     cfg = load_preset("tiny")
     cfg.update(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
@@ -41,7 +41,7 @@ def model_dir(work: Path) -> Path:
 
 
 def main(out: Path) -> int:
-    from pdrollout.engine.distributed.exits import name as exit_name
+    from pdrollout.engine.protocol.exits import name as exit_name
     from pdrollout.operator import builders
     from pdrollout.operator.models import PDRolloutSpec
     from hf_reference import MARGIN, hf_greedy

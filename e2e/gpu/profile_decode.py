@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pdrollout.engine.config import ControlSettings, EngineConfig, load_preset
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.planner import Plan
-from pdrollout.engine.request import SamplingParams
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.policy import Plan
+from pdrollout.engine.scheduler.request import SamplingParams
 
 
 def main():

@@ -120,8 +120,8 @@ def prepare() -> None:
     if os.path.exists(f"{WORK}/model/config.json"):
         return
     import random
-    from pdrollout.engine.checkpoint import write_checkpoint
-    from pdrollout.engine.config import load_preset
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    from pdrollout.engine.protocol.config import load_preset
     cfg = load_preset("tiny")
     cfg.update(vocab_size=1024, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
@@ -193,7 +193,7 @@ def run(name: str, spec: dict) -> dict:
         i = lines.index(stall)
         res["frontiers"] = lines[i + 1:i + 5]
     if spec.get("timeline") and rc == 0:
-        from pdrollout.engine.distributed.gpu_timeline import summarize
+        from pdrollout.engine.runtime.gpu_timeline import summarize
         tls = {}
         for r in range(NPROC):
             path = f"{tl}/rank{r}.json"

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from ..config import ControlSettings
-from ..request import RequestError, SamplingParams
+from ..protocol.config import ControlSettings
+from ..scheduler.request import RequestError, SamplingParams
 from .bridge import EngineBridge, EngineUnavailable, Tracked
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, GenerateItem, RolloutFinishRequest, error_body, parse, validation_message

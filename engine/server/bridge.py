@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..distributed.exits import EXIT_ERROR, EXIT_STALL, exit_code, name as exit_name
+from ..protocol.exits import EXIT_ERROR, EXIT_STALL, exit_code, name as exit_name
 from .metrics import ServerMetrics
 
 log = logging.getLogger("pdrollout.server")
@@ -69,7 +69,7 @@ class EngineBridge:
         self.engine = None                 # touched only by the engine thread after start()
         self.state = "loading"             # loading | ready | failed | stopped
         self.error: Optional[str] = None
-        self.exit_code = 0                 # the process's exit code once failed (distributed/exits.py)
+        self.exit_code = 0                 # the process's exit code once failed (protocol/exits.py)
         self.ready = asyncio.Event()
         self.failed = asyncio.Event()
         self.tracked: dict[str, Tracked] = {}
@@ -166,11 +166,11 @@ class EngineBridge:
                 code = self._verdict(e)
                 self._fail(f"engine step failed ({exit_name(code)}): {type(e).__name__}: {e}", code)
                 return
-            events = engine.events[:]
-            engine.events.clear()
-            if events:
-                self._metrics.record_steps(events)
-            if cmds or outs or events:
+            records = engine.records[:]
+            engine.records.clear()
+            if records:
+                self._metrics.record_steps(records)
+            if cmds or outs or records:
                 self._publish_stats()        # before the outputs: a client never sees stale gauges
             if outs:
                 self._loop.call_soon_threadsafe(self._dispatch, outs, time.monotonic())

@@ -45,9 +45,9 @@ def _fail(message: str, code: int) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from ..cli import engine_overrides, layout_from_args
-    from ..config import EngineConfig
-    from ..distributed.exits import EXIT_CONFIG
-    from ..distributed.layout import LayoutError
+    from ..protocol.config import EngineConfig
+    from ..protocol.exits import EXIT_CONFIG
+    from ..protocol.layout import LayoutError
     from .app import ServerSettings
     from .serve import run
     from .tokenizer import find_tokenizer
@@ -62,7 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(str(e), EXIT_CONFIG)
     options = None
     if layout.world > 1:
-        from ..distributed.entry import prepare, run_worker_node
+        from ..runtime.launcher import prepare, run_worker_node
         options, error = prepare(args, config, layout, "serve")
         if error:
             return _fail(error.removeprefix("pdrollout serve: "), EXIT_CONFIG)
@@ -81,10 +81,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     def make_engine():
         if options is not None:   # node 0's rank 0 here; its other ranks spawned (or torchrun's)
-            from ..distributed.entry import start_engine
+            from ..runtime.launcher import start_engine
             made.append(start_engine(config, layout, options, args.host))
             return made[-1]
-        from ..engine import Engine
+        from ..runtime.engine import Engine
         return Engine(config)
 
     def say(msg: str) -> None:
@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
     for engine in made:   # the engine thread has stopped: tell the workers, then reap them
-        from ..distributed.entry import stop_engine
+        from ..runtime.launcher import stop_engine
         if rc == 0:
             stop_engine(engine)
         else:                 # the group failed: no stop plan can reach it, end this node's ranks

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..protocol.records import StepRecord
+
 P = "pdrollout:"
 
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0,
@@ -45,8 +47,12 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         # Planner and turnstile (from the engine's per-step records).
         self.steps = Counter(P + "engine_steps", "Engine steps that ran work", registry=r)
-        self.decode_wait = Histogram(P + "decode_wait_seconds", "Decode row ready to enqueued",
+        self.decode_wait = Histogram(P + "decode_wait_seconds", "Decode row ready to its step started (planner)",
                                      buckets=_SHORT, registry=r)
+        self.turnstile_wait = Histogram(P + "turnstile_wait_seconds",
+                                        "D ready at a turnstile round to D enqueued (P to its boundary, rendezvous)",
+                                        buckets=_SHORT, registry=r)
+        self.graph_steps = Counter(P + "graph_steps", "Steps whose D ran as a CUDA graph replay", registry=r)
         self.rendezvous = Histogram(P + "turnstile_rendezvous_seconds", "One turnstile rendezvous",
                                     buckets=_SHORT, registry=r)
         self.rounds = Counter(P + "turnstile_rounds", "Turnstile rounds (D ordered inside a P epoch)", registry=r)
@@ -101,31 +107,25 @@ class ServerMetrics:
         self.token_usage.set(stats.get("token_usage", 0.0))
         self.paused.set(1 if stats.get("paused") else 0)
 
-    def record_steps(self, events: Iterable[dict]) -> None:
-        """Consumes the engine's per-step records. Fields: decode_wait_s (list of seconds),
-        multiplexing_active (bool), span (int|None); when present (turnstile): rendezvous_s
-        (list of seconds, one per rendezvous), turnstile_rounds (int), stalls (int)."""
+    def record_steps(self, records: Iterable[StepRecord]) -> None:
+        """Consumes the engine's per-step records (protocol/records.py)."""
         last = None
-        for ev in events:
-            last = ev
+        for rec in records:
+            last = rec
             self.steps.inc()
-            for w in ev.get("decode_wait_s") or ():
+            for w in rec.decode_wait_s:
                 self.decode_wait.observe(w)
-            for s in _as_list(ev.get("rendezvous_s")):
+            for w in rec.turnstile_wait_s:
+                self.turnstile_wait.observe(w)
+            for s in rec.rendezvous_s:
                 self.rendezvous.observe(s)
-            if ev.get("turnstile_rounds"):
-                self.rounds.inc(ev["turnstile_rounds"])
-            if ev.get("stalls"):
-                self.stalls.inc(ev["stalls"])
+            if rec.turnstile_rounds:
+                self.rounds.inc(rec.turnstile_rounds)
+            if rec.graph:
+                self.graph_steps.inc()
         if last is not None:
-            self.multiplexing.set(1 if last.get("multiplexing_active") else 0)
-            self.span.set(last.get("span") or 0)
-
-
-def _as_list(v) -> list:
-    if v is None:
-        return []
-    return list(v) if isinstance(v, (list, tuple)) else [v]
+            self.multiplexing.set(1 if last.multiplexing_active else 0)
+            self.span.set(last.span or 0)
 
 
 # Per-rank figures of one node's ranks: every node's /metrics shows its own ranks (node 0 also

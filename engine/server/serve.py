@@ -2,7 +2,7 @@
 on its thread, serve until SIGTERM/SIGINT, then shut down gracefully: stop accepting, let
 in-flight requests finish for up to `drain_timeout_s`, abort the rest (they end with
 finish_reason abort), close connections, exit 0. If the engine fails, in-flight requests end with
-an abort that says why and the exit code classifies the failure (distributed/exits.py)."""
+an abort that says why and the exit code classifies the failure (protocol/exits.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -4,8 +4,7 @@ import threading
 
 def expert_rank(ctx, iters: int = 6):
     import torch
-    from pdrollout.engine.distributed.expert_comm import (ExpertCommError, Phase, PendingDispatchError,
-                                                          PermitMissingError, TorchExpertComm, disjoint)
+    from pdrollout.engine.runtime.expert_comm import ExpertCommError, Phase, PendingDispatchError, PermitMissingError, TorchExpertComm, disjoint
     E, H, K, T = 8, 16, 2, 12
     comm = TorchExpertComm([list(range(ctx.world))], ctx.rank, num_experts=E, hidden=H, max_tokens=T, topk=K)
     g = torch.Generator().manual_seed(1234)

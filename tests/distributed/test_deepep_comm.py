@@ -3,7 +3,8 @@ kernel switches, the lane/QP audit, and that the module imports without deep_ep.
 import subprocess
 import sys
 
-from pdrollout.engine.distributed import deepep_comm, netenv
+from pdrollout.engine.runtime import deepep_comm
+from pdrollout.engine.protocol import netenv
 
 
 def test_shapes_of_the_two_gpu_check_pass():
@@ -28,7 +29,7 @@ def test_lane_audit():
 
 
 def test_module_imports_without_deep_ep():
-    code = ("import sys; import pdrollout.engine.distributed.deepep_comm as m; "
+    code = ("import sys; import pdrollout.engine.runtime.deepep_comm as m; "
             "sys.exit(int('deep_ep' in sys.modules or 'torch' in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

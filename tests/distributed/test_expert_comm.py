@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pdrollout.engine.distributed import netenv
-from pdrollout.engine.distributed.launch import EXIT_OK, run_ranks
+from pdrollout.engine.protocol import netenv
+from ranks import EXIT_OK, run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks inherit sys.path and import the target
 from expert_targets import expert_rank  # noqa: E402
@@ -53,7 +53,7 @@ def test_size_hints_scale_and_align():
 
 
 def test_netenv_is_stdlib_only():
-    code = ("import sys; import pdrollout.engine.distributed.netenv as n; "
+    code = ("import sys; import pdrollout.engine.protocol.netenv as n; "
             "bad=[m for m in ('torch','numpy','pydantic') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdrollout.engine.distributed.gpu_timeline import is_registered, overlap_ms, summarize
+from pdrollout.engine.runtime.gpu_timeline import is_registered, overlap_ms, summarize
 
 
 @pytest.mark.parametrize("a,b,want", [

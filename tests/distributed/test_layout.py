@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pdrollout.engine.distributed.exits import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_STALL, exit_code, most_telling
-from pdrollout.engine.distributed.layout import GroupLayout, LayoutError, resolve
+from pdrollout.engine.protocol.exits import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_STALL, exit_code, most_telling
+from pdrollout.engine.protocol.layout import GroupLayout, LayoutError, resolve
 from pod_launch import free_port
 
 
@@ -64,7 +64,7 @@ def test_layout_file_errors_name_the_file(tmp_path):
 
 
 def test_exit_codes_the_stall_wins():
-    from pdrollout.engine.distributed.watchdog import StallError
+    from pdrollout.engine.runtime.watchdog import StallError
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:1: Connection reset by peer")
     assert exit_code(gone) == EXIT_PEER_LOST
     assert exit_code(gone, stall=True) == EXIT_STALL            # the stall report wins over its consequences

@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from pdrollout.engine.checkpoint import write_checkpoint
-from pdrollout.engine.config import load_preset
+from pdrollout.engine.model.checkpoint import write_checkpoint
+from pdrollout.engine.protocol.config import load_preset
 
 pytestmark = pytest.mark.timeout(900)
 ENGINE = {"block_size": 4, "num_blocks": 256, "mixed_chunk_tokens": 20}
@@ -197,9 +197,9 @@ def test_deep_ep_backend_needs_cuda_a_clear_error_before_any_rank(setup):
 
 
 def test_check_device():
-    from pdrollout.engine.config import EngineConfig
-    from pdrollout.engine.distributed.entry import check_device
-    from pdrollout.engine.distributed.worker import RankOptions
+    from pdrollout.engine.protocol.config import EngineConfig
+    from pdrollout.engine.runtime.launcher import check_device
+    from pdrollout.engine.runtime.worker import RankOptions
     check_device(EngineConfig(model="m", device="cuda"), RankOptions(expert_backend="deep_ep"))
     check_device(EngineConfig(model="m", device="cpu"), RankOptions())
     with pytest.raises(ValueError, match="cpu or cuda"):

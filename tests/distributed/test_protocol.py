@@ -1,9 +1,9 @@
 """The crossed-group stall and the orderings, in 4 real gloo rank processes (paper Table 4/5)."""
 import pytest
 
-from pdrollout.engine.distributed.harness import Scenario, run_scenarios
-from pdrollout.engine.distributed.launch import EXIT_OK, EXIT_STALL, run_ranks
-from pdrollout.engine.distributed.trace import check_order
+from harness import Scenario, run_scenarios
+from ranks import EXIT_OK, EXIT_STALL, run_ranks
+from pdrollout.engine.runtime.collective_trace import check_order
 
 pytestmark = pytest.mark.timeout(300)
 BOUND = 2.0

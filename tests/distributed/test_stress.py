@@ -3,9 +3,9 @@ import time
 
 import pytest
 
-from pdrollout.engine.distributed.harness import Scenario, run_scenarios
-from pdrollout.engine.distributed.launch import EXIT_OK, run_ranks
-from pdrollout.engine.distributed.trace import check_order
+from harness import Scenario, run_scenarios
+from ranks import EXIT_OK, run_ranks
+from pdrollout.engine.runtime.collective_trace import check_order
 
 
 @pytest.mark.timeout(600)

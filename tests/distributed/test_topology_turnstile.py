@@ -2,11 +2,8 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdrollout.engine.distributed.topology import Topology, TopologyError
-from pdrollout.engine.distributed.turnstile import (
-    END, NO_EPOCH, UNBOUNDED, DuplicateEpochError, MissingProducerError, NonMonotoneBoundaryError,
-    PermitExceededError, PhaseOrderError, ProducerState, SpanError, StaleEpochError, Turnstile,
-    TurnstileError, auto_span, multiplexing)
+from pdrollout.engine.protocol.topology import Topology, TopologyError
+from pdrollout.engine.protocol.turnstile import END, NO_EPOCH, UNBOUNDED, DuplicateEpochError, MissingProducerError, NonMonotoneBoundaryError, PermitExceededError, PhaseOrderError, ProducerState, SpanError, StaleEpochError, Turnstile, TurnstileError, auto_span, multiplexing
 
 
 def test_topology_crossed_example():

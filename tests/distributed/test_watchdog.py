@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from pdrollout.engine.distributed.watchdog import StallError, Watchdog
+from pdrollout.engine.runtime.watchdog import StallError, Watchdog
 
 
 def _watch(store, rank, **kw):

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from hf_reference import hf_greedy
-from pdrollout.engine.loader import CheckpointError, load_model
+from pdrollout.engine.model.loader import CheckpointError, load_model
 
 
 def pdrollout(*args, stdin=None):
@@ -81,9 +81,9 @@ def test_random_model_shards_agree_on_replicated_tensors():
     replicated tensors (embedding, norms, router, lm_head), its own slice shapes for the rest, and
     a second build is identical (a benchmark's ranks need no checkpoint on disk)."""
     import torch
-    from pdrollout.engine.checkpoint import random_model
-    from pdrollout.engine.config import ModelConfig, load_preset
-    from pdrollout.engine.model import Shard
+    from pdrollout.engine.model.checkpoint import random_model
+    from pdrollout.engine.protocol.config import ModelConfig, load_preset
+    from pdrollout.engine.model.qwen3_moe import Shard
     cfg = ModelConfig.from_dict(load_preset("tiny"))
     a = dict(random_model(cfg, "cpu", torch.float32, seed=3, shard=Shard(0, 2, 0, 2)).named_parameters())
     b = dict(random_model(cfg, "cpu", torch.float32, seed=3, shard=Shard(1, 2, 1, 2)).named_parameters())
@@ -104,9 +104,9 @@ def test_gemm_warmup_covers_every_weight_shape_and_row_count():
     # The multi-rank CUDA engine runs these before P and D overlap (issue 8: a first-use cuBLASLt
     # kernel waits for a context-wide sync); on the CPU only the coverage is checked.
     import torch
-    from pdrollout.engine.checkpoint import random_model
-    from pdrollout.engine.config import ModelConfig, load_preset
-    from pdrollout.engine.distributed.worker import gemm_shapes, warm_gemms, warm_rows, warm_slot_experts
+    from pdrollout.engine.model.checkpoint import random_model
+    from pdrollout.engine.protocol.config import ModelConfig, load_preset
+    from pdrollout.engine.runtime.warmup import gemm_shapes, warm_gemms, warm_routed_experts, warm_rows
     cfg = ModelConfig.from_dict(load_preset("tiny"))
     model = random_model(cfg, torch.device("cpu"), torch.float32, 0)
     shapes = gemm_shapes(model)
@@ -123,16 +123,16 @@ def test_gemm_warmup_covers_every_weight_shape_and_row_count():
     assert 8256 in ms and 8200 not in ms and ms[-1] == 9000
     assert warm_gemms(model, 7, 9, torch.device("cpu")) == 7 * (len(shapes) - experts) + 9 * experts
     moe = next(m for m in model.modules() if hasattr(m, "experts"))
-    assert warm_slot_experts(moe, 7, torch.device("cpu")) == 7
+    assert warm_routed_experts(moe, 7, torch.device("cpu")) == 7
 
 
-def test_slot_experts_equal_the_per_expert_reference():
-    # D's fixed-slot experts (grouped GEMMs, no host read) against one F.linear pair per row.
+def test_routed_experts_equal_the_per_expert_reference():
+    # The routed experts every rank runs on what an all-to-all delivered (D's fixed slots, P's rows;
+    # grouped GEMMs on CUDA, no host read) against one F.linear pair per row.
     import torch
     import torch.nn.functional as F
-    from pdrollout.engine.checkpoint import random_model
-    from pdrollout.engine.config import ModelConfig, load_preset
-    from pdrollout.engine.distributed.collectives import RankCollectives
+    from pdrollout.engine.model.checkpoint import random_model
+    from pdrollout.engine.protocol.config import ModelConfig, load_preset
     cfg = ModelConfig.from_dict(load_preset("tiny"))
     moe = next(m for m in random_model(cfg, torch.device("cpu"), torch.float32, 0).modules()
                if hasattr(m, "experts"))
@@ -141,7 +141,7 @@ def test_slot_experts_equal_the_per_expert_reference():
     x = torch.randn(11, cfg.hidden_size, generator=g)
     ids = torch.randint(-1, gu.shape[0], (11,), generator=g)
     ids[3] = -1                                                    # an empty slot
-    y = RankCollectives._slot_experts(moe, x, ids)
+    y = moe.routed_experts(x, ids)
     for r in range(11):
         if ids[r] < 0:
             assert torch.count_nonzero(y[r]) == 0

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hf_reference import assert_matches_reference, hf_greedy
-from pdrollout.engine.config import ControlSettings, EngineConfig
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.request import SamplingParams
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
@@ -20,7 +20,7 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
     e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode=mode, block_size=4,
                             num_blocks=512, max_running=8, mixed_chunk_tokens=20,
                             control=ControlSettings(prefill_budget_tokens=24)))
-    assert e.runner.graphs is not None
+    assert e.worker.graphs is not None
     for i, p in enumerate(PROMPTS):
         e.submit(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
     out = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdrollout.engine import ops
-from pdrollout.engine.model import SeqSlice
+from pdrollout.engine.model import ops
+from pdrollout.engine.model.qwen3_moe import SeqSlice
 
 pytestmark = pytest.mark.gpu
 cuda = torch.device("cuda")
@@ -31,7 +31,7 @@ def _paged(ctx_lens, block_size, kvh, d, dtype, g):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_decode_attention_matches_reference(dtype, tol, block_size):
-    from pdrollout.engine.kernels import decode_attention
+    from pdrollout.engine.model.kernels import decode_attention
     g = torch.Generator(device=cuda).manual_seed(0)
     h, kvh, d = 32, 4, 128
     ctx = [1, 15, 16, 17, 300, 2049, 5000]
@@ -55,7 +55,7 @@ def test_decode_attention_matches_reference(dtype, tol, block_size):
 
 
 def test_prefill_attention_matches_reference():
-    from pdrollout.engine.kernels import prefill_attention
+    from pdrollout.engine.model.kernels import prefill_attention
     g = torch.Generator(device=cuda).manual_seed(1)
     h, kvh, d, bs = 32, 4, 128, 16
     # (new tokens, total context): fresh prompts and continuation prefills over a cached prefix.
@@ -74,7 +74,7 @@ def test_prefill_attention_matches_reference():
 
 @pytest.mark.parametrize("tokens,offset,num_local", [(64, 0, 128), (4096, 0, 128), (200, 32, 32)])
 def test_grouped_experts_match_reference(tokens, offset, num_local):
-    from pdrollout.engine.kernels import experts_grouped
+    from pdrollout.engine.model.kernels import experts_grouped
     g = torch.Generator(device=cuda).manual_seed(2)
     hdim, inter, top_k, total = 2048, 768, 8, 128
     x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
@@ -88,7 +88,7 @@ def test_grouped_experts_match_reference(tokens, offset, num_local):
 
 
 def test_grouped_experts_capture_in_a_graph():
-    from pdrollout.engine.kernels import experts_grouped
+    from pdrollout.engine.model.kernels import experts_grouped
     g = torch.Generator(device=cuda).manual_seed(3)
     x = torch.randn(64, 256, generator=g, device=cuda).to(torch.bfloat16)
     gu = torch.randn(16, 128, 256, generator=g, device=cuda).to(torch.bfloat16) * 0.06
@@ -105,7 +105,7 @@ def test_grouped_experts_capture_in_a_graph():
 
 
 def test_gathered_experts_match_reference_in_fp32():
-    from pdrollout.engine.kernels import experts_gathered
+    from pdrollout.engine.model.kernels import experts_gathered
     g = torch.Generator(device=cuda).manual_seed(4)
     x = torch.randn(50, 64, generator=g, device=cuda)
     gu = torch.randn(8, 64, 64, generator=g, device=cuda) * 0.1

@@ -1,7 +1,7 @@
 """Block pool, prefix reuse and reservation lifetimes, without a model."""
 import pytest
 
-from pdrollout.engine.kv_cache import BlockPool, Reservations
+from pdrollout.engine.scheduler.kv_pool import BlockPool, Reservations
 
 
 def test_prefix_match_needs_same_chain():

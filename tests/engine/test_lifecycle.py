@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from hf_reference import assert_matches_reference, hf_greedy
-from pdrollout.engine.config import ControlSettings, EngineConfig
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.request import RequestError, SamplingParams
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import RequestError, SamplingParams
 
 
 def make(model, mode="pd", num_blocks=64, **kw):
@@ -31,20 +31,21 @@ def drain(engine):
 def test_abort_in_flight_discards_result_and_frees_after_drain(tiny_model):
     e = make(tiny_model)
     e.submit("a", list(range(2, 30)), greedy(5))
+    pool, reservations = e.schedulers[0].pool, e.schedulers[0].reservations   # one rank: one replica
     launched = e.launch()                          # a's first prefill segment is submitted
-    held = e.pool.num_used()
+    held = pool.num_used()
     assert held > 0
     assert e.abort("a")
-    assert e.pool.num_used() == held               # still in flight: KV not reusable
+    assert pool.num_used() == held                 # still in flight: KV not reusable
     e.submit("a", [9, 8, 7], greedy(3))            # the client retries with the same rid
     outs = e.finish(launched)
     assert [o.finish_reason["type"] for o in outs if o.rid == "a"] == ["abort"]
     assert all(not o.new_token_ids for o in outs)  # the old lifetime's result was discarded
-    assert e.reservations.draining == []
+    assert reservations.draining == []
     out, fin = drain(e)
     ref, m = hf_greedy(tiny_model, [9, 8, 7], 3)
     assert_matches_reference(out["a"], ref, m, "retried request")
-    assert all(ref == 0 for ref in e.pool.ref)      # nothing leaked across the two lifetimes
+    assert all(ref == 0 for ref in pool.ref)        # nothing leaked across the two lifetimes
 
 
 def test_abort_waiting_and_running(tiny_model):
@@ -57,7 +58,7 @@ def test_abort_waiting_and_running(tiny_model):
     outs = e.step()
     assert {o.rid: o.finish_reason["type"] for o in outs} == {"run": "abort", "wait": "abort"}
     assert not e.has_unfinished()
-    assert e.pool.num_used() == 0
+    assert e.schedulers[0].pool.num_used() == 0
 
 
 def test_memory_pressure_retracts_without_corrupting(tiny_model):

@@ -2,8 +2,8 @@
 test_kernels.py)."""
 import torch
 
-from pdrollout.engine import ops
-from pdrollout.engine.kernels import experts_gathered
+from pdrollout.engine.model import ops
+from pdrollout.engine.model.kernels import experts_gathered
 
 
 def test_gathered_experts_equal_reference_on_cpu():

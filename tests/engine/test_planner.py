@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdrollout.engine.config import ControlSettings
-from pdrollout.engine.planner import SEGMENT_UNITS, Snapshot, make_policy
-from pdrollout.engine.request import Req, SamplingParams, Status
+from pdrollout.engine.protocol.config import ControlSettings
+from pdrollout.engine.scheduler.policy import SEGMENT_UNITS, Snapshot, make_policy
+from pdrollout.engine.scheduler.request import Req, SamplingParams, Status
 
 SP = SamplingParams(max_new_tokens=8)
 

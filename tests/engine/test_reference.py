@@ -6,10 +6,10 @@ import pytest
 
 from conftest import tiny_config
 from hf_reference import assert_matches_reference, hf_greedy
-from pdrollout.engine.checkpoint import write_checkpoint
-from pdrollout.engine.config import ControlSettings, EngineConfig
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.request import SamplingParams
+from pdrollout.engine.model.checkpoint import write_checkpoint
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import SamplingParams
 
 MODES = ["normal", "mixed", "pd"]
 PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],

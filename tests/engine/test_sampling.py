@@ -2,9 +2,9 @@ import math
 
 import torch
 
-from pdrollout.engine.config import EngineConfig
-from pdrollout.engine.engine import Engine
-from pdrollout.engine.request import SamplingParams
+from pdrollout.engine.protocol.config import EngineConfig
+from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import SamplingParams
 from hf_reference import hf_model
 
 
@@ -59,7 +59,7 @@ def test_stop_token_ids_and_min_new_tokens(tiny_model):
 
 def test_slime_custom_params_accepted_and_checked():
     import pytest
-    from pdrollout.engine.request import RequestError
+    from pdrollout.engine.scheduler.request import RequestError
     sp = SamplingParams.from_dict({"top_p": 0.9, "temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}})
     assert sp.top_p == 0.9
     with pytest.raises(RequestError, match="custom_params must be an object"):

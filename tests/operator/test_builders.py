@@ -6,9 +6,9 @@ import kopf
 import pytest
 import yaml
 
-from pdrollout.engine.config import EngineConfig
-from pdrollout.engine.distributed import netenv
-from pdrollout.engine.distributed.layout import resolve
+from pdrollout.engine.protocol.config import EngineConfig
+from pdrollout.engine.protocol import netenv
+from pdrollout.engine.protocol.layout import resolve
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdrollout.engine.distributed.exits import EXIT_PEER_LOST, EXIT_STALL
+from pdrollout.engine.protocol.exits import EXIT_PEER_LOST, EXIT_STALL
 from pod_launch import free_port, http, launch, wait_health, write_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]

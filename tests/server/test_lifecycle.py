@@ -12,7 +12,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdrollout.engine.distributed.exits import EXIT_CONFIG
+from pdrollout.engine.protocol.exits import EXIT_CONFIG
 
 LONG = {"input_ids": [4, 8, 15, 16, 23, 42], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
 

@@ -1,0 +1,96 @@
+"""Attention and expert backends, chosen once per worker from its device and dtype.
+
+The model calls `backends.attention(...)` and `backends.experts(...)`; it never branches on the
+batch to pick a kernel. The batch builder asks the attention backend which metadata it needs.
+
+  attention  ReferenceAttention  ops.paged_attention per sequence (CPU: the exactness reference)
+             PagedAttention      CUDA: Triton paged decode kernel for the decode rows (tensor-only
+                                 metadata: graph-capturable), SDPA over the gathered context for
+                                 prefill segments
+  experts    ReferenceExperts    one expert at a time (CPU)
+             GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
+             GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
+The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
+received rows, D's fixed receive slots, a single rank's top-k rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+
+
+class ReferenceAttention:
+    needs_block_tables = False
+
+    def __call__(self, q, k_cache, v_cache, batch, scale: float):
+        return ops.paged_attention(q, k_cache, v_cache, batch.seqs, scale)
+
+
+class PagedAttention:
+    needs_block_tables = True
+
+    def __call__(self, q, k_cache, v_cache, batch, scale: float):
+        from . import kernels
+        nd = batch.num_decode
+        o = torch.empty_like(q)
+        if nd:
+            o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                              batch.block_size, scale)
+        if len(batch.seqs) > nd:
+            kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
+        return o
+
+
+class _Experts:
+    fn = staticmethod(ops.experts_reference)
+
+    def __call__(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0):
+        return self.fn(x, topk_ids, topk_weights, gate_up, down, expert_offset)
+
+    def routed(self, rows, local_ids, gate_up, down):
+        """Each row through its one local expert (id -1: an empty slot, output 0): what an expert
+        all-to-all delivers. No host read, so D can run it inside a graph."""
+        one = local_ids[:, None]
+        weight = torch.ones(one.shape, dtype=gate_up.dtype, device=rows.device)
+        return self(rows.to(gate_up.dtype), one, weight, gate_up, down)
+
+
+class ReferenceExperts(_Experts):
+    pass
+
+
+class GroupedExperts(_Experts):
+    @property
+    def fn(self):
+        from . import kernels
+        return kernels.experts_grouped
+
+
+class GatheredExperts(_Experts):
+    @property
+    def fn(self):
+        from . import kernels
+        return kernels.experts_gathered
+
+
+@dataclass(frozen=True)
+class Backends:
+    attention: object
+    experts: object
+
+    @property
+    def name(self) -> str:
+        return f"{type(self.attention).__name__}+{type(self.experts).__name__}"
+
+
+def make_backends(device: torch.device, dtype: torch.dtype) -> Backends:
+    if device.type != "cuda":
+        return Backends(ReferenceAttention(), ReferenceExperts())
+    grouped = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return Backends(PagedAttention(), GroupedExperts() if grouped else GatheredExperts())
+
+
+REFERENCE = Backends(ReferenceAttention(), ReferenceExperts())

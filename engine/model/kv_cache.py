@@ -1,0 +1,19 @@
+"""The paged KV cache storage: per-layer K and V tensors of [slots, kv heads, head dim]."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer K and V storage: [(num_blocks + 1) * block_size, kv_heads, head_dim]. The extra
+    block is never handed out: padding rows of a CUDA graph write their K/V into its first slot."""
+
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
+        self.null_slot = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
+        self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,144 @@
+"""Loads Hugging Face safetensors into `Qwen3MoeModel`, in either expert layout:
+per-expert keys (`mlp.experts.{i}.{gate,up,down}_proj.weight`, as on the Hub) or fused
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+Only this rank's shard of attention heads and experts is materialized."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..protocol.config import ModelConfig
+from .backends import REFERENCE, Backends
+from .qwen3_moe import Qwen3MoeModel, Shard
+
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the offending key."""
+
+
+def _files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: model_dir / f for k, f in wm.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+class _Reader:
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._handles = {}
+
+    def get(self, key: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        f = self.files[key]
+        h = self._handles.get(f) or self._handles.setdefault(f, safe_open(str(f), "pt"))
+        t = h.get_slice(key)
+        if rows is None and cols is None:
+            return t[:]
+        return t[rows or slice(None), cols or slice(None)] if cols is not None else t[rows]
+
+
+def _head_rows(n_heads: int, head_dim: int, shard: Shard) -> slice:
+    per = n_heads // shard.atp_size
+    return slice(shard.atp_rank * per * head_dim, (shard.atp_rank + 1) * per * head_dim)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """The weights' dtype: the engine config's, or for "auto" the checkpoint's (`torch_dtype`),
+    else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    return DTYPES.get(cfg.raw.get("torch_dtype") or cfg.raw.get("dtype"), torch.float32)
+
+
+def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
+               shard: Shard = Shard(), collectives=None, backends: Backends = REFERENCE) -> Qwen3MoeModel:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.load(model_dir)
+    files = _files(model_dir)
+    reader = _Reader(files)
+    with torch.device("meta"):
+        model = Qwen3MoeModel(cfg, shard, collectives, backends)
+    if dtype is None:
+        dtype = resolve_dtype("auto", cfg)
+
+    # Group per-expert keys by their fused destination.
+    per_expert: dict[str, dict[int, dict[str, str]]] = {}
+    direct = set()
+    for key in files:
+        m = _PER_EXPERT.match(key)
+        if m:
+            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = key
+        else:
+            direct.add(key)
+
+    d = cfg.head_dim
+    sliced_rows = {"q_proj.weight": cfg.num_attention_heads, "q_proj.bias": cfg.num_attention_heads,
+                   "k_proj.weight": cfg.num_key_value_heads, "k_proj.bias": cfg.num_key_value_heads,
+                   "v_proj.weight": cfg.num_key_value_heads, "v_proj.bias": cfg.num_key_value_heads}
+    params = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings and name not in files:
+            continue
+        tail = name.split("self_attn.")[-1]
+        if ".mlp.experts." in name:
+            prefix, which = name.rsplit(".", 1)
+            lo = shard.ep_rank * p.shape[0]
+            experts = range(lo, lo + p.shape[0])
+            if name in direct:
+                t = reader.get(name, rows=slice(lo, lo + p.shape[0]))
+            elif prefix in per_expert:
+                got = per_expert[prefix]
+                try:
+                    if which == "gate_up_proj":
+                        t = torch.stack([torch.cat([reader.get(got[e]["gate"]), reader.get(got[e]["up"])]) for e in experts])
+                    else:
+                        t = torch.stack([reader.get(got[e]["down"]) for e in experts])
+                except KeyError as err:
+                    missing = err.args[0]
+                    raise CheckpointError(f"checkpoint is missing {prefix}.<expert>.{missing}_proj.weight "
+                                          f"for some expert of {prefix}") from None
+            else:
+                raise CheckpointError(f"checkpoint is missing tensor {name!r} (or its per-expert keys)")
+        elif name not in files:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        elif "self_attn." in name and tail in sliced_rows:
+            t = reader.get(name, rows=_head_rows(sliced_rows[tail], d, shard))
+        elif name.endswith("self_attn.o_proj.weight"):
+            t = reader.get(name, cols=_head_rows(cfg.num_attention_heads, d, shard))
+        else:
+            t = reader.get(name)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
+        loaded[name] = t.to(device=device, dtype=dtype)
+
+    known = set(params) | {f"{pre}.{e}.{w}_proj.weight" for pre in per_expert
+                           for e in per_expert[pre] for w in per_expert[pre][e]}
+    for key in files:
+        if key not in known:
+            raise CheckpointError(f"unexpected tensor {key!r} in checkpoint (not part of a Qwen3-MoE "
+                                  f"model with this config)")
+    model = model.to_empty(device=device)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.tie_weights_if_needed()
+    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

@@ -1,0 +1,213 @@
+"""Qwen3-MoE over a paged KV cache. One forward takes a flat batch of tokens from any mix of
+prefill segments and decode rows (the same code serves P, D and fused steps).
+
+Parameter names equal the Hugging Face checkpoint keys, so `state_dict()` is the fused layout.
+Sharding seams for the distributed engine: attention heads (`Shard.atp_*`) and experts
+(`Shard.ep_*`), with the cross-rank reductions supplied by a `Collectives` object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from ..protocol.config import ModelConfig
+from ..protocol.plan import Phase
+from .backends import REFERENCE, Backends
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's rows in a flat batch."""
+    q_start: int
+    q_len: int
+    ctx_len: int           # tokens in context after this step (cached + new)
+    slots: torch.Tensor    # cache slot of each context position, LongTensor[ctx_len]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    slot_mapping: torch.Tensor    # [T] where each new token's K/V goes
+    seqs: list[SeqSlice]
+    logits_indices: torch.Tensor  # [S] rows whose next-token logits are wanted
+    phase: Phase = Phase.MIXED    # passed down to the collectives (which path) and the expert comm
+    # The first num_decode rows are decode rows (one token each); the rest prefill segments.
+    # Block tables and lengths of the decode rows, for attention backends that read them
+    # (tensor-only metadata: a CUDA graph can hold them).
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks]
+    seq_lens: torch.Tensor | None = None       # int32 [num_decode]
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the weights this rank holds. Defaults: the whole model."""
+    atp_rank: int = 0
+    atp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+class Collectives:
+    """Cross-rank reductions the model needs; identity on one rank."""
+
+    def attn_reduce(self, x: torch.Tensor, phase: Phase) -> torch.Tensor:
+        return x
+
+    def experts(self, layer: "MoEBlock", x, topk_ids, topk_weights, phase: Phase) -> torch.Tensor:
+        return layer.local_experts(x, topk_ids, topk_weights)
+
+
+def _param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
+        super().__init__()
+        self.backends = backends
+        if cfg.num_attention_heads % shard.atp_size or cfg.num_key_value_heads % shard.atp_size:
+            raise ValueError(f"attention heads ({cfg.num_attention_heads} q, {cfg.num_key_value_heads} kv) "
+                             f"do not divide over ATP={shard.atp_size}")
+        self.heads = cfg.num_attention_heads // shard.atp_size
+        self.kv_heads = cfg.num_key_value_heads // shard.atp_size
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, self.eps)
+        self.k_norm = RMSNorm(d, self.eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        o = self.backends.attention(q, k_cache, v_cache, batch, self.head_dim ** -0.5)
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))   # t may be 0 on a rank
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x, batch, collectives):
+        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_local: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = _param(num_local, 2 * inter, hidden)
+        self.down_proj = _param(num_local, hidden, inter)
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = _param(num_experts, hidden)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
+        super().__init__()
+        self.backends = backends
+        if cfg.num_experts % shard.ep_size:
+            raise ValueError(f"{cfg.num_experts} experts do not divide over EP={shard.ep_size}")
+        self.num_local = cfg.num_experts // shard.ep_size
+        self.expert_offset = shard.ep_rank * self.num_local
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Router(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(self.num_local, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def local_experts(self, x, topk_ids, topk_weights):
+        """This shard's experts for rows routed by global expert id (foreign experts add nothing)."""
+        return self.backends.experts(x, topk_ids, topk_weights, self.experts.gate_up_proj,
+                                     self.experts.down_proj, self.expert_offset)
+
+    def routed_experts(self, rows, local_ids):
+        """Each row through its one local expert (-1: empty, output 0): what an all-to-all delivers."""
+        return self.backends.experts.routed(rows, local_ids, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def forward(self, x, batch, collectives: Collectives):
+        weights, ids = ops.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
+        return collectives.experts(self, x, ids, weights, batch.phase)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, shard: Shard, backends: Backends):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, shard, backends)
+        self.is_moe = cfg.is_moe_layer(idx)
+        self.mlp = MoEBlock(cfg, shard, backends) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, backends) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), collectives: Collectives | None = None,
+                 backends: Backends = REFERENCE):
+        super().__init__()
+        self.cfg = cfg
+        self.shard = shard
+        self.collectives = collectives or Collectives()
+        self.backends = backends
+        self.model = Backbone(cfg, shard, backends)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def tie_weights_if_needed(self):
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        """Returns fp32 logits for `batch.logits_indices` rows: [S, vocab]."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        col = self.collectives
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            h = layer.self_attn(h, cos, sin, kv.k[i], kv.v[i], batch)
+            x = x + col.attn_reduce(h, batch.phase)
+            h = layer.post_attention_layernorm(x)
+            x = x + layer.mlp(h, batch, col)
+        x = self.model.norm(x.index_select(0, batch.logits_indices))
+        return self.lm_head(x).float()

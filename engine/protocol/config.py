@@ -1,0 +1,156 @@
+"""Configuration: the model's architecture (read from a Hugging Face config.json), the engine's
+static settings, and the live control settings that `/control` changes at a step boundary."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PRESETS_DIR = Path(__file__).parent.parent / "presets"   # engine/presets (package data)
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Qwen3-MoE architecture, with transformers' `Qwen3MoeConfig` field names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        arch = d.get("model_type", "qwen3_moe")
+        if arch != "qwen3_moe":
+            raise ConfigError(f"model_type {arch!r} is not supported (only 'qwen3_moe')")
+        if d.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        try:
+            heads = d["num_attention_heads"]
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads", heads),
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                moe_intermediate_size=d["moe_intermediate_size"],
+                num_experts=d["num_experts"],
+                num_experts_per_tok=d["num_experts_per_tok"],
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(theta),
+                max_position_embeddings=d.get("max_position_embeddings", 32768),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+                raw=dict(d),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config is missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: a model directory needs config.json + *.safetensors")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def load_preset(name_or_path: str) -> dict:
+    """A config dict from a preset name (engine/presets/NAME.json) or a JSON file path."""
+    p = Path(name_or_path)
+    if not p.is_file():
+        p = PRESETS_DIR / f"{name_or_path}.json"
+    if not p.is_file():
+        names = sorted(x.stem for x in PRESETS_DIR.glob("*.json"))
+        raise ConfigError(f"no config file or preset named {name_or_path!r} (presets: {', '.join(names)})")
+    return json.loads(p.read_text())
+
+
+Activation = Literal["on", "off", "auto"]
+Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
+Mode = Literal["normal", "mixed", "pd"]
+
+
+class ControlSettings(BaseModel):
+    """Live controls; validated as a whole so an invalid PUT changes nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    activation: Activation = "auto"
+    span: int | Literal["auto"] = "auto"
+    prefill_budget_tokens: int = Field(default=32768, gt=0)
+    ordering: Ordering = "fine-grained"
+
+    @field_validator("span", mode="before")
+    @classmethod
+    def _span(cls, v):
+        if isinstance(v, bool) or (not isinstance(v, int) and v != "auto"):
+            raise ValueError("span must be an integer 1..4 or 'auto'")
+        if isinstance(v, int) and not 1 <= v <= 4:
+            raise ValueError("span must be an integer 1..4 or 'auto'")
+        return v
+
+    def updated(self, changes: dict) -> "ControlSettings":
+        return ControlSettings.model_validate({**self.model_dump(), **changes})
+
+
+class EngineConfig(BaseModel):
+    """Static engine settings (fixed for the life of an engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mode: Mode = "pd"
+    block_size: int = Field(default=16, gt=0)
+    num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int = Field(default=256 << 20, gt=0)
+    max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
+    max_context_len: int | None = None                   # None: the model's max_position_embeddings
+    mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
+    seed: int = 0
+    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
+    random_weights: bool = False                          # init on the device; `model` needs only config.json
+    control: ControlSettings = ControlSettings()

@@ -1,0 +1,94 @@
+"""The rank-shared step plan: what rank 0's planner hands every rank (one rank included) to execute.
+
+Plain picklable data. Rank 0 owns intake, the per-replica schedulers and the KV block pools, so a
+row carries its block table: workers keep no scheduling state and cannot diverge. A request is
+pinned to one attention replica for its life (its KV and prefix blocks live there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Phase(str, Enum):
+    """Which work a row, a forward or a collective belongs to: the one spelling of P and D from the
+    planner down to the expert communication. A MIXED forward (decode rows and prefill segments
+    together, one rank or the normal/mixed policies) runs on the P path."""
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    @property
+    def path(self) -> str:
+        """The collective path and stream lane: "d" for decode, "p" otherwise."""
+        return "d" if self is Phase.DECODE else "p"
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    rid: str
+    kind: Phase             # DECODE | PREFILL
+    start: int              # position of the first new token
+    tokens: tuple           # the new tokens (one for a decode row)
+    blocks: tuple           # the request's block table (cache block ids on its replica)
+    samples: bool           # produces a token (a decode row, or a prefill segment that completes)
+    logprob: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class ReplicaWork:
+    decode: tuple[RowSpec, ...] = ()
+    prefill: tuple[RowSpec, ...] = ()
+
+    @property
+    def decode_rows(self) -> int:
+        return len(self.decode)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(r.length for r in self.prefill)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    rid: str
+    replica: int
+    sampling: object        # SamplingParams (its generator is made on the replica's ranks)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    control: dict                               # ControlSettings.model_dump() in force this step
+    replicas: tuple[ReplicaWork, ...] = ()
+    new: tuple[NewRequest, ...] = ()
+    drop: tuple[str, ...] = ()                  # finished or aborted: forget the generator
+    multiplexing: bool = False                  # the pd policy put P and D in this step
+    stop: bool = False                          # shut the workers down
+
+    @property
+    def d_any(self) -> bool:
+        return any(w.decode for w in self.replicas)
+
+    @property
+    def p_any(self) -> bool:
+        return any(w.prefill for w in self.replicas)
+
+
+@dataclass
+class StepReport:
+    """What one rank sends back: the sampled tokens (replica leaders only) and turnstile counts."""
+    rank: int
+    step: int
+    tokens: dict = field(default_factory=dict)      # rid -> (token, logprob | None)
+    rounds: int = 0                                 # turnstile rounds that ran a rendezvous
+    rendezvous_s: list = field(default_factory=list)
+    turnstile_wait_s: list = field(default_factory=list)   # per round with D: round called -> D enqueued
+    ordering: str = ""
+    span: int | str = 1
+    multiplexed: bool = False
+    graph: bool = False                             # D ran as a CUDA graph replay

@@ -1,0 +1,23 @@
+"""Typed per-step records: what the engine tells the server's metrics (and the bench) about each
+step it ran. One record per step that ran work, on every world size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    t: float                          # monotonic start of the step
+    duration_s: float
+    mode: str                         # the policy: normal | mixed | pd
+    decode_rows: int
+    prefill_tokens: int
+    decode_wait_s: tuple[float, ...] = ()      # per decode row: ready -> its step started (planner wait)
+    multiplexing_active: bool = False          # P and D both ran under the pd policy (and the turnstile, on many ranks)
+    span: int = 1
+    rendezvous_s: tuple[float, ...] = ()       # every turnstile rendezvous of the step (rank 0)
+    turnstile_rounds: int = 0                  # rounds that ran a rendezvous
+    turnstile_wait_s: tuple[float, ...] = ()   # per round with D: round called -> D enqueued
+    ordering: str = ""
+    graph: bool = False                        # D ran as a CUDA graph replay

@@ -1,0 +1,79 @@
+"""Rows of the rank-shared plan → one flat `ForwardBatch`: the one place that computes positions,
+slot mappings, per-sequence context slots, block tables and the upload to the device.
+
+Decode rows come first (one token each), prefill segments after them. On a device other than the
+CPU everything goes up in one non-blocking copy from a pinned staging buffer owned by the phase: a
+pageable copy blocks the host while the other path's collective spins on the GPU (seen on H200s),
+and a staging buffer is reused only after its phase's stream synchronized.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.qwen3_moe import ForwardBatch, SeqSlice
+from ..protocol.plan import Phase, RowSpec
+
+
+def slots_of(blocks, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Cache slot of each context position start..end-1 of a sequence with block table `blocks`."""
+    pos = torch.arange(start, end)
+    table = torch.tensor(blocks, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, device: torch.device, block_tables: bool) -> None:
+        self.block_size, self.device = block_size, device
+        self.block_tables = block_tables          # the attention backend reads decode rows' tables
+        self._stage: dict[Phase, torch.Tensor] = {}
+
+    def build(self, rows: list[RowSpec], phase: Phase) -> ForwardBatch:
+        rows = [r for r in rows if r.kind == Phase.DECODE] + [r for r in rows if r.kind != Phase.DECODE]
+        bs = self.block_size
+        ids, pos, slot_map, seqs, logit_rows, t = [], [], [], [], [], 0
+        for r in rows:
+            ctx = slots_of(r.blocks, 0, r.start + r.length, bs)
+            ids.extend(r.tokens)
+            pos.extend(range(r.start, r.start + r.length))
+            slot_map.append(ctx[r.start:])
+            seqs.append(SeqSlice(t, r.length, r.start + r.length, ctx))
+            if r.samples:
+                logit_rows.append(t + r.length - 1)
+            t += r.length
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        host = [long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), long(logit_rows)]
+        host += [q.slots for q in seqs]
+        nd = sum(1 for r in rows if r.kind == Phase.DECODE)
+        if self.block_tables:
+            width = max((len(r.blocks) for r in rows[:nd]), default=1)
+            table = torch.zeros(nd, width, dtype=torch.long)
+            for i, r in enumerate(rows[:nd]):
+                table[i, :len(r.blocks)] = torch.tensor(r.blocks)
+            host += [table.view(-1), long([q.ctx_len for q in seqs[:nd]])]
+        if self.device.type != "cpu":
+            host = self._upload(phase, host)
+        n_seq = len(seqs)
+        seqs = [SeqSlice(q.q_start, q.q_len, q.ctx_len, s) for q, s in zip(seqs, host[4:4 + n_seq])]
+        batch = ForwardBatch(host[0], host[1], host[2], seqs, host[3], phase=phase, num_decode=nd,
+                             block_size=bs)
+        if self.block_tables:
+            table, lens = host[4 + n_seq:]
+            batch.block_tables = table.view(nd, -1).to(torch.int32)
+            batch.seq_lens = lens.to(torch.int32)
+        return batch
+
+    def _upload(self, phase: Phase, arrays: list[torch.Tensor]) -> list[torch.Tensor]:
+        sizes = [a.numel() for a in arrays]
+        total = sum(sizes)
+        stage = self.staging(phase, total)
+        if total:
+            torch.cat(arrays, out=stage[:total])
+        flat = stage[:total].to(self.device, non_blocking=True)
+        return list(torch.split(flat, sizes))
+
+    def staging(self, phase: Phase, total: int) -> torch.Tensor:
+        """The phase's pinned buffer of at least `total` elements (allocated at start, or rarely)."""
+        stage = self._stage.get(phase)
+        if stage is None or stage.numel() < total:
+            stage = self._stage[phase] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
+        return stage

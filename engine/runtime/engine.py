@@ -1,0 +1,199 @@
+"""The engine on rank 0: intake, one scheduler per attention replica, and the step loop. One rank
+is the world of one: the same loop hands the rank-shared plan to its own worker, or broadcasts it
+to every rank and gathers the sampled tokens back.
+
+`step()` = control change → each replica's scheduler plans → one StepPlan (rows with tokens and
+block tables, the control, new requests and drops) → every rank executes it (runtime/worker.py) →
+the replica leaders' tokens go back to their schedulers → a typed StepRecord. A request goes to the
+replica with the fewest unfinished requests and stays there (its KV and prefix blocks live there).
+"""
+from __future__ import annotations
+
+import time
+
+from ..protocol.config import ControlSettings, EngineConfig
+from ..protocol.plan import NewRequest, Phase, ReplicaWork, RowSpec, StepPlan, StepReport
+from ..protocol.records import StepRecord
+from ..scheduler.request import RequestError, RequestOutput, SamplingParams
+from ..scheduler.scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, worker=None) -> None:
+        """`worker`: this rank's Worker (a multi-rank group's rank 0); None builds a world of one."""
+        if worker is None:
+            from .worker import Worker
+            worker = Worker.single(config)
+        self.config, self.worker, self.topo = config, worker, worker.topo
+        self.model_config = worker.cfg
+        self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks) for _ in range(self.topo.adp)]
+        self.replica_of: dict[str, int] = {}
+        self.control = config.control
+        self._pending_control: ControlSettings | None = None
+        self.records: list[StepRecord] = []          # drained by the server's metrics
+        self._new: list[NewRequest] = []
+        self._announced: set[str] = set()
+        self.step_id = 0
+        self.ranks = None                            # launcher.RankGroup of a multi-rank group
+        self.closed = False
+        self._first_step()
+
+    # --- requests ---------------------------------------------------------------------------
+    def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+               return_logprob: bool = False, rollout_id: str | None = None) -> None:
+        if isinstance(rid, str) and rid in self.replica_of:
+            raise RequestError(f"request id {rid!r} is already running")
+        r = min(range(len(self.schedulers)), key=lambda i: (len(self.schedulers[i].reqs), i))
+        self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id)
+        self.replica_of[rid] = r
+        self._new.append(NewRequest(rid, r, sampling))
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        r = self.replica_of.get(rid)
+        if r is None or not self.schedulers[r].abort(rid, message):
+            return False
+        del self.replica_of[rid]   # the rid is free again (a retry may reuse it at once)
+        return True
+
+    def abort_all(self) -> int:
+        return sum(self.abort(rid) for rid in list(self.replica_of))
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    def set_control(self, control: ControlSettings) -> None:
+        self._pending_control = control       # every replica and rank takes it at the next step
+
+    @property
+    def requested_control(self) -> ControlSettings:
+        """The settings the next step will run with (a pending change, else the current ones)."""
+        return self._pending_control or self.control
+
+    def flush_cache(self) -> bool:
+        if any(s.reqs for s in self.schedulers):
+            return False
+        return all(s.flush_cache() for s in self.schedulers)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        return self.finish(self.launch())
+
+    def launch(self):
+        """Plan and run one step; its results are applied by `finish` (work submitted in between,
+        e.g. an abort and a retry under the same rid, meets a launched step: results of an earlier
+        lifetime are discarded there)."""
+        if self._pending_control is not None:
+            self.control, self._pending_control = self._pending_control, None
+        launched = [s.plan_step(self.control) for s in self.schedulers]
+        self.step_id += 1
+        if all(x is None for x in launched):
+            return None
+        works = tuple(x.work if x else ReplicaWork() for x in launched)
+        alive = {rid for s in self.schedulers for rid in s.reqs}
+        new = tuple(n for n in self._new if n.rid in alive)
+        self._new = []
+        drop = tuple(self._announced - alive)
+        self._announced = (self._announced | {n.rid for n in new}) & alive
+        step = next(x.plan.step for x in launched if x is not None)
+        multiplexing = any(x is not None and x.plan.multiplexing for x in launched)
+        plan = StepPlan(step, self.control.model_dump(), works, new, drop, multiplexing)
+        t0 = time.monotonic()
+        mine, reports = self._exchange(plan)
+        return plan, launched, reports, mine, t0
+
+    def finish(self, launched=None) -> list[RequestOutput]:
+        """Apply a launched step's results (None: nothing ran) and return every ready output."""
+        if launched is not None:
+            self._apply(*launched)
+        outs = [o for s in self.schedulers for o in s.outputs()]
+        for o in outs:
+            r = self.replica_of.get(o.rid)
+            if o.finished and r is not None and o.rid not in self.schedulers[r].reqs:
+                del self.replica_of[o.rid]
+        return outs
+
+    def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
+        now = time.monotonic()
+        for r, (s, x) in enumerate(zip(self.schedulers, launched)):
+            if x is not None:
+                s.apply_result(x, reports[r * self.topo.atp].tokens, now)   # the replica leader's tokens
+        works = plan.replicas
+        self.records.append(StepRecord(
+            step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode,
+            decode_rows=sum(w.decode_rows for w in works), prefill_tokens=sum(w.prefill_tokens for w in works),
+            decode_wait_s=tuple(w for x in launched if x for w in x.decode_waits),
+            multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
+            span=max((x.plan.span for x in launched if x), default=1), rendezvous_s=tuple(mine.rendezvous_s),
+            turnstile_rounds=mine.rounds, turnstile_wait_s=tuple(mine.turnstile_wait_s), ordering=mine.ordering,
+            graph=mine.graph))
+
+    def _first_step(self) -> None:
+        """Step 0: one warm-up row per path and replica, writing only the KV cache's null slot. On
+        several ranks it runs every collective once: when it returns, every rank of every node has
+        joined and run a step."""
+        null = self.worker.num_blocks   # block id of the null slot's block
+        row = lambda kind: RowSpec("warmup", kind, 0, (0,), (null,), samples=False)
+        work = tuple(ReplicaWork(decode=(row(Phase.DECODE),), prefill=(row(Phase.PREFILL),)) for _ in self.schedulers)
+        self._exchange(StepPlan(0, self.control.model_dump(), work, multiplexing=self.config.mode == "pd"))
+        self.step_id = 1
+        for s in self.schedulers:
+            s.step_id = 1
+
+    def _exchange(self, plan: StepPlan) -> tuple[StepReport, list[StepReport]]:
+        """Every rank executes the plan; returns this rank's report and every rank's."""
+        if self.topo.world == 1:
+            mine = self.worker.execute(plan)
+            return mine, [mine]
+        import torch.distributed as dist
+        dist.broadcast_object_list([plan], src=0)
+        mine = self.worker.execute(plan)
+        reports: list[StepReport] = [None] * self.topo.world
+        dist.gather_object(mine, reports, dst=0)
+        return mine, reports
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (call from the thread that ran the steps)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.topo.world > 1:
+            import torch.distributed as dist
+            dist.broadcast_object_list([StepPlan(self.step_id, self.control.model_dump(), stop=True)], src=0)
+            dist.barrier()
+        self.worker.close()
+
+    # --- failure (a multi-rank group) -------------------------------------------------------
+    def check(self) -> None:
+        """Raises the group's failure (a stall or a lost peer) even while no step runs."""
+        self.worker.check()
+
+    def verdict(self, exc: BaseException) -> int:
+        """The exit code for a failure of this engine (protocol/exits.py)."""
+        return self.worker.verdict(exc)
+
+    def on_exit(self, hook) -> None:
+        """`hook(err, code)` runs before a forced exit of this process (the group failed while a
+        thread was stuck in a collective)."""
+        self.worker.exit_hooks.append(hook)
+
+    # --- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        ss = [s.stats() for s in self.schedulers]
+        total = sum(s["kv_blocks_total"] for s in ss)
+        used = sum(s["kv_blocks_used"] for s in ss)
+        out = {"num_running_reqs": sum(s["num_running_reqs"] for s in ss),
+               "num_queue_reqs": sum(s["num_queue_reqs"] for s in ss),
+               "token_usage": used / total if total else 0.0, "kv_blocks_total": total, "kv_blocks_used": used,
+               "kv_blocks_cached": sum(s["kv_blocks_cached"] for s in ss), "step": self.step_id}
+        if self.topo.adp > 1:
+            out["replica_running_reqs"] = [s["num_running_reqs"] for s in ss]
+        return out
+
+    def model_info(self) -> dict:
+        c = self.model_config
+        return {"model_path": self.config.model, "vocab_size": c.vocab_size,
+                "max_context_len": self.schedulers[0].max_context_len, "eos_token_ids": list(c.eos_token_ids),
+                "num_experts": c.num_experts, "num_layers": c.num_hidden_layers,
+                "dtype": str(self.worker.dtype).removeprefix("torch."), "device": self.config.device,
+                "mode": self.config.mode, "is_generation": True, "nproc": self.topo.world, "adp": self.topo.adp,
+                "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name}

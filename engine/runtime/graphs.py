@@ -1,0 +1,100 @@
+"""CUDA graphs of the decode forward, captured once per batch-size bucket, on one rank or many.
+
+The graphs read only static, phase-owned inputs (ids, positions, slots, block tables, lengths),
+so a replay is valid whether or not prefill work is active elsewhere; padding rows have length 0
+and write their K/V into the reserved null slot.
+
+On several ranks the D path's collectives (ATP all-reduce, DP all-gather and reduce-scatter, the
+fixed-slot expert all-to-alls, ATP all-gather) are captured *inside* the graph: NCCL collectives of
+fixed shape are capturable, every rank captures the same buckets in the same order, and a replay is
+then one enqueue of the whole D iteration — the unit the turnstile orders between its two
+rendezvous. Splitting the graph around each collective would cost a host round trip per
+collective (dozens per step) and give the turnstile dozens of enqueues to order instead of one.
+Each replica pads its rows to the bucket; `forward(batch, bucket)` tells the collectives that every
+replica has `bucket` rows, so the shapes are fixed and rank-shared.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..model.qwen3_moe import ForwardBatch
+from ..protocol.plan import Phase, RowSpec
+
+
+def buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return sorted(set(small + list(range(16, max_batch, 16)) + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[[ForwardBatch, int], torch.Tensor], device: torch.device,
+                 block_size: int, max_batch: int, max_blocks: int, null_slot: int):
+        self.forward, self.block_size, self.null_slot = forward, block_size, null_slot
+        self.buckets = buckets(max_batch)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), null_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, device=device)
+        self._host = torch.zeros(4 * n + n * max_blocks, dtype=torch.int64, pin_memory=True)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_blocks = max_blocks
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [], self.rows[:b],
+                            phase=Phase.DECODE, num_decode=b, block_tables=self.block_tables[:b],
+                            seq_lens=self.seq_lens[:b], block_size=self.block_size)
+
+    def capture(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Every bucket, largest first (later graphs reuse its memory pool); on several ranks this
+        is collective: every rank captures the same buckets in the same order."""
+        pool = torch.cuda.graph_pool_handle()
+        side = stream or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                self.forward(self._batch(b), b)   # warm-up (Triton compile, cuBLAS handles, NCCL)
+            torch.cuda.synchronize()
+            for b in reversed(self.buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=side):
+                    out = self.forward(self._batch(b), b)
+                self.graphs[b] = (g, out)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def fits(self, n: int) -> bool:
+        return 0 < n <= self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(x for x in self.buckets if x >= n)
+
+    def replay(self, rows: list[RowSpec], bucket: int) -> torch.Tensor:
+        """Logits of `rows` (decode rows of this rank's replica, at most `bucket`); the replay is
+        enqueued on the current stream. Inputs go up in one copy from a pinned buffer, reused only
+        after the step synchronized (its logits were sampled)."""
+        n, bs, b = len(rows), self.block_size, bucket
+        width = max((len(r.blocks) for r in rows), default=1)
+        host = self._host[:4 * b + b * width]
+        host.zero_()
+        ids, pos, slots, lens = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:4 * b]
+        slots[n:] = self.null_slot
+        tables = host[4 * b:].view(b, width)
+        for i, r in enumerate(rows):
+            p = r.start
+            ids[i], pos[i], lens[i] = r.tokens[0], p, p + 1
+            slots[i] = r.blocks[p // bs] * bs + p % bs
+            tables[i, :len(r.blocks)] = torch.tensor(r.blocks)
+        flat = host.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:b].copy_(flat[:b])
+        self.positions[:b].copy_(flat[b:2 * b])
+        self.slot_mapping[:b].copy_(flat[2 * b:3 * b])
+        self.seq_lens[:b].copy_(flat[3 * b:4 * b])
+        self.block_tables[:b, :width].copy_(flat[4 * b:].view(b, width))
+        g, out = self.graphs[b]
+        g.replay()
+        return out[:n]

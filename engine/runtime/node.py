@@ -1,0 +1,289 @@
+"""One node of a group: join the group's store, start this node's ranks, watch them.
+
+Launch sequence (docs/DISTRIBUTED.md, "One engine across nodes"):
+  1. node 0 hosts the TCPStore on the master port; every rank of every node connects to it
+     (bounded: a store that never appears is a GroupJoinTimeout);
+  2. every rank announces itself under `join/<rank>` and waits until all `world` ranks did,
+     naming the missing ranks and their nodes if the join bound passes;
+  3. the gloo default group forms over the store, the workers load their shards and create
+     their data groups, and rank 0 runs the first step (a warm-up through every collective);
+  4. node 0's HTTP API turns ready; every other node's /health turns ready once each of its
+     ranks has executed that first step.
+Any rank's stall or death ends every rank on every node (watchdog.py), and each process exits
+with the code of exits.py; a node's launcher exits with the most telling code of its ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..protocol.exits import EXIT_OK, GroupJoinTimeout, most_telling, name as exit_name
+from ..protocol.layout import GroupLayout
+
+JOIN_POLL_S = 0.1
+
+
+def gloo_ifname(host: str) -> str | None:
+    """The interface that holds `host`, so gloo binds the pod's own address (it otherwise uses
+    the hostname's, which need not be the pod IP). Loopback addresses live on `lo`."""
+    if host.startswith("127.") or host == "localhost":
+        return "lo"
+    try:
+        import fcntl
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, ifname in socket.if_nameindex():
+                try:
+                    req = struct.pack("256s", ifname.encode()[:15])
+                    addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])   # SIOCGIFADDR
+                except OSError:
+                    continue
+                if addr == host:
+                    return ifname
+    except (ImportError, OSError):
+        pass
+    return None
+
+
+def bind_gloo(host: str | None) -> None:
+    """Point gloo at the interface holding `host` unless the environment already chose one."""
+    if host and host not in ("0.0.0.0", "::") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        ifname = gloo_ifname(host)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+
+
+def connect_store(layout: GroupLayout, rank: int, *, master: bool = False):
+    """The group's TCPStore: hosted here on node 0 (`master`), else reached at the master address
+    within the join bound. torch's TCPStore listens on every address of node 0's port."""
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=layout.join_timeout_s)
+    if master:
+        return dist.TCPStore(layout.master_addr, layout.master_port, layout.world, True,
+                             wait_for_workers=False, timeout=timeout)
+    try:
+        return dist.TCPStore(layout.master_addr, layout.master_port, layout.world, False, timeout=timeout)
+    except Exception as e:   # DistStoreError/RuntimeError: node 0 never answered
+        raise GroupJoinTimeout(f"rank {rank}: node 0's store at {layout.master_addr}:{layout.master_port} was not "
+                               f"reachable within {layout.join_timeout_s:.0f}s ({type(e).__name__}: {e})") from None
+
+
+def join(store, layout: GroupLayout, rank: int) -> float:
+    """Announce `rank` and wait for the whole group; returns the seconds waited."""
+    store.set(f"join/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    t0 = time.monotonic()
+    keys = [f"join/{r}" for r in range(layout.world)]
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > layout.join_timeout_s:
+            nodes = sorted({layout.node_of(r) for r in missing})
+            raise GroupJoinTimeout(
+                f"rank {rank}: ranks {missing} (node{'s' if len(nodes) > 1 else ''} "
+                f"{', '.join(map(str, nodes))}) did not join within {layout.join_timeout_s:.0f}s; "
+                f"{layout.world - len(missing)}/{layout.world} joined")
+        time.sleep(JOIN_POLL_S)
+
+
+# ---- per-rank counters, shared with the node's launcher ---------------------------------
+COUNTER_FIELDS = ("steps", "rounds", "rendezvous", "rendezvous_s", "decode_rows", "prefill_tokens")
+
+
+class RankCounters:
+    """Per-rank step counters in shared memory: each rank writes its own slot after every step,
+    the node's HTTP side reads them for /health (ready once every rank ran a step) and /metrics."""
+
+    def __init__(self, ranks: range, array=None) -> None:
+        self.ranks = ranks
+        if array is None:
+            import multiprocessing
+            array = multiprocessing.get_context("spawn").Array("d", len(ranks) * len(COUNTER_FIELDS), lock=False)
+        self.array = array
+
+    def _base(self, rank: int) -> int:
+        return (rank - self.ranks.start) * len(COUNTER_FIELDS)
+
+    def add(self, rank: int, **deltas: float) -> None:
+        b = self._base(rank)
+        for k, v in deltas.items():
+            self.array[b + COUNTER_FIELDS.index(k)] += v
+
+    def get(self, rank: int) -> dict[str, float]:
+        b = self._base(rank)
+        return {k: self.array[b + i] for i, k in enumerate(COUNTER_FIELDS)}
+
+    def all_stepped(self) -> bool:
+        return all(self.get(r)["steps"] >= 1 for r in self.ranks)
+
+    def __reduce__(self):   # the shared array travels to spawned ranks
+        return (RankCounters, (self.ranks, self.array))
+
+
+# ---- the ranks of this node ---------------------------------------------------------------
+@dataclass
+class LocalRanks:
+    """The processes this node started and how they ended."""
+    layout: GroupLayout
+    procs: dict[int, object] = field(default_factory=dict)     # global rank -> Process
+
+    def codes(self) -> dict[int, int | None]:
+        return {r: p.exitcode for r, p in self.procs.items()}
+
+    def first_exit(self) -> tuple[int, int] | None:
+        """(rank, code) of a rank that ended, if any."""
+        for r, p in self.procs.items():
+            if p.exitcode is not None:
+                return r, p.exitcode
+        return None
+
+    def terminate(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after the grace: no rank outlives its launcher."""
+        live = [p for p in self.procs.values() if p.is_alive()]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in live:
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+
+    def wait_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+
+
+def spawn(layout: GroupLayout, ranks, target, args: tuple) -> LocalRanks:
+    """Start `target(rank, *args)` for each rank in its own spawned process (CUDA needs spawn)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = LocalRanks(layout)
+    for r in ranks:
+        p = ctx.Process(target=target, args=(r, *args), name=f"pdrollout-rank{r}", daemon=True)
+        p.start()
+        out.procs[r] = p
+    return out
+
+
+def watch(local: LocalRanks, on_exit, poll_s: float = 0.2, stop: threading.Event | None = None) -> threading.Thread:
+    """A thread that calls `on_exit(rank, code)` once, when the first of `local`'s ranks ends."""
+    stop = stop or threading.Event()
+
+    def run():
+        while not stop.wait(poll_s):
+            ended = local.first_exit()
+            if ended is not None:
+                on_exit(*ended)
+                return
+    t = threading.Thread(target=run, name="rank-watch", daemon=True)
+    t.start()
+    return t
+
+
+# ---- a worker node (node rank > 0) -------------------------------------------------------
+class WorkerNode:
+    """Node k > 0: runs its ranks (no planner, no API) and serves /health and /metrics for them
+    on the engine port. Exits when its ranks exit, with their most telling code."""
+
+    def __init__(self, layout: GroupLayout, target, args: tuple, host: str | None, port: int | None,
+                 exit_wait_s: float = 60.0, log=print) -> None:
+        self.layout, self.host, self.port, self.log = layout, host, port, log
+        self.exit_wait_s = exit_wait_s   # how long the other ranks may take to reach the group's verdict
+        self.counters = RankCounters(layout.local_ranks)
+        self.local = spawn(layout, layout.local_ranks, target, (*args, self.counters))
+        self.stopping = False
+
+    def health(self) -> tuple[int, dict]:
+        codes = self.local.codes()
+        alive = sum(c is None for c in codes.values())
+        stepped = sum(self.counters.get(r)["steps"] >= 1 for r in self.layout.local_ranks)
+        body = {"node_rank": self.layout.node_rank, "ranks": list(self.layout.local_ranks),
+                "alive": alive, "stepped": stepped}
+        if alive < len(codes):
+            return 503, {**body, "status": "failed",
+                         "exit_codes": {str(r): c for r, c in codes.items() if c is not None}}
+        if stepped < len(codes):
+            return 503, {**body, "status": "joining"}
+        return 200, {**body, "status": "ok"}
+
+    def metrics(self) -> bytes:
+        from ..server.metrics import rank_metrics_text
+        return rank_metrics_text(self.counters, self.local.codes(), self.layout)
+
+    def run(self) -> int:
+        """Serve until the ranks end (or SIGTERM); returns the node's exit code."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: (setattr(self, "stopping", True), stop.set()))
+        server = self._serve() if self.port is not None else None
+        self.log(f"pdrollout node {self.layout.node_rank}: started ranks {list(self.layout.local_ranks)} "
+                 f"({self.layout.describe()})")
+        while not stop.wait(0.2) and self.local.first_exit() is None:
+            pass
+        if self.stopping:
+            self.local.terminate()
+            code = EXIT_OK
+        else:
+            # the first rank is gone; its peers end within the watchdog bound. Wait for them, so
+            # the code reflects the group's verdict (a stall wins over the lost peers it causes).
+            self.local.wait_all(self.exit_wait_s)
+            self.local.terminate()
+            code = most_telling(list(self.local.codes().values()))
+        codes = self.local.codes()
+        self.log(f"pdrollout node {self.layout.node_rank}: ranks ended "
+                 + ", ".join(f"{r}: {c} ({exit_name(c)})" for r, c in codes.items())
+                 + f"; exit {code} ({exit_name(code)})")
+        if server is not None:
+            server.shutdown()
+        return code
+
+    def _serve(self):
+        """A small threaded HTTP server: /health and /metrics only (the API is node 0's)."""
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import json
+        node = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):   # noqa: N802 (http.server's name)
+                if self.path == "/health":
+                    status, body = node.health()
+                    self._send(status, json.dumps(body).encode(), "application/json")
+                elif self.path == "/metrics":
+                    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+                    self._send(200, node.metrics(), CONTENT_TYPE_LATEST)
+                else:
+                    self._send(404, json.dumps({"error": {
+                        "message": f"node {node.layout.node_rank} runs worker ranks only; the API is on node 0",
+                        "code": 404}}).encode(), "application/json")
+
+            do_POST = do_PUT = do_GET
+
+            def _send(self, status: int, body: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_):
+                pass
+
+        server = ThreadingHTTPServer((self.host or "127.0.0.1", self.port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="node-http", daemon=True).start()
+        self.log(f"pdrollout node {self.layout.node_rank}: /health and /metrics on "
+                 f"http://{server.server_address[0]}:{server.server_address[1]}")
+        return server
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

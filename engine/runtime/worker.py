@@ -1,0 +1,289 @@
+"""One rank: its shard of the model, its KV cache (shared by P and D), its attention and expert
+backends, and the execution of a StepPlan. One rank is the world of one: the same worker runs a
+single-GPU engine and every rank of a group.
+
+Per step: decode-only steps replay D's CUDA graph where there is one (every world size; on several
+ranks the graph holds D's collectives); otherwise one forward of the replica's rows (P and D fused
+on one rank, and under the normal/mixed policies), or, under pd on several ranks, P on its thread and
+D through the turnstile (pd_step.py). Replica leaders (local index 0) sample.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..model.backends import make_backends
+from ..model.checkpoint import random_model
+from ..model.kv_cache import KVCache
+from ..model.loader import load_model, resolve_dtype
+from ..model.qwen3_moe import Shard
+from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
+from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
+from ..protocol.topology import Topology
+from .batch import BatchBuilder
+from .sampler import make_generator, request_seed, sample
+
+
+@dataclass
+class RankOptions:
+    """Per-run knobs of a multi-rank group that are not EngineConfig fields."""
+    slots: int = 2                  # CPU device model: execution slots per rank (1 = full SM residency)
+    watchdog_bound_s: float = 30.0
+    step_log: str | None = None     # directory for per-rank step logs (JSONL)
+    cross_isolation: bool = False   # isolation-only diagnostic: odd sides enqueue P before D (Worker.side)
+    expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
+    # Issue 8's knobs (CUDA only): the device condition under which crossed orders stall.
+    sm_partition: int = 0           # P and D streams share one green-context partition of this many SMs
+    nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
+    skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
+    gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
+    d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """cpu, or cuda[:N] on one rank; on several, cuda:<local rank> (LOCAL_RANK under torchrun, else
+    rank modulo the visible GPUs)."""
+    dev = torch.device(config.device)
+    if dev.type != "cuda":
+        return torch.device("cpu")
+    if dev.index is not None and rank == 0 and "LOCAL_RANK" not in os.environ:
+        return dev
+    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    return torch.device("cuda", local)
+
+
+def shard_of(topo: Topology, rank: int) -> Shard:
+    # ETP>1 replicates each expert shard over its ETP group (no expert tensor parallelism).
+    return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
+
+
+def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
+    """The same block count on every rank: each rank's KV budget over its share of the KV heads."""
+    per = KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
+                                  cfg.num_key_value_heads // topo.atp, cfg.head_dim, dtype)
+    return config.num_blocks or max(config.kv_cache_bytes // per, 1)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, topo: Topology, rank: int, store=None,
+                 options: RankOptions | None = None, counters=None) -> None:
+        self.config, self.topo, self.rank = config, topo, rank
+        self.opt = options = options or RankOptions()
+        self.multi = topo.world > 1
+        self.counters = counters           # node.RankCounters: this node's view of its ranks' steps
+        self.exit_hooks: list = []         # run before a forced exit (rank 0: answer in-flight requests)
+        self.wd = self.group = None
+        if self.multi:   # the watchdog first: heartbeats from here on (a rank that dies loading is lost)
+            from .member import GroupMember
+            self.group = GroupMember(self, store)
+            self.wd = self.group.wd
+        self.cfg = ModelConfig.load(config.model)
+        self.replica, self.leader = topo.replica(rank), topo.local_index(rank) == 0
+        self.device = rank_device(config, rank)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:   # before any CUDA or NCCL work of this process (the current device is per thread)
+            torch.cuda.set_device(self.device)
+        # random weights stand for a benchmark shape: bf16 unless told otherwise
+        dtype = torch.bfloat16 if config.random_weights and config.dtype == "auto" else \
+            resolve_dtype(config.dtype, self.cfg)
+        self.backends = make_backends(self.device, dtype)
+        shard = shard_of(topo, rank)
+        if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
+            self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends)
+        else:
+            self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard,
+                                    backends=self.backends)
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
+        kv_heads = self.model.model.layers[0].self_attn.kv_heads
+        self.kv = KVCache(self.cfg.num_hidden_layers, self.num_blocks, config.block_size, kv_heads,
+                          self.cfg.head_dim, self.dtype, self.device)
+        self.batches = BatchBuilder(config.block_size, self.device, self.backends.attention.needs_block_tables)
+        self.control = config.control
+        self.gens: dict[str, torch.Generator] = {}
+        self.sampling: dict[str, object] = {}
+        self.streams: dict = {}
+        self.graphs = None
+        self.pd = None
+        self._log = None
+        if options.step_log:
+            os.makedirs(options.step_log, exist_ok=True)
+            self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
+        if self.multi:
+            self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
+        elif self.cuda and config.cuda_graphs:
+            self._capture(lambda batch, b: self.model(batch, self.kv))
+
+    @classmethod
+    def single(cls, config: EngineConfig) -> "Worker":
+        """The world of one."""
+        return cls(config, Topology(1), 0)
+
+    def _capture(self, forward) -> None:
+        from .graphs import DecodeGraphs
+        max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
+        self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, self.config.max_running,
+                                   -(-max_ctx // self.config.block_size), self.kv.null_slot)
+        self.graphs.capture(self.streams.get("d"))
+
+    # ---- one step ----------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepReport:
+        for nr in plan.new:
+            if nr.replica == self.replica:
+                seed = request_seed(self.config.seed, nr.rid)
+                self.gens[nr.rid], self.sampling[nr.rid] = make_generator(nr.sampling, seed), nr.sampling
+        for rid in plan.drop:
+            self.gens.pop(rid, None)
+            self.sampling.pop(rid, None)
+        control = ControlSettings.model_validate(plan.control) if plan.control else self.control
+        if control != self.control:
+            if self.multi:
+                self.group.ctl.set_control(ordering=control.ordering, span=control.span,
+                                           activation=control.activation)
+            self.control = control
+        mine = plan.replicas[self.replica]
+        report = StepReport(self.rank, plan.step)
+        if self.multi:
+            self.wd.update(busy=True, phase="step", epoch=plan.step)
+            mark = self.group.mark()
+        if self.multi and self.config.mode == "pd":
+            logits_d, logits_p, report.graph = self.pd.run(plan)
+        elif not plan.p_any:
+            (logits_d, report.graph), logits_p = self.forward_d(plan), None
+        else:   # one forward of everything: P and D fused (one rank), or the normal/mixed policies
+            phase = Phase.MIXED if plan.d_any else Phase.PREFILL
+            logits_d, logits_p = None, self.forward(phase, plan, lambda w: w.decode + w.prefill)
+        if self.multi:
+            self.group.report(report, mark)
+        if self.leader:
+            if logits_p is not None:
+                rows = list(mine.prefill) if logits_d is not None else list(mine.decode) + list(mine.prefill)
+                self._sample(rows, logits_p, report)
+            if logits_d is not None:
+                self._sample(list(mine.decode), logits_d, report)
+        if self.multi:
+            self.wd.update(busy=False, phase="idle")
+        if self.counters is not None:
+            self.counters.add(self.rank, steps=1, rounds=report.rounds, rendezvous=len(report.rendezvous_s),
+                              rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
+                              prefill_tokens=mine.prefill_tokens)
+        if self._log:
+            self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
+                                        "ordering": report.ordering, "rounds": report.rounds,
+                                        "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
+                                        "graph": report.graph}) + "\n")
+            self._log.flush()
+        return report
+
+    # ---- forwards ------------------------------------------------------------------------
+    def forward(self, phase: Phase, plan: StepPlan, pick, boundary=None, wait: bool = True) -> torch.Tensor:
+        """One eager forward of `pick(replica work)` rows on `phase`'s path; logits of sampling rows."""
+        rows_all = [pick(w) for w in plan.replicas]
+        if self.multi:
+            self.group.begin(phase.path, plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary)
+        if not self.cuda:
+            return self.model(self.batches.build(rows_all[self.replica], phase), self.kv)
+        torch.cuda.set_device(self.device)    # a P thread's device is its own
+        s = self.streams.get(phase.path) or torch.cuda.current_stream()
+        with torch.cuda.stream(s):
+            batch = self.batches.build(rows_all[self.replica], phase)
+            with self.group.span("forward", s, phase.path, plan.step) if self.multi else _nothing():
+                logits = self.model(batch, self.kv)
+        if wait:
+            s.synchronize()                   # eager: the step's logits are complete for sampling
+        return logits
+
+    def forward_d(self, plan: StepPlan, wait: bool = True) -> tuple[torch.Tensor, bool]:
+        """The D iteration: a graph replay for the rank-shared bucket when one is captured (every
+        rank replays it, rows or not: its collectives need every rank), else an eager forward."""
+        n = max(w.decode_rows for w in plan.replicas)
+        if self.graphs is None or not self.graphs.fits(n):
+            return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
+        s = self.streams.get("d") or torch.cuda.current_stream()
+        with torch.cuda.stream(s):
+            with self.group.span("forward", s, "d", plan.step) if self.multi else _nothing():
+                logits = self.graphs.replay(list(plan.replicas[self.replica].decode), self.graphs.bucket(n))
+        if wait:
+            s.synchronize()
+        return logits, True
+
+    def d_done(self, logits):
+        """D's logits once its kernels completed (--d-async returns before they do)."""
+        if logits is not None and self.cuda and self.opt.d_async:
+            self.streams["d"].synchronize()
+        return logits
+
+    def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
+        rows = [r for r in rows if r.samples]
+        if not rows:
+            return
+        want = any(r.logprob for r in rows)
+        toks, lps = sample(logits, [self.sampling[r.rid] for r in rows], [self.gens[r.rid] for r in rows], want)
+        for i, r in enumerate(rows):
+            report.tokens[r.rid] = (toks[i], lps[i] if lps is not None else None)
+
+    # ---- a group's failure ---------------------------------------------------------------
+    def check(self) -> None:
+        if self.wd is not None:
+            self.wd.check()
+
+    def verdict(self, exc: BaseException) -> int:
+        from ..protocol.exits import exit_code
+        return self.wd.verdict(exc) if self.wd is not None else exit_code(exc)
+
+    def exit_now(self, err: BaseException) -> None:
+        """The group failed and a thread may be stuck inside a collective: leave with the verdict,
+        after the exit hooks had their say."""
+        code = self.verdict(err)
+        for hook in self.exit_hooks:
+            try:
+                hook(err, code)
+            except Exception as e:
+                print(f"[rank {self.rank}] exit hook failed: {e!r}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(code)
+
+    def side(self, rank: int) -> int:
+        """A rank's side in the crossed diagnostic: its replica; with one replica (ATP only) its
+        local index, so the two sides still meet in the ATP group's and the model-wide collectives."""
+        return self.topo.replica(rank) if self.topo.adp > 1 else self.topo.local_index(rank)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        if self._log:
+            self._log.close()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def worker_loop(worker: Worker) -> int:
+    """Ranks other than 0: execute broadcast plans until the stop plan."""
+    import torch.distributed as dist
+    import traceback
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        plan: StepPlan = box[0]
+        if plan.stop:
+            worker.close()
+            dist.barrier()   # rank 0's broadcast has completed everywhere before anyone leaves
+            return 0
+        try:
+            report = worker.execute(plan)
+        except BaseException as e:
+            traceback.print_exc()
+            worker.exit_now(e)
+        dist.gather_object(report, None, dst=0)

@@ -1,0 +1,236 @@
+"""One attention replica's requests and KV accounting: the planner's side of a step, no tensors.
+
+`plan_step()` applies the policy to a snapshot, admits and retracts (KV reservations), and returns
+the launched step: the plan, the rows bound to the request lifetimes they were launched for, and
+the rows as the rank-shared plan carries them (tokens, block tables). `apply_result()` takes the
+sampled tokens back: results of an earlier lifetime are discarded, P promotes to D on its first
+token, stop conditions finish requests, and every step emits incremental `RequestOutput`s.
+The engine (runtime/engine.py) holds one Scheduler per replica; one rank is the world of one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
+from ..protocol.plan import Phase, ReplicaWork, RowSpec
+from .kv_pool import BlockPool, Reservation, Reservations
+from .policy import Plan, Snapshot, make_policy
+from .request import Req, RequestError, RequestOutput, SamplingParams, Status
+
+
+@dataclass
+class Row:
+    """One row of a launched step, bound to the request lifetime it was launched for."""
+    req: Req
+    reservation: Reservation
+    lifetime: int
+    kind: Phase          # DECODE | PREFILL
+    length: int          # tokens computed by this row
+    samples: bool        # produces a token
+
+
+@dataclass
+class Launched:
+    plan: Plan
+    rows: list[Row]
+    work: ReplicaWork    # the same rows in the rank-shared plan's form
+    t0: float
+    decode_waits: list[float]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
+        self.config, self.model_config = config, model_config
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.reservations = Reservations(self.pool)
+        self.max_context_len = min(model_config.max_position_embeddings, config.max_context_len or 1 << 62)
+        self.policy = make_policy(config.mode)
+        self.reqs: dict[str, Req] = {}       # every unfinished request, by rid
+        self.waiting: list[Req] = []         # FCFS
+        self.step_id = 0
+        self._outbox: list[RequestOutput] = []
+
+    # --- requests ---------------------------------------------------------------------------
+    def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raises RequestError for input this replica cannot take; changes nothing."""
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("rid must be a non-empty string")
+        if rid in self.reqs:
+            raise RequestError(f"request id {rid!r} is already running")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestError(f"input_ids contains {t!r}, outside the vocabulary [0, {vocab})")
+        total = len(input_ids) + sampling.max_new_tokens
+        if total > self.max_context_len:
+            raise RequestError(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                               f"= {total} exceeds the context length {self.max_context_len}")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise RequestError(f"prompt + max_new_tokens = {total} tokens exceeds the KV cache capacity "
+                               f"({self.pool.num_blocks * self.pool.block_size} tokens)")
+
+    def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
+               rollout_id: str | None = None) -> None:
+        self.check(rid, input_ids, sampling)
+        req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id)
+        self.reqs[rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        self._finish(req, {"type": "abort", "message": message})
+        return True
+
+    def abort_all(self) -> int:
+        return sum(self.abort(rid) for rid in list(self.reqs))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs) or bool(self._outbox)
+
+    def flush_cache(self) -> bool:
+        if self.reqs:
+            return False
+        self.pool.flush()
+        return True
+
+    # --- one step ---------------------------------------------------------------------------
+    def plan_step(self, control: ControlSettings) -> Launched | None:
+        """Plan, admission and the rows to run; None for an empty step."""
+        plan = self.policy.plan(self.step_id, self._snapshot(), control)
+        self.step_id += 1
+        self._apply_admission(plan)
+        if plan.empty:
+            return None
+        t0 = time.monotonic()
+        waits = [t0 - self.reqs[rid].d_ready_at for rid in plan.decode if self.reqs[rid].d_ready_at]
+        rows, decode, prefill = [], [], []
+        for rid in plan.decode:
+            r = self.reqs[rid]
+            rows.append(Row(r, r.reservation, r.lifetime, Phase.DECODE, 1, True))
+            decode.append(self._spec(r, Phase.DECODE, len(r.tokens) - 1, 1, True))
+        for seg in plan.prefill:
+            r = self.reqs[seg.rid]
+            rows.append(Row(r, r.reservation, r.lifetime, Phase.PREFILL, seg.length, seg.completes))
+            prefill.append(self._spec(r, Phase.PREFILL, seg.start, seg.length, seg.completes))
+        for row in rows:
+            self.reservations.begin_work(row.reservation)   # submitted from here on
+        return Launched(plan, rows, ReplicaWork(tuple(decode), tuple(prefill)), t0, waits)
+
+    @staticmethod
+    def _spec(r: Req, kind: Phase, start: int, n: int, samples: bool) -> RowSpec:
+        return RowSpec(r.rid, kind, start, tuple(r.tokens[start:start + n]), tuple(r.reservation.blocks),
+                       samples, r.return_logprob)
+
+    def apply_result(self, launched: Launched, tokens: dict, now: float) -> None:
+        """`tokens`: rid -> (token, logprob | None) for the rows that sample."""
+        for row in launched.rows:
+            self.reservations.end_work(row.reservation)
+            if not self.reservations.is_current(row.req.rid, row.lifetime) or self.reqs.get(row.req.rid) is not row.req:
+                continue    # an earlier lifetime's result: discard
+            token, logprob = tokens.get(row.req.rid, (None, None)) if row.samples else (None, None)
+            self._apply_row(row, token, logprob, now)
+
+    def outputs(self) -> list[RequestOutput]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    # --- internals --------------------------------------------------------------------------
+    def _snapshot(self) -> Snapshot:
+        prefilling = [r for r in self.reqs.values() if r.status is Status.PREFILL]
+        decoding = [r for r in self.reqs.values() if r.status is Status.DECODE]
+        hint = {r.rid: self._prefix_hint(r) for r in self.waiting}
+        return Snapshot(self.waiting, prefilling, decoding, self.pool.num_available(),
+                        self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint)
+
+    def _prefix_hint(self, r: Req) -> tuple[int, int]:
+        hits, shared = self.pool.peek_prefix(r.tokens, len(r.tokens) - 1)
+        return hits * self.pool.block_size, shared
+
+    def _apply_admission(self, plan: Plan) -> None:
+        for rid in plan.retract:
+            r = self.reqs[rid]
+            self.reservations.close(r.reservation)
+            r.reservation, r.status, r.computed = None, Status.WAITING, 0
+            self.waiting.insert(0, r)      # first in line when KV frees up
+        for rid in plan.admit:
+            r = self.reqs[rid]
+            self.waiting.remove(r)
+            res = self.reservations.open(rid)
+            target = len(r.tokens)
+            res.blocks = self.pool.match_prefix(r.tokens, target - 1, res.chain)
+            hit = len(res.blocks) * self.pool.block_size
+            fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
+            if fresh is None:
+                raise RuntimeError("planner admitted a request the KV pool cannot hold")
+            res.blocks += fresh
+            r.reservation, r.status, r.computed = res, Status.PREFILL, hit
+            if not r.output:
+                r.cached_tokens = hit
+        for rid in plan.decode:
+            r = self.reqs[rid]
+            if self.pool.blocks_for(len(r.tokens)) > len(r.reservation.blocks):
+                got = self.pool.allocate(1)
+                if got is None:
+                    raise RuntimeError("planner scheduled a decode row the KV pool cannot extend")
+                r.reservation.blocks += got
+
+    def _apply_row(self, row: Row, token, logprob, now: float) -> None:
+        r = row.req
+        r.computed += row.length
+        self.pool.commit(r.reservation.blocks, r.tokens, r.computed, r.reservation.chain)
+        if row.kind == Phase.PREFILL and not row.samples:
+            return
+        if row.kind == Phase.PREFILL:
+            r.status = Status.DECODE
+        r.output.append(token)
+        if r.return_logprob:
+            r.logprobs.append(logprob)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        r.d_ready_at = now
+        reason = self._stop_reason(r, token)
+        if reason is not None:
+            self._finish(r, reason)
+        else:
+            self._emit(r, finished=False, reason=None)
+
+    def _stop_reason(self, r: Req, token: int) -> dict | None:
+        sp = r.sampling
+        n = len(r.output)
+        if n >= sp.min_new_tokens:
+            if token in sp.stop_token_ids:
+                return {"type": "stop", "matched": token}
+            if not sp.ignore_eos and token in self.model_config.eos_token_ids:
+                return {"type": "stop", "matched": token}
+        if n >= sp.max_new_tokens:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, r: Req, reason: dict) -> None:
+        del self.reqs[r.rid]
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if r.reservation is not None:
+            self.reservations.close(r.reservation)
+        r.status = Status.FINISHED
+        self._emit(r, finished=True, reason=reason)
+
+    def _emit(self, r: Req, finished: bool, reason: dict | None) -> None:
+        new = r.output[r.emitted:]
+        lps = r.logprobs[r.emitted:] if r.return_logprob else None
+        r.emitted = len(r.output)
+        self._outbox.append(RequestOutput(r.rid, new, lps, finished, reason, len(r.prompt), len(r.output),
+                                          r.cached_tokens, r.rollout_id))
+
+    # --- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        running = sum(1 for r in self.reqs.values() if r.status in (Status.PREFILL, Status.DECODE))
+        return {"num_running_reqs": running, "num_queue_reqs": len(self.waiting),
+                "token_usage": self.pool.num_used() / self.pool.num_blocks,
+                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.pool.num_used(),
+                "kv_blocks_cached": len(self.pool.evictable)}
