@@ -60,7 +60,7 @@ class GroupLayout:
     node_rank: int = 0
     nproc_per_node: int = 1
     master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_MASTER_PORT
+    master_port: int = 0                 # 0: a free port (one node); several nodes default to 29500
     adp: int = 1
     ep: int = 1
     device: str = "cpu"
@@ -186,6 +186,8 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     if values.get("nnodes", 1) > 1 and "master_addr" not in values:
         raise LayoutError("a multi-node group needs the master address (--master-addr, "
                           "PDROLLOUT_MASTER_ADDR, or masterAddr in the layout file)")
+    if values.get("nnodes", 1) > 1:   # every node must know the port: a fixed one
+        values.setdefault("master_port", DEFAULT_MASTER_PORT)
     return GroupLayout(**values)
 
 
