@@ -60,7 +60,7 @@ class GroupLayout:
     node_rank: int = 0
     nproc_per_node: int = 1
     master_addr: str = "127.0.0.1"
-    master_port: int = 0                 # 0: a free port (one node); several nodes default to 29500
+    master_port: int | None = None       # default: 29500 on several nodes, a free port (0) on one
     adp: int = 1
     ep: int = 1
     device: str = "cpu"
@@ -68,6 +68,8 @@ class GroupLayout:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if self.master_port is None:   # every node must know a group's port; one node may pick any
+            object.__setattr__(self, "master_port", DEFAULT_MASTER_PORT if self.nnodes > 1 else 0)
         for name in ("nnodes", "nproc_per_node", "adp", "ep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -186,8 +188,6 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     if values.get("nnodes", 1) > 1 and "master_addr" not in values:
         raise LayoutError("a multi-node group needs the master address (--master-addr, "
                           "PDROLLOUT_MASTER_ADDR, or masterAddr in the layout file)")
-    if values.get("nnodes", 1) > 1:   # every node must know the port: a fixed one
-        values.setdefault("master_port", DEFAULT_MASTER_PORT)
     return GroupLayout(**values)
 
 
