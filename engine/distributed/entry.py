@@ -8,6 +8,7 @@ the topology and the model's divisibility are checked before any process starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -113,6 +114,7 @@ def start_ranks(layout: GroupLayout, config, options, host: str | None = None) -
         return group
     bind_gloo(host)
     store = connect_store(layout, 0, master=True)
+    layout = dataclasses.replace(layout, master_port=store.port)   # port 0: the one picked
     counters = RankCounters(layout.local_ranks)
     local = spawn(layout, range(1, layout.nproc_per_node), _child,
                   (layout, config.model_dump_json(), asdict(options), counters))
