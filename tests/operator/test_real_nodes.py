@@ -1,0 +1,215 @@
+"""The chart and the engine on real nodes: two kubelets with Debian's containerd and runc, images built
+here, everything inside the cluster's network namespaces (e2e/cluster/start.sh DIR --real-nodes 2).
+
+What kwok cannot show: the operator pod really starts from its image with the chart's ServiceAccount and
+passes its readiness probe; an engine container runs `pdrollout serve` on the CPU and answers on its pod
+IP, through a Service IP (kube-proxy) and a DNS name (CoreDNS); `kubectl logs`/`exec` reach the kubelets;
+and deleting everything leaves nothing behind, on the API server nor in the nodes' runtimes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from real_cluster import REAL_RELEASE, REAL_SYSTEM_NS, RealCluster, helm_install_operator
+
+pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes]
+
+ENGINE_PORT = 30000
+
+
+def _ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def _operator_pods(c: RealCluster) -> list[dict]:
+    return c.get("pods", "-n", REAL_SYSTEM_NS, "-l", "app.kubernetes.io/name=pdrollout-operator")["items"]
+
+
+def _engine_manifest(c: RealCluster, name: str, ns: str, node: str | None = None) -> str:
+    """A plain engine Pod and its Service (what the operator's pods run, without the operator)."""
+    pod = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": name}},
+        "spec": {
+            **({"nodeName": node} if node else {}),
+            "containers": [{
+                "name": "engine", "image": c.info["ENGINE_IMAGE"], "imagePullPolicy": "Never",
+                "command": ["pdrollout"],
+                "args": ["serve", "--model", c.info["ENGINE_MODEL"], "--device", "cpu", "--host", "0.0.0.0",
+                         "--port", str(ENGINE_PORT)],
+                "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
+                "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "3Gi"}},
+            }],
+            "terminationGracePeriodSeconds": 5,
+        },
+    }
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+           "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [pod, svc]})
+
+
+def test_nodes_are_real_kubelets(real_cluster):
+    """Two Ready nodes registered by kubelets of the control plane's version, on containerd, with node
+    addresses that exist only inside the cluster's namespaces."""
+    nodes = {n["metadata"]["name"]: n for n in real_cluster.get("nodes")["items"]}
+    assert sorted(nodes) == real_cluster.nodes == ["node-0", "node-1"]
+    version = real_cluster.kubectl("version", "-o", "json").stdout
+    server = json.loads(version)["serverVersion"]["gitVersion"]
+    for name, ip in zip(real_cluster.nodes, real_cluster.node_ips):
+        n = nodes[name]
+        assert _ready(n | {"status": {"conditions": n["status"]["conditions"]}})
+        info = n["status"]["nodeInfo"]
+        assert info["kubeletVersion"] == server, info
+        assert info["containerRuntimeVersion"].startswith("containerd://1."), info
+        assert {"type": "InternalIP", "address": ip} in n["status"]["addresses"]
+        assert not any(t.get("key") == "kwok.x-k8s.io/node" for t in n["spec"].get("taints", []))
+    # The node address is not this machine's: it is unreachable from outside the namespaces.
+    host = __import__("subprocess").run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    assert not any(f" {ip}/" in host for ip in real_cluster.node_ips)
+
+
+def test_chart_operator_pod_ready(real_cluster, real_operator):
+    """`helm install --wait` returned, so the Deployment is available; its one pod runs the image built
+    here as the chart's ServiceAccount, passes its readiness probe, and answers kopf's health endpoint
+    on its pod IP; `kubectl logs` and `kubectl exec` go through the kubelet."""
+    pods = _operator_pods(real_cluster)
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    pod = pods[0]
+    spec, status = pod["spec"], pod["status"]
+    assert spec["serviceAccountName"] == f"{REAL_RELEASE}-pdrollout-operator"
+    assert spec["nodeName"] in real_cluster.nodes
+    (container,) = spec["containers"]
+    assert container["image"] == real_cluster.info["OPERATOR_IMAGE"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert status["phase"] == "Running" and _ready(pod)
+    (cs,) = status["containerStatuses"]
+    assert cs["ready"] and cs["restartCount"] == 0 and "running" in cs["state"], cs
+    # The pod IP comes from its node's CNI bridge, and the probe's endpoint answers there.
+    node_idx = real_cluster.nodes.index(spec["nodeName"])
+    assert status["podIP"].startswith(f"10.244.{node_idx}."), status["podIP"]
+    code, body = real_cluster.http(f"http://{status['podIP']}:8080/healthz")
+    assert code == 200, (code, body)
+
+    name = pod["metadata"]["name"]
+    logs = real_cluster.kubectl("logs", "-n", REAL_SYSTEM_NS, name).stdout
+    # kopf reached the API with the ServiceAccount's token and started watching (RBAC allowed it).
+    assert "Forbidden" not in logs and "403" not in logs, logs[-3000:]
+    who = real_cluster.kubectl("exec", "-n", REAL_SYSTEM_NS, name, "--", "python3", "-c",
+                               "import os; print(os.getuid(), open('/var/run/secrets/kubernetes.io/"
+                               "serviceaccount/namespace').read())").stdout.split()
+    assert who == ["65532", REAL_SYSTEM_NS]
+
+
+def test_operator_reads_the_api_as_its_serviceaccount(real_cluster, real_operator):
+    """The operator's in-cluster credentials reach the API server through the `kubernetes` Service IP
+    (kube-proxy on the operator's node) and its RBAC is what the chart grants: pdrollouts yes, secrets no."""
+    name = _operator_pods(real_cluster)[0]["metadata"]["name"]
+    probe = ("from kubernetes import client, config\n"
+             "config.load_incluster_config()\n"
+             "c = client.ApiClient()\n"
+             "host = c.configuration.host\n"
+             "api = client.CustomObjectsApi(c)\n"
+             "n = len(api.list_cluster_custom_object('pdrollout.io', 'v1alpha1', 'pdrollouts')['items'])\n"
+             "try:\n"
+             "    client.CoreV1Api(c).list_namespaced_secret('default'); s = 'allowed'\n"
+             "except client.exceptions.ApiException as e:\n"
+             "    s = e.status\n"
+             "print(host, n, s)\n")
+    out = real_cluster.kubectl("exec", "-n", REAL_SYSTEM_NS, name, "--", "python3", "-c", probe).stdout.split()
+    assert out == ["https://10.96.0.1:443", "0", "403"], out
+
+
+def test_engine_pod_serves_on_cpu(real_cluster, real_namespace):
+    """The CPU engine image runs `pdrollout serve` on the tiny model baked into it: Ready by its /health
+    probe, answering /health and a generation on the pod IP, by Service IP from the other node, and by
+    its DNS name from inside another container; its log is readable with `kubectl logs`."""
+    c, ns = real_cluster, real_namespace
+    c.kubectl("apply", "-f", "-", input=_engine_manifest(c, "engine", ns, node="node-0"))
+    c.kubectl("wait", "--for=condition=Ready", f"pod/engine", "-n", ns, "--timeout=240s", timeout=260)
+    pod = c.get("pod", "engine", "-n", ns)
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("10.244.0."), ip
+
+    code, body = c.http(f"http://{ip}:{ENGINE_PORT}/health")
+    assert code == 200 and json.loads(body)["status"] == "ok", (code, body)
+    req = json.dumps({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    code, body = c.http(f"http://{ip}:{ENGINE_PORT}/generate", method="POST", body=req, timeout=60)
+    assert code == 200, (code, body)
+    out = json.loads(body)
+    assert out["meta_info"]["completion_tokens"] == 4, out
+
+    # A Service IP is answered on the nodes, where kube-proxy put its rules (node-1: across nodes).
+    cluster_ip = c.get("service", "engine", "-n", ns)["spec"]["clusterIP"]
+    code, body = c.http(f"http://{cluster_ip}/health", node=1)
+    assert code == 200, (code, body)
+
+    # From inside a container (the operator's engine peers resolve each other like this): CoreDNS.
+    fqdn = f"engine.{ns}.svc.cluster.local"
+    got = c.kubectl("exec", "-n", ns, "engine", "--", "python3", "-c",
+                    f"import socket, urllib.request; print(socket.gethostbyname('{fqdn}'), "
+                    f"urllib.request.urlopen('http://{fqdn}/health', timeout=10).status)").stdout.split()
+    assert got == [cluster_ip, "200"], got
+
+    logs = c.kubectl("logs", "-n", ns, "engine").stdout + c.kubectl("logs", "-n", ns, "engine").stderr
+    assert "/health" in logs or "serving" in logs.lower() or str(ENGINE_PORT) in logs, logs[-2000:]
+
+
+def test_deletions_leave_nothing(real_cluster, real_namespace):
+    """helm uninstall and namespace deletion: no pod, Service, ConfigMap or StatefulSet remains, and the
+    nodes' containerd runs no container of them any more. Runs last: it uninstalls the chart."""
+    c, ns = real_cluster, real_namespace
+    if not c.helm("status", REAL_RELEASE, "-n", REAL_SYSTEM_NS, check=False).returncode == 0:
+        helm_install_operator(c)
+    # What the operator creates per rollout, made here directly: a ConfigMap, a headless Service and a
+    # StatefulSet of engine pods (one per node, as the operator's anti-affinity places them).
+    sts = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "grp", "namespace": ns},
+        "spec": {"replicas": 2, "serviceName": "grp", "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": "grp"}},
+                 "template": {"metadata": {"labels": {"app": "grp"}}, "spec": {
+                     "containers": [{"name": "c", "image": c.info["ENGINE_IMAGE"], "imagePullPolicy": "Never",
+                                     "command": ["python3", "-c", "import time; time.sleep(3600)"]}],
+                     "terminationGracePeriodSeconds": 1,
+                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+                         "labelSelector": {"matchLabels": {"app": "grp"}},
+                         "topologyKey": "kubernetes.io/hostname"}]}}}}}}
+    objs = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "grp", "namespace": ns},
+             "data": {"k": "v"}},
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "grp", "namespace": ns},
+             "spec": {"clusterIP": "None", "selector": {"app": "grp"}, "ports": [{"port": 80}]}}, sts]
+    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+    c.kubectl("rollout", "status", "statefulset/grp", "-n", ns, "--timeout=180s", timeout=200)
+    pods = c.get("pods", "-n", ns)["items"]
+    assert sorted(p["spec"]["nodeName"] for p in pods) == ["node-0", "node-1"]  # anti-affinity, 2 nodes
+    running = _containers_on_nodes(c)
+    assert sum(1 for name in running if name == "c") == 2, running
+
+    c.helm("uninstall", REAL_RELEASE, "-n", REAL_SYSTEM_NS, "--wait", "--timeout", "120s")
+    c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", timeout=150)
+    for where in (ns, REAL_SYSTEM_NS):
+        left = c.kubectl("get", "pods,services,configmaps,statefulsets", "-n", where, "-o", "name",
+                         check=False).stdout.split()
+        # A namespace's own kube-root-ca.crt goes with the namespace; nothing else may remain.
+        assert [o for o in left if o != "configmap/kube-root-ca.crt"] == [], (where, left)
+    assert c.kubectl("get", "clusterrole", f"{REAL_RELEASE}-pdrollout-operator", check=False).returncode != 0
+    # The kubelets stopped every container of those pods (the runtime's view, not the API's).
+    assert _containers_on_nodes(c) == [], _containers_on_nodes(c)
+
+
+def _containers_on_nodes(c: RealCluster) -> list[str]:
+    """Names of the containers that the nodes' containerd run (pause sandboxes left out)."""
+    names = []
+    for i in range(len(c.nodes)):
+        sock = c.dir / "nodes" / f"node-{i}" / "containerd.sock"
+        r = c.run("ctr", "--address", str(sock), "-n", "k8s.io", "containers", "ls", "--quiet")
+        for cid in r.stdout.split():
+            info = json.loads(c.run("ctr", "--address", str(sock), "-n", "k8s.io", "containers", "info",
+                                    cid).stdout)
+            labels = info.get("Labels") or {}
+            if labels.get("io.cri-containerd.kind") == "container":
+                task = c.run("ctr", "--address", str(sock), "-n", "k8s.io", "tasks", "ls", check=False).stdout
+                if cid in task and "RUNNING" in task.split(cid, 1)[1].split("\n", 1)[0]:
+                    names.append(labels.get("io.kubernetes.container.name", "?"))
+    return names
