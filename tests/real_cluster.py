@@ -103,6 +103,12 @@ def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
 def real_cluster(tools) -> RealCluster:
     """Two real nodes (build, Debian packages and images cached; a fresh machine builds them once).
     Fails, never skips, when this machine cannot run them, with the reason."""
+    if os.environ.get("PDROLLOUT_REAL_CLUSTER"):  # a cluster already up (start.sh DIR --real-nodes 2): kept
+        d = Path(os.environ["PDROLLOUT_REAL_CLUSTER"])
+        if not (d / "cluster.env").exists():
+            pytest.fail(f"PDROLLOUT_REAL_CLUSTER={d} has no cluster.env: not a real-node cluster")
+        yield RealCluster(dir=d, info=_env_file(d / "cluster.env"), path=tools["PATH"])
+        return
     if os.geteuid() != 0:
         pytest.fail("the real-node cluster needs root (network namespaces, containerd, mounts); "
                     "run the tests as root, as CI does")
@@ -119,7 +125,7 @@ def real_cluster(tools) -> RealCluster:
         _script(str(CLUSTER / "stop.sh"), str(d), timeout=300)
         pytest.fail(f"start.sh --real-nodes 2 failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     print(f"[real-nodes] 2 nodes up in {time.monotonic() - t0:.1f}s at {d}", file=sys.stderr)
-    c = RealCluster(dir=d, info=_env_file(d / "cluster.env"), path=f"{tools['PATH']}")
+    c = RealCluster(dir=d, info=_env_file(d / "cluster.env"), path=tools["PATH"])
     yield c
     t0 = time.monotonic()
     r = _script(str(CLUSTER / "stop.sh"), str(d), timeout=300)

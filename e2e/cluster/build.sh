@@ -61,7 +61,8 @@ build_tool() {  # build_tool BINDIR MODULE/PATH@VERSION
   GOBIN="$1" nice -n 10 go install -trimpath -ldflags="$ldflags" "$2"
 }
 
-sum() { sha256sum "$@" | sha256sum | cut -c1-16; }
+# Contents only (not paths), so every checkout of the same sources shares one cached build.
+sum() { cat "$@" | sha256sum | cut -c1-16; }
 t_all=$SECONDS
 build_once "etcd $ETCD_VERSION" "$ETCD_BIN" "$ETCD_VERSION $ldflags $(sum "$here/etcd/go.sum" "$here/etcd/main.go")" \
   build_etcd

@@ -8,7 +8,7 @@
 # Every layer is cached under $IMAGES_DIR/layers, keyed by what went into it, so an edit to our package
 # rebuilds only the small app layer; torch (the big one) is keyed by its pin alone.
 #   base      debootstrap --variant=minbase of $IMAGE_SUITE + python3 (Debian's Python, same minor as ours)
-#   torch     $IMAGE_TORCH without its CUDA runtime wheels (nvidia-*, triton: GPU-only), and its other needs
+#   torch     $IMAGE_TORCH and what it needs (the CUDA runtime wheels it links too; not triton)
 #   deps      the package's own dependencies (pyproject.toml) / the operator's pins (images/operator.Dockerfile)
 #   app       our package (engine + operator) and its two commands
 #   model     the tiny random checkpoint from `pdrollout checkpoint --config tiny` at /models/tiny
@@ -81,9 +81,10 @@ build_pause() {
 }
 pause="$(layer pause "$(echo "$K8S_VERSION $(gcc -dumpfullversion)" | hash)" build_pause)"
 
-# --- torch without its CUDA runtime wheels ----------------------------------------------------------
-# The PyPI wheel is CUDA-built but imports and runs on a CPU without nvidia-*/triton (it loads them
-# lazily); leaving them out keeps the image at ~1.4 GB instead of ~5 GB.
+# --- torch: the PyPI wheel with what it links, less triton -------------------------------------------
+# PyPI has no CPU-only torch for x86_64: its wheel is CUDA-built and its libraries link the CUDA runtime
+# wheels (nvidia-*), so those come along (unused on a CPU). Triton is only for GPU kernels and never
+# imported on a CPU, so it stays out.
 build_torch() {
   local lib="$1/opt/pdrollout/lib"
   "${pip[@]}" --no-deps --target "$lib" "$IMAGE_TORCH"
@@ -95,14 +96,14 @@ dist = next(d for d in distributions(path=[sys.argv[1]]) if d.metadata["Name"] =
 for r in map(Requirement, dist.requires or []):
     if r.marker and not r.marker.evaluate({"extra": ""}):
         continue
-    if r.name.startswith(("nvidia-", "cuda-")) or r.name == "triton":
+    if r.name == "triton":
         continue
     print(str(r).split(";")[0])
 PY
 )
   "${pip[@]}" --target "$lib" "${needs[@]}"
 }
-torch="$(layer torch "$(echo "$IMAGE_TORCH py$pyver cpu1" | hash)" build_torch)"
+torch="$(layer torch "$(echo "$IMAGE_TORCH py$pyver no-triton" | hash)" build_torch)"
 
 # --- the package's dependencies (engine) and the operator's pins -----------------------------------
 mapfile -t engine_deps < <("$py" - "$root/pyproject.toml" <<'PY'
@@ -175,6 +176,9 @@ read -r eng_ref eng_tar < <(image engine-cpu '{"architecture": "amd64", "os": "l
   "Entrypoint": ["pdrollout"], "Cmd": ["serve", "--help"], "Env": '"$env_py"',
   "ExposedPorts": {"30000/tcp": {}, "29500/tcp": {}}}}' "$base" "$torch" "$edeps" "$app" "$model")
 
+# The layer digests: a node keeps only the unpacked snapshots after importing (half the disk).
+layers=""
+for l in "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model"; do layers+="$(cat "$l.sha256") "; done
 cat >"$IMAGES_DIR/refs.env" <<EOF
 PAUSE_IMAGE=$pause_ref
 PAUSE_ARCHIVE=$pause_tar
@@ -183,6 +187,7 @@ OPERATOR_ARCHIVE=$op_tar
 ENGINE_IMAGE=$eng_ref
 ENGINE_ARCHIVE=$eng_tar
 ENGINE_MODEL=/models/tiny
+LAYER_DIGESTS="${layers% }"
 EOF
 log "images ready in $((SECONDS - t_all)) s ($IMAGES_DIR/refs.env)"
 cat "$IMAGES_DIR/refs.env"

@@ -125,6 +125,70 @@ done
 kc="$dir/kubeconfig"
 kubectl_cp() { in_ns "$ns_cp" kubectl --kubeconfig "$kc" "$@"; }
 
+# --- nodes' containerd first: importing the images overlaps the control plane's start -----------
+for ((i = 0; i < nodes; i++)); do
+  nd="$dir/nodes/node-$i"
+  mkdir -p "$nd"/{cni,ipam,pod-logs,kubelet}
+  cat >"$nd/containerd.toml" <<EOF
+version = 2
+root = "$nd/containerd/root"
+state = "$nd/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
+                    "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "$nd/containerd.sock"
+[ttrpc]
+  address = "$nd/containerd-ttrpc.sock"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$nd/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  disable_apparmor = true
+  stream_server_address = "127.0.0.1"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN"
+    conf_dir = "$nd/cni"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        BinaryName = "$(bin runc)"
+        Root = "$nd/runc"
+        SystemdCgroup = false
+EOF
+  # The network name is unique per cluster: libcni keeps its result cache in /var/lib/cni by that name.
+  cat >"$nd/cni/10-pdrollout.conflist" <<EOF
+{"cniVersion": "0.4.0", "name": "pdr-$id-n$i", "plugins": [
+  {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+   "ipam": {"type": "host-local", "dataDir": "$nd/ipam", "ranges": [[{"subnet": "10.244.$i.0/24"}]],
+            "routes": [{"dst": "0.0.0.0/0"}]}}]}
+EOF
+  start "containerd-$i" nsenter --net="/run/netns/$(node_ns $i)" "$(bin containerd)" --config "$nd/containerd.toml"
+done
+for ((i = 0; i < nodes; i++)); do
+  wait_for 60 "containerd on node-$i" ctr --address "$dir/nodes/node-$i/containerd.sock" version
+done
+
+log "importing images into each node's containerd (in the background)"
+t0=$SECONDS
+pids=()
+for ((i = 0; i < nodes; i++)); do
+  (set -e
+   sock="$dir/nodes/node-$i/containerd.sock"
+   for a in "$PAUSE_ARCHIVE" "$OPERATOR_ARCHIVE" "$ENGINE_ARCHIVE"; do
+     ctr --address "$sock" -n k8s.io images import "$a"
+   done
+   # Unpacked, the layer blobs are dead weight (what containerd's discard_unpacked_layers does on a pull).
+   # shellcheck disable=SC2086
+   ctr --address "$sock" -n k8s.io content rm $LAYER_DIGESTS) >>"$dir/logs/import-$i.log" 2>&1 &
+  pids+=($!)
+done
+
 # --- control plane, inside $ns_cp -------------------------------------------------------------------
 cp=(nsenter --net="/run/netns/$ns_cp")
 log "etcd and kube-apiserver $K8S_VERSION on https://$cp_ip:6443 (in $ns_cp)"
@@ -186,67 +250,10 @@ EOF
 log "CoreDNS on $cp_ip:53"
 start coredns "${cp[@]}" "$(bin coredns)" -conf "$dir/Corefile"
 
-# --- nodes: containerd, images, kubelet, kube-proxy, each inside its namespace ----------------------
-for ((i = 0; i < nodes; i++)); do
-  nd="$dir/nodes/node-$i"
-  mkdir -p "$nd"/{cni,ipam,pod-logs,kubelet}
-  cat >"$nd/containerd.toml" <<EOF
-version = 2
-root = "$nd/containerd/root"
-state = "$nd/containerd/state"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
-                    "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
-[grpc]
-  address = "$nd/containerd.sock"
-[ttrpc]
-  address = "$nd/containerd-ttrpc.sock"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "$nd/containerd/opt"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
-  restrict_oom_score_adj = true
-  netns_mounts_under_state_dir = true
-  disable_apparmor = true
-  stream_server_address = "127.0.0.1"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$CNI_BIN"
-    conf_dir = "$nd/cni"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        BinaryName = "$(bin runc)"
-        Root = "$nd/runc"
-        SystemdCgroup = false
-EOF
-  # The network name is unique per cluster: libcni keeps its result cache in /var/lib/cni by that name.
-  cat >"$nd/cni/10-pdrollout.conflist" <<EOF
-{"cniVersion": "0.4.0", "name": "pdr-$id-n$i", "plugins": [
-  {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "dataDir": "$nd/ipam", "ranges": [[{"subnet": "10.244.$i.0/24"}]],
-            "routes": [{"dst": "0.0.0.0/0"}]}}]}
-EOF
-  start "containerd-$i" nsenter --net="/run/netns/$(node_ns $i)" "$(bin containerd)" --config "$nd/containerd.toml"
-done
-for ((i = 0; i < nodes; i++)); do
-  wait_for 60 "containerd on node-$i" ctr --address "$dir/nodes/node-$i/containerd.sock" version
-done
-
-log "importing images into each node's containerd"
-t0=$SECONDS
-pids=()
-for ((i = 0; i < nodes; i++)); do
-  (for a in "$PAUSE_ARCHIVE" "$OPERATOR_ARCHIVE" "$ENGINE_ARCHIVE"; do
-     ctr --address "$dir/nodes/node-$i/containerd.sock" -n k8s.io images import "$a" >/dev/null
-   done) >>"$dir/logs/import-$i.log" 2>&1 &
-  pids+=($!)
-done
 for p in "${pids[@]}"; do wait "$p" || die "image import failed (logs/import-*.log)"; done
 log "images imported in $((SECONDS - t0)) s"
 
+# --- nodes: kubelet and kube-proxy, each inside its node's namespace ---------------------------------
 for ((i = 0; i < nodes; i++)); do
   nd="$dir/nodes/node-$i"
   cat >"$nd/kubelet.yaml" <<EOF

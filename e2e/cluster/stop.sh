@@ -75,6 +75,8 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
   done
   for n in $NETNS_NODES $NETNS_CP; do [ -e "/run/netns/$n" ] && ip netns del "$n"; done
   rm -f /var/lib/cni/results/"pdr-$CLUSTER_ID"-* 2>/dev/null
+  # Shared with other clusters on this machine: removed only once empty (rmdir refuses otherwise).
+  rmdir /sys/fs/cgroup/*/k8s.io /run/containerd/s /run/containerd 2>/dev/null
   for l in /var/log/containers/*.log; do
     [ -L "$l" ] && [[ "$(readlink "$l")" == "$dir"/* ]] && rm -f "$l"
   done
