@@ -126,12 +126,27 @@ kc="$dir/kubeconfig"
 kubectl_cp() { in_ns "$ns_cp" kubectl --kubeconfig "$kc" "$@"; }
 
 # --- nodes' containerd first: importing the images overlaps the control plane's start -----------
+# A node's containerd keeps its images in a root under the cache (node-<i>), reused by the next cluster:
+# importing (a few GB) and deleting them again would cost minutes per start. The containerd process
+# holds a lock on it for its lifetime; a second cluster running meanwhile gets a fresh root under DIR.
+mkdir -p "$PDROLLOUT_CACHE/real-nodes"
+roots=()
 for ((i = 0; i < nodes; i++)); do
   nd="$dir/nodes/node-$i"
   mkdir -p "$nd"/{cni,ipam,pod-logs,kubelet}
+  exec {lock}>"$PDROLLOUT_CACHE/real-nodes/node-$i.lock"
+  if flock -n "$lock"; then
+    roots+=("$PDROLLOUT_CACHE/real-nodes/node-$i")
+    # Containers of a cluster that was killed rather than stopped: the kubelet would only collect them.
+    rm -rf "${roots[$i]}"/io.containerd.grpc.v1.cri/{sandboxes,containers}
+  else
+    roots+=("$nd/containerd/root")
+    exec {lock}>&-
+    lock=""
+  fi
   cat >"$nd/containerd.toml" <<EOF
 version = 2
-root = "$nd/containerd/root"
+root = "${roots[$i]}"
 state = "$nd/containerd/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
                     "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
@@ -169,6 +184,7 @@ EOF
             "routes": [{"dst": "0.0.0.0/0"}]}}]}
 EOF
   start "containerd-$i" nsenter --net="/run/netns/$(node_ns $i)" "$(bin containerd)" --config "$nd/containerd.toml"
+  [ -z "$lock" ] || exec {lock}>&-  # containerd holds it now
 done
 for ((i = 0; i < nodes; i++)); do
   wait_for 60 "containerd on node-$i" ctr --address "$dir/nodes/node-$i/containerd.sock" version
@@ -179,13 +195,23 @@ t0=$SECONDS
 pids=()
 for ((i = 0; i < nodes; i++)); do
   (set -e
-   sock="$dir/nodes/node-$i/containerd.sock"
-   for a in "$PAUSE_ARCHIVE" "$OPERATOR_ARCHIVE" "$ENGINE_ARCHIVE"; do
-     ctr --address "$sock" -n k8s.io images import "$a"
+   ctr=(ctr --address "$dir/nodes/node-$i/containerd.sock" -n k8s.io)
+   have="$("${ctr[@]}" images ls -q)"
+   for ref in $have; do  # earlier builds of our images: their layers go with them (containerd's GC)
+     case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE " in
+       *" $ref "*) ;;
+       *) "${ctr[@]}" images rm "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
+     esac
+   done
+   for img in "$PAUSE_IMAGE=$PAUSE_ARCHIVE" "$OPERATOR_IMAGE=$OPERATOR_ARCHIVE" "$ENGINE_IMAGE=$ENGINE_ARCHIVE"; do
+     mark="${roots[$i]}/.imported-$(echo "${img%%=*}" | tr '/:' '__')"
+     if [ -f "$mark" ] && grep -qx "${img%%=*}" <<<"$have"; then echo "${img%%=*}: present"; continue; fi
+     "${ctr[@]}" images import "${img#*=}"
+     touch "$mark"
    done
    # Unpacked, the layer blobs are dead weight (what containerd's discard_unpacked_layers does on a pull).
-   # shellcheck disable=SC2086
-   ctr --address "$sock" -n k8s.io content rm $LAYER_DIGESTS) >>"$dir/logs/import-$i.log" 2>&1 &
+   for d in $LAYER_DIGESTS; do "${ctr[@]}" content rm "$d" 2>/dev/null || true; done
+  ) >>"$dir/logs/import-$i.log" 2>&1 &
   pids+=($!)
 done
 

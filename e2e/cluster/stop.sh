@@ -49,6 +49,10 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
       ctr --address "$sock" -n k8s.io tasks kill -s SIGKILL "$t" >/dev/null 2>&1
       ctr --address "$sock" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1
     done
+    # The node's image store outlives the cluster (real-nodes.sh): leave no containers in it.
+    for ct in $(ctr --address "$sock" -n k8s.io containers ls -q 2>/dev/null); do
+      ctr --address "$sock" -n k8s.io containers delete "$ct" >/dev/null 2>&1
+    done
   done
   for name in "$dir"/pids/containerd-*.pid; do [ -f "$name" ] && stop_pid "$(basename "$name" .pid)"; done
   stop_pid kube-apiserver

@@ -156,14 +156,31 @@ def test_engine_pod_serves_on_cpu(real_cluster, real_namespace):
     assert f"pdrollout serve: ready on http://0.0.0.0:{ENGINE_PORT}" in logs, logs[-2000:]
 
 
-def test_deletions_leave_nothing(real_cluster, real_namespace):
-    """helm uninstall and namespace deletion: no pod, Service, ConfigMap or StatefulSet remains, and the
-    nodes' containerd runs no container of them any more. Runs last: it uninstalls the chart."""
-    c, ns = real_cluster, real_namespace
-    if not c.helm("status", REAL_RELEASE, "-n", REAL_SYSTEM_NS, check=False).returncode == 0:
-        helm_install_operator(c)
-    # What the operator creates per rollout, made here directly: a ConfigMap, a headless Service and a
-    # StatefulSet of engine pods (one per node, as the operator's anti-affinity places them).
+PEER_SCRIPT = """
+import os, socket, sys, time
+me, ns = os.environ["HOSTNAME"], os.environ["NS"]
+srv = socket.create_server(("0.0.0.0", 29500))
+if me.endswith("-1"):
+    peer = f"grp-0.grp.{ns}.svc.cluster.local"
+    for _ in range(240):
+        try:
+            conn = socket.create_connection((peer, 29500), timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    conn.sendall(b"hello")
+    print("connected", socket.gethostbyname(peer), conn.recv(16).decode(), flush=True)
+else:
+    conn, addr = srv.accept()
+    conn.sendall(b"ack:" + conn.recv(16))
+    print("accepted", addr[0], flush=True)
+time.sleep(3600)
+"""
+
+
+def _group(c: RealCluster, ns: str, command: list[str]) -> str:
+    """What the operator creates per rollout, made directly: a ConfigMap, a headless Service that
+    publishes not-ready pods, and a 2-pod StatefulSet placed one per node by anti-affinity."""
     sts = {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": "grp", "namespace": ns},
@@ -171,7 +188,7 @@ def test_deletions_leave_nothing(real_cluster, real_namespace):
                  "selector": {"matchLabels": {"app": "grp"}},
                  "template": {"metadata": {"labels": {"app": "grp"}}, "spec": {
                      "containers": [{"name": "c", "image": c.info["ENGINE_IMAGE"], "imagePullPolicy": "Never",
-                                     "command": ["python3", "-c", "import time; time.sleep(3600)"]}],
+                                     "command": command, "env": [{"name": "NS", "value": ns}]}],
                      "terminationGracePeriodSeconds": 1,
                      "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
                          "labelSelector": {"matchLabels": {"app": "grp"}},
@@ -179,8 +196,33 @@ def test_deletions_leave_nothing(real_cluster, real_namespace):
     objs = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "grp", "namespace": ns},
              "data": {"k": "v"}},
             {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "grp", "namespace": ns},
-             "spec": {"clusterIP": "None", "selector": {"app": "grp"}, "ports": [{"port": 80}]}}, sts]
-    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "grp"},
+                      "ports": [{"name": "dist", "port": 29500}]}}, sts]
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
+
+
+def test_group_pods_reach_each_other_by_stable_name(real_cluster, real_namespace, wait):
+    """The path a multi-node engine's rendezvous takes: pod 1 resolves pod 0's stable name
+    (<sts>-0.<headless svc>.<ns>.svc.cluster.local, CoreDNS) and connects to it across nodes."""
+    c, ns = real_cluster, real_namespace
+    c.kubectl("apply", "-f", "-", input=_group(c, ns, ["python3", "-c", PEER_SCRIPT]))
+    c.kubectl("rollout", "status", "statefulset/grp", "-n", ns, "--timeout=180s", timeout=200)
+    pods = {p["metadata"]["name"]: p for p in c.get("pods", "-n", ns)["items"]}
+    assert {pods["grp-0"]["spec"]["nodeName"], pods["grp-1"]["spec"]["nodeName"]} == {"node-0", "node-1"}
+    ip0, ip1 = pods["grp-0"]["status"]["podIP"], pods["grp-1"]["status"]["podIP"]
+    log1 = wait("grp-1 to reach grp-0", lambda: "connected" in (o := c.kubectl(
+        "logs", "-n", ns, "grp-1", check=False).stdout) and o, timeout=120)
+    assert log1.split() == ["connected", ip0, "ack:hello"], log1
+    assert c.kubectl("logs", "-n", ns, "grp-0").stdout.split() == ["accepted", ip1]
+
+
+def test_deletions_leave_nothing(real_cluster, real_namespace):
+    """helm uninstall and namespace deletion: no pod, Service, ConfigMap or StatefulSet remains, and the
+    nodes' containerd runs no container of them any more. Runs last: it uninstalls the chart."""
+    c, ns = real_cluster, real_namespace
+    if not c.helm("status", REAL_RELEASE, "-n", REAL_SYSTEM_NS, check=False).returncode == 0:
+        helm_install_operator(c)
+    c.kubectl("apply", "-f", "-", input=_group(c, ns, ["python3", "-c", "import time; time.sleep(3600)"]))
     c.kubectl("rollout", "status", "statefulset/grp", "-n", ns, "--timeout=180s", timeout=200)
     pods = c.get("pods", "-n", ns)["items"]
     assert sorted(p["spec"]["nodeName"] for p in pods) == ["node-0", "node-1"]  # anti-affinity, 2 nodes
