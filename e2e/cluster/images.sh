@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the real-node mode's container images here, from Debian's and PyPI's packages only (no image
 # registry): a pause image (Kubernetes' own pause.c, same version as the kubelet), the CPU engine image
-# and the operator image, as OCI archives that start.sh imports with `ctr image import`.
+# and the operator image, as layers + recipes from which start.sh streams OCI archives (oci.py) into
+# `ctr image import`.
 #
 #   bash e2e/cluster/images.sh          # prints the image references (also in $IMAGES_DIR/refs.env)
 #
@@ -147,32 +148,27 @@ model="$(layer model "$src_key" build_model)"
 # --- images -----------------------------------------------------------------------------------------
 version="$("$py" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$root/pyproject.toml")"
 env_py='["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1"]'
-# image NAME CONFIG_JSON LAYER...: assemble (cached by layers + config); prints NAME:TAG.
+# image NAME CONFIG_JSON LAYER...: the image's recipe (name, config, layers), from which start.sh streams
+# the OCI archive into each node's containerd (no multi-GB archive on disk); prints NAME:TAG RECIPE.
 image() {
   local name="$1" cfg="$2"; shift 2
   local key ref out
   key="$( (echo "$cfg"; cat "${@/%/.sha256}") | hash)"
   ref="pdrollout.local/$name:$version-${key:0:12}"
-  out="$IMAGES_DIR/$name-$key.oci.tar"
-  if [ ! -f "$out" ]; then
-    rm -f "$IMAGES_DIR/$name"-*.oci.tar
-    local f
-    f="$(mktemp)"
-    echo "$cfg" >"$f"
-    local args=()
-    for l in "$@"; do args+=(--layer "$l"); done
-    "$py" "$here/oci.py" image --name "$ref" --config "$f" "${args[@]}" --out "$out" >/dev/null
-    rm -f "$f"
-    log "image $ref: $(du -h "$out" | cut -f1)"
-  fi
+  out="$IMAGES_DIR/$name.image.json"
+  "$py" - "$ref" "$cfg" "$out" "$@" <<'PY'
+import json, sys
+ref, cfg, out, *layers = sys.argv[1:]
+json.dump({"name": ref, "config": json.loads(cfg), "layers": layers}, open(out, "w"), indent=1)
+PY
   printf '%s %s\n' "$ref" "$out"
 }
-read -r pause_ref pause_tar < <(image pause \
+read -r pause_ref pause_recipe < <(image pause \
   '{"architecture": "amd64", "os": "linux", "config": {"Entrypoint": ["/pause"], "User": "65535:65535"}}' "$pause")
-read -r op_ref op_tar < <(image operator '{"architecture": "amd64", "os": "linux", "config": {
+read -r op_ref op_recipe < <(image operator '{"architecture": "amd64", "os": "linux", "config": {
   "Entrypoint": ["pdrollout-operator"], "Cmd": ["--liveness=http://0.0.0.0:8080/healthz"],
   "Env": '"$env_py"', "User": "65532:65532", "ExposedPorts": {"8080/tcp": {}}}}' "$base" "$odeps" "$app")
-read -r eng_ref eng_tar < <(image engine-cpu '{"architecture": "amd64", "os": "linux", "config": {
+read -r eng_ref eng_recipe < <(image engine-cpu '{"architecture": "amd64", "os": "linux", "config": {
   "Entrypoint": ["pdrollout"], "Cmd": ["serve", "--help"], "Env": '"$env_py"',
   "ExposedPorts": {"30000/tcp": {}, "29500/tcp": {}}}}' "$base" "$torch" "$edeps" "$app" "$model")
 
@@ -181,11 +177,11 @@ layers=""
 for l in "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model"; do layers+="$(cat "$l.sha256") "; done
 cat >"$IMAGES_DIR/refs.env" <<EOF
 PAUSE_IMAGE=$pause_ref
-PAUSE_ARCHIVE=$pause_tar
+PAUSE_RECIPE=$pause_recipe
 OPERATOR_IMAGE=$op_ref
-OPERATOR_ARCHIVE=$op_tar
+OPERATOR_RECIPE=$op_recipe
 ENGINE_IMAGE=$eng_ref
-ENGINE_ARCHIVE=$eng_tar
+ENGINE_RECIPE=$eng_recipe
 ENGINE_MODEL=/models/tiny
 LAYER_DIGESTS="${layers% }"
 EOF

@@ -3,8 +3,9 @@ directories, and an OCI image layout (oci-layout, index.json, blobs) that `ctr i
 
     python3 oci.py layer SRC_DIR OUT.tar [--exclude GLOB ...]   # prints the layer's sha256
     python3 oci.py image --name REF --config CONFIG.json --layer A.tar [--layer B.tar ...] --out IMAGE.tar
+    python3 oci.py image --recipe IMAGE.json --out - | ctr -n k8s.io image import -   # streamed, no copy
 
-Layers stay uncompressed: containerd takes them as they are, and gzip of a 1.5 GB torch layer would
+Layers stay uncompressed: containerd takes them as they are, and gzip of a 4 GB torch layer would
 cost minutes on a 2-core machine for no gain on one host. Each layer's digest is kept next to it
 (OUT.tar.sha256), so assembling an image re-reads nothing."""
 from __future__ import annotations
@@ -110,8 +111,10 @@ def make_image(name: str, config: dict, layers: list[Path], out: Path) -> str:
         annotations={"io.containerd.image.name": name,
                      "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1]})]}
 
-    tmp = out.with_suffix(out.suffix + ".part")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+    stream = str(out) == "-"
+    tmp = out if stream else out.with_suffix(out.suffix + ".part")
+    with (tarfile.open(fileobj=sys.stdout.buffer, mode="w|", format=tarfile.PAX_FORMAT) if stream
+          else tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT)) as tar:
         def put(arc: str, data: bytes) -> None:
             ti = tarfile.TarInfo(arc)
             ti.size, ti.mode = len(data), 0o644
@@ -130,7 +133,8 @@ def make_image(name: str, config: dict, layers: list[Path], out: Path) -> str:
             ti.size, ti.mode = p.stat().st_size, 0o644
             with open(p, "rb") as f:
                 tar.addfile(ti, f)
-    tmp.rename(out)
+    if not stream:
+        tmp.rename(out)
     return man_digest
 
 
@@ -142,18 +146,27 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("out", type=Path)
     lp.add_argument("--exclude", action="append", default=[], help="glob of paths relative to SRC to leave out")
     ip = sub.add_parser("image", help="assemble an OCI image layout tarball")
-    ip.add_argument("--name", required=True, help="full reference, e.g. pdrollout.local/engine-cpu:0.1.0")
-    ip.add_argument("--config", required=True, type=Path, help="image config JSON (architecture, os, config)")
-    ip.add_argument("--layer", action="append", type=Path, required=True, help="layer tarball, base first")
-    ip.add_argument("--out", required=True, type=Path)
+    ip.add_argument("--name", help="full reference, e.g. pdrollout.local/engine-cpu:0.1.0")
+    ip.add_argument("--config", type=Path, help="image config JSON (architecture, os, config)")
+    ip.add_argument("--layer", action="append", type=Path, default=[], help="layer tarball, base first")
+    ip.add_argument("--recipe", type=Path, help='JSON {"name", "config", "layers"} instead of the three above')
+    ip.add_argument("--out", required=True, type=Path, help="the image tarball, or - for stdout")
     a = ap.parse_args(argv)
     if a.cmd == "layer":
         print(make_layer(a.src, a.out, a.exclude))
     else:
-        missing = [str(p) for p in a.layer if not p.is_file()]
+        if a.recipe:
+            r = json.loads(a.recipe.read_text())
+            name, config, layers = r["name"], r["config"], [Path(p) for p in r["layers"]]
+        elif a.name and a.config and a.layer:
+            name, config, layers = a.name, json.loads(a.config.read_text()), a.layer
+        else:
+            raise SystemExit("oci.py image: give --recipe, or --name, --config and --layer")
+        missing = [str(p) for p in layers if not p.is_file()]
         if missing:
-            raise SystemExit(f"oci.py image: no such layer: {', '.join(missing)}")
-        print(make_image(a.name, json.loads(a.config.read_text()), a.layer, a.out))
+            raise SystemExit(f"oci.py image: no such layer: {', '.join(missing)} (rebuild: e2e/cluster/images.sh)")
+        digest = make_image(name, config, layers, a.out)
+        print(digest, file=sys.stderr if str(a.out) == "-" else sys.stdout)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ for p in bridge host-local loopback; do
 done
 [ -f "$IMAGES_DIR/refs.env" ] || fail "no images; run: bash e2e/cluster/images.sh"
 source "$IMAGES_DIR/refs.env"
-for a in "$PAUSE_ARCHIVE" "$OPERATOR_ARCHIVE" "$ENGINE_ARCHIVE"; do
-  [ -f "$a" ] || fail "image archive $a is gone; run: bash e2e/cluster/images.sh"
+for r in "$PAUSE_RECIPE" "$OPERATOR_RECIPE" "$ENGINE_RECIPE"; do
+  [ -f "$r" ] || fail "image recipe $r is gone; run: bash e2e/cluster/images.sh"
 done
 [ -d /sys/fs/cgroup ] || fail "no /sys/fs/cgroup: a kubelet needs cgroups"
 
@@ -137,8 +137,6 @@ for ((i = 0; i < nodes; i++)); do
   exec {lock}>"$PDROLLOUT_CACHE/real-nodes/node-$i.lock"
   if flock -n "$lock"; then
     roots+=("$PDROLLOUT_CACHE/real-nodes/node-$i")
-    # Containers of a cluster that was killed rather than stopped: the kubelet would only collect them.
-    rm -rf "${roots[$i]}"/io.containerd.grpc.v1.cri/{sandboxes,containers}
   else
     roots+=("$nd/containerd/root")
     exec {lock}>&-
@@ -203,10 +201,10 @@ for ((i = 0; i < nodes; i++)); do
        *) "${ctr[@]}" images rm "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
      esac
    done
-   for img in "$PAUSE_IMAGE=$PAUSE_ARCHIVE" "$OPERATOR_IMAGE=$OPERATOR_ARCHIVE" "$ENGINE_IMAGE=$ENGINE_ARCHIVE"; do
+   for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE"; do
      mark="${roots[$i]}/.imported-$(echo "${img%%=*}" | tr '/:' '__')"
      if [ -f "$mark" ] && grep -qx "${img%%=*}" <<<"$have"; then echo "${img%%=*}: present"; continue; fi
-     "${ctr[@]}" images import "${img#*=}"
+     python3 "$here/oci.py" image --recipe "${img#*=}" --out - | "${ctr[@]}" images import -
      touch "$mark"
    done
    # Unpacked, the layer blobs are dead weight (what containerd's discard_unpacked_layers does on a pull).

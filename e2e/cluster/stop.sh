@@ -10,17 +10,24 @@ dir="${1:?usage: stop.sh DIR}"
 [ -d "$dir/pids" ] || exit 0
 dir="$(cd "$dir" && pwd)"
 
-stop_pid() {  # stop_pid NAME: TERM, up to 10 s, then KILL
-  local f="$dir/pids/$1.pid" pid
-  [ -f "$f" ] || return 0
-  pid="$(cat "$f")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-  fi
-  rm -f "$f"
+stop_pid() {  # stop_pid NAME...: TERM to all at once, up to 10 s for all, then KILL
+  local name pids=() p
+  for name in "$@"; do
+    [ -f "$dir/pids/$name.pid" ] || continue
+    p="$(cat "$dir/pids/$name.pid")"
+    kill -TERM "$p" 2>/dev/null && pids+=("$p")
+    rm -f "$dir/pids/$name.pid"
+  done
+  for _ in $(seq 50); do
+    local left=()
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && left+=("$p"); done
+    pids=("${left[@]}")
+    [ ${#pids[@]} -eq 0 ] && return 0
+    sleep 0.2
+  done
+  kill -KILL "${pids[@]}" 2>/dev/null
 }
+names() { local f; for f in "$dir"/pids/$1.pid; do [ -f "$f" ] && basename "$f" .pid; done; }
 
 alive() { [ -f "$dir/pids/$1.pid" ] && kill -0 "$(cat "$dir/pids/$1.pid")" 2>/dev/null; }
 
@@ -30,8 +37,7 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
   source "$dir/cluster.env"
   in_cp() { nsenter --net="/run/netns/$NETNS_CP" "$@"; }
   # No controller may replace what goes now.
-  stop_pid kube-controller-manager
-  stop_pid kube-scheduler
+  stop_pid kube-controller-manager kube-scheduler
   if alive kube-apiserver && alive kubelet-0; then
     in_cp kubectl --kubeconfig "$dir/kubeconfig" delete pods --all -A --grace-period=2 --wait=false \
       >/dev/null 2>&1
@@ -40,9 +46,8 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
       sleep 0.5
     done
   fi
-  for name in "$dir"/pids/kube-proxy-*.pid "$dir"/pids/kubelet-*.pid "$dir"/pids/coredns.pid; do
-    [ -f "$name" ] && stop_pid "$(basename "$name" .pid)"
-  done
+  # shellcheck disable=SC2046
+  stop_pid $(names 'kube-proxy-*') $(names 'kubelet-*') coredns
   for sock in "$dir"/nodes/node-*/containerd.sock; do  # anything the kubelet left running
     [ -S "$sock" ] || continue
     for t in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
@@ -54,8 +59,8 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
       ctr --address "$sock" -n k8s.io containers delete "$ct" >/dev/null 2>&1
     done
   done
-  for name in "$dir"/pids/containerd-*.pid; do [ -f "$name" ] && stop_pid "$(basename "$name" .pid)"; done
-  stop_pid kube-apiserver
+  # shellcheck disable=SC2046
+  stop_pid $(names 'containerd-*') kube-apiserver
   stop_pid etcd
 
   # Every process still in one of this cluster's network namespaces (its nodes', its control plane's,
@@ -78,7 +83,11 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null
   done
   for n in $NETNS_NODES $NETNS_CP; do [ -e "/run/netns/$n" ] && ip netns del "$n"; done
+  # libcni's cache: our pod network's entries by name, the loopback plugin's by the sandbox's id.
   rm -f /var/lib/cni/results/"pdr-$CLUSTER_ID"-* 2>/dev/null
+  for b in "$dir"/nodes/node-*/containerd/state/io.containerd.runtime.v2.task/k8s.io/*/; do
+    [ -d "$b" ] && rm -f /var/lib/cni/results/cni-loopback-"$(basename "$b")"-* 2>/dev/null
+  done
   # Shared with other clusters on this machine: removed only once empty (rmdir refuses otherwise).
   rmdir /sys/fs/cgroup/*/k8s.io /run/containerd/s /run/containerd 2>/dev/null
   for l in /var/log/containers/*.log; do
