@@ -31,6 +31,13 @@ pip=("$py" -m pip install -q --disable-pip-version-check --no-warn-script-locati
 mkdir -p "$IMAGES_DIR/layers"
 exec 8>"$IMAGES_DIR/.lock"
 flock 8  # one builder per cache; a second waits and then finds everything cached
+# A failed build leaves no half-made stage behind (nor a mount debootstrap made inside one).
+cleanup() {
+  awk -v d="$IMAGES_DIR/stage." 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r \
+    | while read -r m; do umount -l "$m"; done
+  rm -rf "$IMAGES_DIR"/stage.* "$IMAGES_DIR"/layers/*.part
+}
+trap cleanup EXIT
 t_all=$SECONDS
 hash() { sha256sum | cut -c1-16; }
 

@@ -324,6 +324,7 @@ mode: iptables
 clusterCIDR: 10.244.0.0/16
 healthzBindAddress: 127.0.0.1:10256
 metricsBindAddress: 127.0.0.1:10249
+nodePortAddresses: [primary]
 # Leave the machine-wide conntrack sysctls alone (not this namespace's to change).
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 EOF
