@@ -164,6 +164,44 @@ def test_engine_pod_serves_on_cpu(real_cluster, real_namespace):
     assert f"pdrollout serve: ready on http://0.0.0.0:{ENGINE_PORT}" in logs, logs[-2000:]
 
 
+def test_operator_pod_template_runs_on_a_real_kubelet(real_cluster, real_namespace):
+    """The objects the operator's builders make for a one-pod rollout, applied as they are except for the
+    two GPU-only bits (until the CR has `device: cpu`): the engine starts from the command, args, env and
+    volumes of the template, reads its config from the mounted ConfigMap, turns Ready through the
+    template's readiness probe, and resolves rank 0's stable name to itself."""
+    from pdrollout.operator import builders
+    from pdrollout.operator.models import PDRolloutSpec
+
+    c, ns = real_cluster, real_namespace
+    spec = PDRolloutSpec.model_validate({
+        "image": c.info["ENGINE_IMAGE"], "model": {"path": c.info["ENGINE_MODEL"], "dtype": "float32"},
+        "topology": {"nodes": 1, "gpusPerNode": 1, "expertParallel": 1, "attentionDataParallel": 1},
+        "multiplexing": {"ordering": "global-enqueue", "span": 2},
+        "resources": {"cpu": "500m", "memory": "3Gi", "sharedMemory": "256Mi", "rdmaPerNode": 0}})
+    objs = builders.desired_objects("tpl", ns, spec)
+    sts = objs[-1]
+    assert sts["kind"] == "StatefulSet"
+    (ctr,) = sts["spec"]["template"]["spec"]["containers"]
+    for part in ("requests", "limits"):
+        ctr["resources"][part].pop("nvidia.com/gpu")
+    ctr["args"][ctr["args"].index("--device") + 1] = "cpu"
+    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+    c.kubectl("rollout", "status", "statefulset/tpl", "-n", ns, "--timeout=240s", timeout=260)
+
+    pod = c.get("pod", "tpl-0", "-n", ns)
+    ip = pod["status"]["podIP"]
+    env = dict(line.split("=", 1) for line in c.kubectl("exec", "-n", ns, "tpl-0", "--", "printenv").stdout.split())
+    assert env["POD_IP"] == ip and env["POD_NAME"] == "tpl-0" and env["PDROLLOUT_NODE_RANK"] == "0", env
+    code, body = c.http(f"http://{ip}:{spec.port}/control")
+    assert code == 200, (code, body)
+    control = json.loads(body)
+    assert control["ordering"] == "global-enqueue" and control["span"] == 2, control
+    shm = c.kubectl("exec", "-n", ns, "tpl-0", "--", "python3", "-c",
+                    "import os, socket; s = os.statvfs('/dev/shm'); "
+                    f"print(s.f_blocks * s.f_frsize >> 20, socket.gethostbyname('{env['PDROLLOUT_MASTER_ADDR']}'))")
+    assert shm.stdout.split() == ["256", ip], shm.stdout
+
+
 PEER_SCRIPT = """
 import os, socket, sys, time
 me, ns = os.environ["HOSTNAME"], os.environ["NS"]
