@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 from real_cluster import REAL_RELEASE, REAL_SYSTEM_NS, RealCluster, helm_install_operator
@@ -277,14 +278,25 @@ def test_deletions_leave_nothing(real_cluster, real_namespace):
 
     c.helm("uninstall", REAL_RELEASE, "-n", REAL_SYSTEM_NS, "--wait", "--timeout", "120s")
     c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", timeout=150)
-    for where in (ns, REAL_SYSTEM_NS):
-        left = c.kubectl("get", "pods,services,configmaps,statefulsets", "-n", where, "-o", "name",
-                         check=False).stdout.split()
+
+    def left() -> list[str]:
         # A namespace's own kube-root-ca.crt goes with the namespace; nothing else may remain.
-        assert [o for o in left if o != "configmap/kube-root-ca.crt"] == [], (where, left)
+        return [f"{where}/{o}" for where in (ns, REAL_SYSTEM_NS)
+                for o in c.kubectl("get", "pods,services,configmaps,statefulsets", "-n", where, "-o", "name",
+                                   check=False).stdout.split() if o != "configmap/kube-root-ca.crt"]
+    # The operator's pod goes by garbage collection after its Deployment, so it may take a moment.
+    assert _settles(left, timeout=90) == []
     assert c.kubectl("get", "clusterrole", f"{REAL_RELEASE}-pdrollout-operator", check=False).returncode != 0
     # The kubelets stopped every container of those pods (the runtime's view, not the API's).
-    assert _containers_on_nodes(c) == [], _containers_on_nodes(c)
+    assert _settles(lambda: _containers_on_nodes(c), timeout=60) == []
+
+
+def _settles(fn, timeout: float) -> list:
+    """fn() once it returns an empty list, else its last value after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while (out := fn()) and time.monotonic() < end:
+        time.sleep(0.5)
+    return out
 
 
 def _containers_on_nodes(c: RealCluster) -> list[str]:
