@@ -65,7 +65,15 @@ def test_nodes_are_real_kubelets(real_cluster):
         assert info["kubeletVersion"] == server, info
         assert info["containerRuntimeVersion"].startswith("containerd://1."), info
         assert {"type": "InternalIP", "address": ip} in n["status"]["addresses"]
-        assert not any(t.get("key") == "kwok.x-k8s.io/node" for t in n["spec"].get("taints", []))
+        assert "kwok.x-k8s.io/node" not in n["metadata"].get("annotations", {})
+        # The address lives in that node's namespace, where its kubelet serves (10250, TLS).
+        i = real_cluster.nodes.index(name)
+        assert f" {ip}/" in real_cluster.run("ip", "-o", "addr", node=i).stdout
+        # Its serving certificate is the cluster CA's, for that IP; it refuses an anonymous caller.
+        code = real_cluster.run("curl", "-s", "--cacert", str(real_cluster.dir / "certs" / "ca.crt"), "-o",
+                                "/dev/null", "-w", "%{http_code}", f"https://{ip}:10250/healthz", node=i,
+                                check=False).stdout
+        assert code == "401", code
     # The node addresses are not this machine's, and the cluster's namespaces lead nowhere else: the
     # control plane's holds only its bridge and the veths to the nodes, and has no default route.
     host = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
