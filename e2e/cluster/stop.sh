@@ -85,8 +85,14 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
   for n in $NETNS_NODES $NETNS_CP; do [ -e "/run/netns/$n" ] && ip netns del "$n"; done
   # libcni's cache: our pod network's entries by name, the loopback plugin's by the sandbox's id.
   rm -f /var/lib/cni/results/"pdr-$CLUSTER_ID"-* 2>/dev/null
+  # ... and the sockets of shims that were killed rather than stopped, named as containerd names them:
+  # sha256 of "<containerd socket>/<namespace>/<id>".
   for b in "$dir"/nodes/node-*/containerd/state/io.containerd.runtime.v2.task/k8s.io/*/; do
-    [ -d "$b" ] && rm -f /var/lib/cni/results/cni-loopback-"$(basename "$b")"-* 2>/dev/null
+    [ -d "$b" ] || continue
+    id="$(basename "$b")"
+    rm -f /var/lib/cni/results/cni-loopback-"$id"-* 2>/dev/null
+    sock="${b%%/containerd/state/*}/containerd.sock"
+    rm -f "/run/containerd/s/$(printf '%s' "$sock/k8s.io/$id" | sha256sum | cut -d' ' -f1)"
   done
   # Shared with other clusters on this machine: removed only once empty (rmdir refuses otherwise).
   rmdir /sys/fs/cgroup/*/k8s.io /run/containerd/s /run/containerd 2>/dev/null
