@@ -170,7 +170,7 @@ def options_from_args(a):
                        expert_backend=getattr(a, "expert_backend", "torch"),
                        sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
                        skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None),
-                       d_async=getattr(a, "d_async", False))
+                       d_async=getattr(a, "d_async", False), rendezvous=getattr(a, "rendezvous", "gather"))
 
 
 def launch_generate(a, cfg) -> int:
