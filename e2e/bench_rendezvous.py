@@ -26,17 +26,27 @@ QS = [0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9, 100]
 LOCAL_NS = [2, 4, 8, 16, 32, 64, 128, 256]
 
 
-def _bench(ctx, impls, rounds, warmup, block):
+def _bench(ctx, impls, rounds, warmup, block, pp_iters):
+    """Blocks of each transport in turn, and before each cycle a ping-pong block between ranks
+    0 and 1 (the others wait): the simulator's calibration from the same processes and minutes."""
     import torch.distributed as dist
     from pdrollout.engine.distributed.rendezvous import make_rendezvous
     rdvs = {k: make_rendezvous(k, dist.new_group(list(range(ctx.world))), ctx.world) for k in impls}
+    pair = dist.new_group([0, 1])
     for k, rdv in rdvs.items():
         for i in range(warmup):
             a = rdv.pre_d(0, i, True)
             rdv.post_d(0, i, a.d_any, expect=a.d_any)
         rdv.latencies.clear()
-    done = 0
+    done, pp = 0, {"rtt": [], "post_recv": [], "post_send": [], "cpu_s": 0.0, "iters": 0}
     while done < rounds:
+        if pp_iters and ctx.rank < 2:
+            r = _pingpong(pair, ctx.rank, pp_iters, 20)
+            for x in ("rtt", "post_recv", "post_send"):
+                pp[x] += r[x]
+            pp["cpu_s"] += r["cpu_s"]
+            pp["iters"] += pp_iters
+        dist.barrier()
         n = min(block, rounds - done)
         order = list(rdvs) if (done // block) % 2 == 0 else list(reversed(list(rdvs)))
         for k in order:
@@ -45,19 +55,19 @@ def _bench(ctx, impls, rounds, warmup, block):
                 a = rdv.pre_d(1, i, (ctx.rank + i) % 3 == 0)
                 rdv.post_d(1, i, a.d_any, expect=a.d_any)
         done += n
-    return {"lat": {k: r.latencies for k, r in rdvs.items()}}
+    return {"lat": {k: r.latencies for k, r in rdvs.items()}, "pingpong": pp if ctx.rank == 0 else None,
+            "pp_cpu_s": pp["cpu_s"]}
 
 
-def _calib(ctx, iters, warmup):
-    """Ping-pong on the default group with the receive posted before the matching send, so the
+def _pingpong(pg, rank, iters, warmup):
+    """Ranks 0 and 1 of `pg`; the receive is posted before the matching send, so the
     receiver-ready notice precedes the data on the same socket (one crossing per message)."""
     import torch
-    from torch.distributed.distributed_c10d import _get_default_group
-    pg, peer = _get_default_group(), 1 - ctx.rank
+    peer = 1 - rank
     bufs = [torch.zeros(10, dtype=torch.int64) for _ in range(4)]
     rtt, post_r, post_s, keep = [], [], [], None
     t_cpu = None
-    if ctx.rank == 0:
+    if rank == 0:
         for i in range(warmup + iters):
             if i == warmup:
                 t_cpu = os.times()
@@ -89,7 +99,23 @@ def _calib(ctx, iters, warmup):
     t1 = os.times()
     del keep
     return {"rtt": rtt, "post_recv": post_r, "post_send": post_s,
-            "cpu_per_iter_s": ((t1.user + t1.system) - (t_cpu.user + t_cpu.system)) / iters}
+            "cpu_s": (t1.user + t1.system) - (t_cpu.user + t_cpu.system)}
+
+
+def _calib(ctx, iters, warmup):
+    from torch.distributed.distributed_c10d import _get_default_group
+    r = _pingpong(_get_default_group(), ctx.rank, iters, warmup)
+    r["cpu_per_iter_s"] = r.pop("cpu_s") / iters
+    return r
+
+
+def pingpong_calib(rtt, post_recv, post_send, cpu_per_iter_s) -> dict:
+    """post = median post; per round trip a rank posts 2 and takes in 3 messages (the notice,
+    the send-ready, the data), so rx = (CPU per round trip - 2 post) / 3."""
+    import numpy as np
+    post = float(np.median(list(post_recv) + list(post_send)))
+    return {"rtt_s": [float(x) for x in rtt], "post_s": post, "rx_s": max((cpu_per_iter_s - 2 * post) / 3, 0.0),
+            "cpu_per_iter_s": cpu_per_iter_s}
 
 
 def local_costs(ns=LOCAL_NS, reps=300) -> dict:
@@ -196,7 +222,7 @@ def stats(xs) -> dict:
             "n": int(a.size), "quantiles_s": {str(q): float(np.percentile(a, q)) for q in QS}}
 
 
-def run_bench(worlds, impls, rounds, warmup, block, reps, timeout_s=900, log=print) -> list[dict]:
+def run_bench(worlds, impls, rounds, warmup, block, reps, pp_iters=200, timeout_s=900, log=print) -> list[dict]:
     from pdrollout.engine.distributed.launch import run_ranks
     runs = []
     for rep in range(reps):
@@ -204,18 +230,24 @@ def run_bench(worlds, impls, rounds, warmup, block, reps, timeout_s=900, log=pri
             cap = capacity()
             load0, b0 = os.getloadavg()[0], _busy()
             t0 = time.monotonic()
-            outs = run_ranks(_bench, w, (impls, rounds, warmup, block), timeout_s=timeout_s)
+            outs = run_ranks(_bench, w, (impls, rounds, warmup, block, pp_iters), timeout_s=timeout_s)
             wall = time.monotonic() - t0
             b1 = _busy()
             res = [o.result for o in outs]
             if any(not isinstance(r, dict) or "lat" not in r for r in res):
                 raise SystemExit(f"world {w} failed: {[(o.exitcode, str(o.result)[-2000:]) for o in outs]}")
             busy_cores = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1.0) * (os.cpu_count() or 1)
+            pp = res[0]["pingpong"]
+            calib = None
+            if pp and pp["iters"]:
+                cpu = (pp["cpu_s"] + res[1]["pp_cpu_s"]) / 2 / pp["iters"]
+                calib = pingpong_calib(pp["rtt"], pp["post_recv"], pp["post_send"], cpu)
             for k in impls:
                 lat = [x for r in res for x in r["lat"][k]]
                 runs.append({"world": w, "rep": rep, "impl": k, **stats(lat),
                              "load_avg": [load0, os.getloadavg()[0]], "wall_s": wall,
-                             "busy_cores": busy_cores, "capacity_cores": cap})
+                             "busy_cores": busy_cores, "capacity_cores": cap,
+                             "calib": calib if k == impls[0] else "same as " + impls[0]})
                 log(f"rep {rep} world {w} {k}: p50 {runs[-1]['p50_s'] * 1e3:.3f} ms, "
                     f"p99 {runs[-1]['p99_s'] * 1e3:.3f} ms (load {load0:.1f}, capacity {cap:.2f} cores)")
     return runs
@@ -230,14 +262,8 @@ def run_calib(iters=3000, warmup=300, timeout_s=300) -> dict:
         raise SystemExit(f"calibration failed: {[(o.exitcode, str(o.result)[-2000:]) for o in outs]}")
     r0 = res[0]
     cap = capacity()
-    post = float(np.median(r0["post_recv"] + r0["post_send"]))
-    hop = (np.asarray(r0["rtt"]) - post) / 2
-    cpu = float(np.mean([r["cpu_per_iter_s"] for r in res]))
-    # per iteration a rank posts 2 and takes in 3 messages (the notice, the send-ready, the data)
-    rx = max((cpu - 2 * post) / 3, 0.0)
-    return {"rtt_s": [float(x) for x in r0["rtt"]], "hop_s": [float(x) for x in hop], "post_s": post, "rx_s": rx,
-            "cpu_per_iter_s": cpu,
-            "capacity_cores": cap,
+    c = pingpong_calib(r0["rtt"], r0["post_recv"], r0["post_send"], float(np.mean([r["cpu_per_iter_s"] for r in res])))
+    return {**c, "capacity_cores": cap,
             "post_recv_p50_s": float(np.median(r0["post_recv"])), "post_send_p50_s": float(np.median(r0["post_send"])),
             "local": local_costs()}
 

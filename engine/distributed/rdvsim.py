@@ -6,8 +6,9 @@ message over a model of gloo's TCP point-to-point protocol (as gloo's transport 
 * posting a receive sends the peer a receiver-ready notice; a send's data leaves only once the
   sender holds such a notice (otherwise it waits for it), so data arrives at
   max(send posted, receive posted + one crossing) + one crossing;
-* a crossing is one message's latency L (sampled per message); the receiving rank's loop thread
-  then spends `rx` of CPU before the waiter resumes; posting costs `post` of CPU;
+* a crossing is one message's latency L (sampled per message); posting costs `post` of CPU;
+  a woken thread (the receiver's loop thread, then the waiting one) runs late with probability
+  `wake_p` (preemption, OS noise), by a sampled delay;
 * (seq, tag) channels are FIFO, as gloo's are.
 
 `gather` is gloo's allgather ring (2(n-1) pipelined sends of half a row each, every send after the
@@ -44,27 +45,25 @@ class Calibration:
     local_s: dict = field(default_factory=dict)   # transport -> (a, b): Python cost a + b n per call
     fixed_s: dict = field(default_factory=dict)   # transport -> fitted constant per call
     cxx_post_s: float = 0.0           # a post inside gloo's C++ ring (not measurable from Python; in L)
-    pause_hz: float = 0.0             # per-rank pauses (OS noise, preemption): Poisson rate ...
-    pause_s: list[float] = field(default_factory=list)   # ... and durations (samples)
+    wake_p: float = 0.0               # a thread's wake-up is late (preempted, OS noise) with this probability ...
+    wake_s: list[float] = field(default_factory=list)   # ... by one of these delays
     source: str = ""
 
     @classmethod
     def from_pingpong(cls, rtt_s, post_s: float, rx_s: float, local_s: dict, source: str = "",
                       spike: float = 5.0) -> "Calibration":
-        """Split ping-pong round trips into the crossing's body and rank pauses. A round trip
-        over `spike` x the median met a pause of one of the two processes (its excess over the
-        median is the pause left); the rest are crossings, hop = (rtt - post) / 2 (three posts
-        and two crossings per round trip, see bench_rendezvous._calib). The loop stops while a
-        rank is paused, so a round trip is exposed for its unpaused median on each of the two
-        ranks: spike fraction = 1 - exp(-2 rate median)."""
+        """Split ping-pong round trips into crossings and late wake-ups. A round trip over
+        `spike` x the median met a late wake-up (its excess over the median is the delay); the
+        rest are crossings, hop = (rtt - post) / 2 (three posts and two crossings per round
+        trip, see bench_rendezvous._pingpong). A round trip has 4 wake-ups on its path (each
+        crossing wakes the receiver's loop thread, then its waiting thread), so
+        spike fraction = 1 - (1 - wake_p) ** 4."""
         rtt = np.asarray(rtt_s, dtype=float)
         med = float(np.median(rtt))
         hit = rtt > spike * med
         body = rtt[~hit]
-        extra = rtt[hit] - med
-        rate = float(-np.log1p(-hit.mean()) / (2 * med)) if hit.any() else 0.0
         return cls(hop_s=((body - post_s) / 2).tolist(), post_s=post_s, rx_s=rx_s, local_s=dict(local_s),
-                   pause_hz=rate, pause_s=extra.tolist(), source=source)
+                   wake_p=float(1.0 - (1.0 - hit.mean()) ** 0.25), wake_s=(rtt[hit] - med).tolist(), source=source)
 
     def wire(self) -> np.ndarray:
         """A message's latency L after its post: the crossing samples less the post."""
@@ -79,7 +78,7 @@ class Calibration:
     def dump(self) -> dict:
         d = asdict(self)
         d["hop_s"] = [round(h, 9) for h in self.hop_s]
-        d["pause_s"] = [round(h, 9) for h in self.pause_s]
+        d["wake_s"] = [round(h, 9) for h in self.wake_s]
         return d
 
 
@@ -115,10 +114,7 @@ class _Sim:
         self.pend_send: dict = {}
         self.pend_recv: dict = {}
         self.progs: list = [None] * n
-        self.pause = [(0.0, 0.0)] * n              # per rank: the next pause (start, end)
-        self.pause_s = np.asarray(cal.pause_s) if cal.pause_hz > 0 and cal.pause_s else None
-        if self.pause_s is not None:
-            self.pause = [self._next_pause(0.0) for _ in range(n)]
+        self.late = np.asarray(cal.wake_s) if cal.wake_p > 0 and cal.wake_s else None
         self.notices = notices        # model the send-ready notice's CPU too (only matters with cores)
 
     # -- time and CPU
@@ -126,22 +122,14 @@ class _Sim:
         heapq.heappush(self.heap, (t, self.seq, fn, args))
         self.seq += 1
 
-    def _next_pause(self, after: float) -> tuple[float, float]:
-        start = after + self.rng.exponential(1.0 / self.cal.pause_hz)
-        return start, start + float(self.rng.choice(self.pause_s))
-
-    def avail(self, rank: int, t: float) -> float:
-        """The first time >= t at which `rank` runs (it may be paused then)."""
-        if self.pause_s is None:
-            return t
-        start, end = self.pause[rank]
-        while end <= t:
-            start, end = self._next_pause(end)
-        self.pause[rank] = (start, end)
-        return end if start <= t else t
+    def wake(self) -> float:
+        """How late a woken thread runs: 0, or with probability wake_p one of the delays."""
+        if self.late is None or self.rng.random() >= self.cal.wake_p:
+            return 0.0
+        return float(self.late[self.rng.integers(len(self.late))])
 
     def cpu(self, rank: int, dt: float, fn, *args) -> None:
-        t = self.avail(rank, self.now)
+        t = self.now
         if self.free is None:
             self.at(t + dt, fn, *args)
             return
@@ -162,14 +150,15 @@ class _Sim:
         return x
 
     # -- the protocol
-    def handle(self, rank: int, fn, *args) -> None:
-        """A message's arrival at `rank`: handled once the rank runs (not paused); with a core
-        pool the handler also waits for a free core, which it then holds for rx (CPU that delays
+    def handle(self, rank: int, fn, *args, woken: bool = False) -> None:
+        """A message's arrival at `rank`: its loop thread wakes (maybe late); with a core pool
+        the handler also waits for a free core, which it then holds for rx (CPU that delays
         other work; the crossing's own latency is in L)."""
-        t = self.avail(rank, self.now)
-        if t > self.now:
-            self.at(t, self.handle, rank, fn, *args)
-            return
+        if not woken:
+            d = self.wake()
+            if d > 0:
+                self.at(self.now + d, lambda: self.handle(rank, fn, *args, woken=True))
+                return
         if self.free is None:
             fn(*args)
             return
@@ -214,9 +203,9 @@ class _Sim:
 
     def _complete(self, h: _Handle) -> None:
         h.done = self.now
-        if h.waiter is not None:
+        if h.waiter is not None:      # the waiting thread wakes (maybe late)
             w, h.waiter = h.waiter, None
-            self.at(self.now, self.step, w, None)
+            self.at(self.now + self.wake(), self.step, w, None)
 
     # -- rank programs
     def step(self, rank: int, value) -> None:
