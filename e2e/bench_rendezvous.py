@@ -317,8 +317,8 @@ def main() -> None:
             json.dump({"meta": meta, "summary": summary, "runs": runs, "calib": calib}, f, indent=1)
     if calib:
         import numpy as np
-        print(f"calibration: hop p50 {np.median(calib['hop_s']) * 1e6:.1f} us, p99 "
-              f"{np.percentile(calib['hop_s'], 99) * 1e6:.1f} us; post {calib['post_s'] * 1e6:.1f} us; "
+        print(f"calibration: ping-pong round trip p50 {np.median(calib['rtt_s']) * 1e6:.1f} us, p99 "
+              f"{np.percentile(calib['rtt_s'], 99) * 1e6:.1f} us; post {calib['post_s'] * 1e6:.1f} us; "
               f"rx {calib['rx_s'] * 1e6:.1f} us")
     print(table(summary), flush=True)
 

@@ -225,7 +225,7 @@ def plots(out: str, result: dict) -> list[str]:
             ax[i].set_yscale("log")
             ax[i].set_xlabel("processes")
             ax[i].set_ylabel(f"{m[:3]} latency (ms)")
-            ax[i].set_title(f"validation here: {m[:3]} (measured: median, min-max of reps)")
+            ax[i].set_title(f"{m[:3]}: measured (median, min-max of reps) vs simulated", fontsize=9)
             ax[i].legend(fontsize=7)
         fig.tight_layout()
         p = os.path.join(out, "validation.png")
@@ -272,8 +272,12 @@ def main() -> None:
     ap.add_argument("--sweep-us", type=float, nargs="+", default=[0, 10, 25, 50, 100])
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="fewer simulated calls (a smoke run)")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plots of --out/sim.json")
     args = ap.parse_args()
     log = lambda s: print(s, flush=True)
+    if args.replot:
+        print(plots(args.out, json.load(open(os.path.join(args.out, "sim.json")))))
+        return
     bench = json.load(open(args.bench))
     cores = bench["meta"]["machine"]["cores"]
     meas = measured(bench["summary"])
@@ -321,7 +325,7 @@ def main() -> None:
         scenarios["h200-engine-upper"] = ec
     for name, cal in scenarios.items():
         log(f"fleet: {name}")
-        result["fleet"][name] = {"source": cal.source, "inter_us": args.inter_us,
+        result["fleet"][name] = {"source": cal.source, "inter_us": args.inter_us, "calibration": cal.dump(),
                                  "rows": fleet(cal, steps, args.inter_us * 1e-6, args.quick, log)}
     first = next(iter(scenarios))
     result["ep16"] = {"scenario": first, "rows": ep16(scenarios[first], steps, args.sweep_us, args.quick)}
