@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from .controller import TurnstileController
 from .device import CpuDevice, DeviceError
 from .launch import EXIT_ERROR, EXIT_STALL, RankContext
-from .rendezvous import Rendezvous
+from .rendezvous import make_rendezvous
 from .topology import Topology
 from .trace import Trace
 from .turnstile import Ordering, TurnstileError
@@ -52,6 +52,7 @@ class Scenario:
     elems: int = 8
     seed: int = 0
     keep_trace: bool = True
+    rendezvous: str = "gather"     # transport (rendezvous.RENDEZVOUS)
 
 
 def _groups(topo: Topology, rank: int):
@@ -97,7 +98,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
                     on_progress=lambda m: wd.progress(),
                     on_enqueue=lambda m: _traced(trace, wd, m))
     wd.extra = dev.frontier
-    rdv = Rendezvous(rdv_pg, world=sc.world)
+    rdv = make_rendezvous(sc.rendezvous, rdv_pg, world=sc.world)
     ctl = TurnstileController(rdv, sc.ordering, sc.span, sc.activation, watchdog=wd,
                               p_pending=lambda: dev.pending("p"))
     order = Ordering(sc.ordering)

@@ -35,7 +35,7 @@ from .controller import TurnstileController
 from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
-from .rendezvous import Rendezvous
+from .rendezvous import make_rendezvous
 from .step_plan import ReplicaWork, RowSpec, StepPlan, StepReport
 from .topology import Topology
 from .turnstile import END, Ordering
@@ -58,6 +58,7 @@ class RankOptions:
     skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
     gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
     d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
+    rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -184,7 +185,7 @@ class Worker:
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
         self.kv = KVCache(self.cfg.num_hidden_layers, self.num_blocks, config.block_size, kv_heads,
                           self.cfg.head_dim, self.dtype, self.device)
-        self.rdv = Rendezvous(groups.rendezvous, world=topo.world)
+        self.rdv = make_rendezvous(options.rendezvous, groups.rendezvous, world=topo.world)
         c = config.control
         self.ctl = TurnstileController(self.rdv, c.ordering, c.span, c.activation, watchdog=self.wd,
                                        p_pending=lambda: self.dev.pending("p"))
@@ -369,7 +370,9 @@ class Worker:
             self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                         "ordering": report.ordering, "rounds": report.rounds,
                                         "decode_rows": mine.decode_rows,
-                                        "prefill_tokens": mine.prefill_tokens}) + "\n")
+                                        "prefill_tokens": mine.prefill_tokens, "rendezvous": self.rdv.kind,
+                                        "round_t": [[r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s]
+                                                    for r in rs if r.rendezvous]}) + "\n")
             self._log.flush()
         return report
 
