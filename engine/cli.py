@@ -112,6 +112,9 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
                    help="delay each rank's D enqueue by a seeded random 0..MS ms (rank skew)")
     p.add_argument("--d-async", action="store_true",
                    help="CUDA pd: the round's ACK does not wait for D's kernels (D is waited for before sampling)")
+    p.add_argument("--rendezvous", choices=["gather", "dissemination"], default="gather",
+                   help="turnstile rendezvous transport: gather (all_gather, a ring in gloo) or "
+                        "dissemination (log2(n) rounds of point-to-point exchanges)")
     p.add_argument("--gpu-timeline", metavar="DIR",
                    help="CUDA: write per-rank enqueue order and stream intervals to DIR/rankN.json")
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pdrollout.engine.runtime.controller import TurnstileController
 from pdrollout.engine.runtime.device import CpuDevice, DeviceError
 from ranks import EXIT_ERROR, EXIT_STALL, RankContext
-from pdrollout.engine.runtime.rendezvous import Rendezvous
+from pdrollout.engine.runtime.rendezvous import make_rendezvous
 from pdrollout.engine.protocol.topology import Topology
 from pdrollout.engine.runtime.collective_trace import Trace
 from pdrollout.engine.protocol.turnstile import Ordering, TurnstileError
@@ -52,6 +52,7 @@ class Scenario:
     elems: int = 8
     seed: int = 0
     keep_trace: bool = True
+    rendezvous: str = "gather"     # transport (rendezvous.RENDEZVOUS)
 
 
 def _groups(topo: Topology, rank: int):
@@ -97,7 +98,7 @@ def _run_one(ctx: RankContext, sc: Scenario, done: list[dict]) -> dict:
                     on_progress=lambda m: wd.progress(),
                     on_enqueue=lambda m: _traced(trace, wd, m))
     wd.extra = dev.frontier
-    rdv = Rendezvous(rdv_pg, world=sc.world)
+    rdv = make_rendezvous(sc.rendezvous, rdv_pg, world=sc.world)
     ctl = TurnstileController(rdv, sc.ordering, sc.span, sc.activation, watchdog=wd,
                               p_pending=lambda: dev.pending("p"))
     order = Ordering(sc.ordering)

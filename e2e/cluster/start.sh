@@ -8,11 +8,15 @@
 #
 # Everything listens on 127.0.0.1; pod IPs come from 127.1.<node>.0/24 and node IPs are 127.0.1.<n>,
 # so whatever follows a pod or node address stays on loopback. Ports are picked free at start.
+#
+#   bash e2e/cluster/start.sh DIR --real-nodes N  # real kubelets instead of kwok: see real-nodes.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+if [ "${2:-}" = --real-nodes ]; then exec bash "$here/real-nodes.sh" "$1" "${3:-2}"; fi
 source "$here/versions.sh"
-dir="${1:?usage: start.sh DIR [GPU_NODES]}"
+dir="${1:?usage: start.sh DIR [GPU_NODES | --real-nodes N]}"
 gpu_nodes="${2:-4}"
+[[ "$gpu_nodes" =~ ^[0-9]+$ ]] || { echo "[cluster] GPU_NODES must be a number, got '$gpu_nodes'" >&2; exit 1; }
 mkdir -p "$dir"/{certs,logs,pids}
 dir="$(cd "$dir" && pwd)"
 export PATH="$CLUSTER_PATH:$PATH"
@@ -21,8 +25,7 @@ for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl
     || { echo "[cluster] $b is not built; run: bash e2e/cluster/build.sh" >&2; exit 1; }
 done
 
-log() { echo "[cluster] $(date +%H:%M:%S) $*"; }
-die() { echo "[cluster] $*" >&2; tail -n 30 "$dir"/logs/*.log >&2 || true; bash "$here/stop.sh" "$dir" >&2; exit 1; }
+source "$here/lib.sh"
 
 # Free loopback ports (the OS picks them; closed again before the servers bind).
 read -r etcd_port peer_port api_port kcm_port sched_port < <(python3 - <<'PY'
@@ -35,55 +38,12 @@ PY
 )
 
 # --- certificates: one CA; apiserver serving cert; admin client cert; service-account key pair ----
-c="$dir/certs"
-ossl() { openssl "$@" 2>>"$dir/logs/openssl.log"; }
-newkey() { ossl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out "$1"; }
-sign() {  # sign NAME SUBJECT EXTENSIONS
-  newkey "$c/$1.key"
-  ossl req -new -key "$c/$1.key" -subj "$2" -out "$c/$1.csr"
-  ossl x509 -req -in "$c/$1.csr" -CA "$c/ca.crt" -CAkey "$c/ca.key" -CAcreateserial -days 3650 \
-    -out "$c/$1.crt" -extfile <(printf '%s\n' "$3")
-}
-newkey "$c/ca.key"
-ossl req -x509 -new -key "$c/ca.key" -subj "/CN=pdrollout-test-ca" -days 3650 -out "$c/ca.crt"
+new_ca
 sign apiserver "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 extendedKeyUsage=serverAuth"
 sign admin "/O=system:masters/CN=pdrollout-admin" "extendedKeyUsage=clientAuth"
-newkey "$c/sa.key"
-ossl pkey -in "$c/sa.key" -pubout -out "$c/sa.pub"
-
-cat > "$dir/kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: pdrollout
-  cluster: {server: "https://127.0.0.1:$api_port", certificate-authority: "$c/ca.crt"}
-users:
-- name: admin
-  user: {client-certificate: "$c/admin.crt", client-key: "$c/admin.key"}
-contexts:
-- name: pdrollout
-  context: {cluster: pdrollout, user: admin, namespace: default}
-current-context: pdrollout
-EOF
+kubeconfig "$dir/kubeconfig" "https://127.0.0.1:$api_port" admin
 kc="$dir/kubeconfig"
-
-start() {  # start NAME CMD...: background, logged, pid recorded for stop.sh, command kept for restart.sh
-  local name="$1"; shift
-  mkdir -p "$dir/cmd"
-  printf '%q ' "$(command -v "$1")" "${@:2}" >"$dir/cmd/$name"
-  nohup "$@" >>"$dir/logs/$name.log" 2>&1 &
-  echo $! >"$dir/pids/$name.pid"
-}
-
-wait_for() {  # wait_for SECONDS WHAT CMD...
-  local t="$1" what="$2"; shift 2
-  local end=$((SECONDS + t))
-  until "$@" >/dev/null 2>&1; do
-    [ $SECONDS -lt $end ] || die "timed out after ${t}s waiting for $what"
-    sleep 0.3
-  done
-}
 
 log "etcd on 127.0.0.1:$etcd_port"
 start etcd etcd --name default --data-dir "$dir/etcd" \

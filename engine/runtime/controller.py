@@ -36,6 +36,12 @@ class RoundResult:
     d_wait_s: float           # round called -> D enqueued (the paper's D wait)
     rendezvous_s: float       # both rendezvous together
     p_incomplete_at_ack: bool  # P had submitted device work still running at the ACK
+    # timing of the round on this rank (step logs; the rendezvous simulator's skew and D times)
+    t_start: float = 0.0      # time.monotonic() when the round was called
+    p_wait_s: float = 0.0     # called -> P stopped at its permit (pre-D entered)
+    pre_s: float = 0.0        # pre-D rendezvous
+    enq_s: float = 0.0        # D enqueue (the launch; eager D waits for its kernels)
+    post_s: float = 0.0       # post-D rendezvous (ACK)
 
 
 class TurnstileController:
@@ -153,15 +159,17 @@ class TurnstileController:
         rendezvous = (self.rdv is not None and order.multiplexes
                       and multiplexing(self.activation, epoch != NO_EPOCH, True)
                       and not (self.activation is Activation.AUTO and boundary == END))
-        rdv_s = 0.0
+        pre_s = post_s = 0.0
+        t_pre = time.monotonic()
         self._note(phase="D:pre-d", epoch=epoch, boundary=boundary)
         if rendezvous:
             a = self.rdv.pre_d(epoch, boundary, d_ready, work)
-            d_any, rdv_s = a.d_any, a.seconds
+            d_any, pre_s = a.d_any, a.seconds
         else:
             d_any = d_ready
         with self._cv:
             self.ts.pre_d(epoch, boundary)
+        t_d = time.monotonic()
         if d_any:
             enqueue_d(d_ready)
             with self._cv:
@@ -169,12 +177,14 @@ class TurnstileController:
         t_enq = time.monotonic()
         self._note(phase="D:post-d", epoch=epoch, boundary=boundary)
         if rendezvous:
-            rdv_s += self.rdv.post_d(epoch, boundary, enqueued=d_any, expect=d_any).seconds
+            post_s = self.rdv.post_d(epoch, boundary, enqueued=d_any, expect=d_any).seconds
         incomplete = self.p_pending() > 0
         with self._cv:
             permit = self.ts.ack(span=grant)
             self._cv.notify_all()
-        return self._done(epoch, boundary, d_any, rendezvous, t0, t_enq, rdv_s, permit, k, incomplete)
+        r = self._done(epoch, boundary, d_any, rendezvous, t0, t_enq, pre_s + post_s, permit, k, incomplete)
+        r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s = t0, t_pre - t0, pre_s, t_enq - t_d, post_s
+        return r
 
     def _span(self, d_occupancy: float, p_pressure: float) -> int:
         k = auto_span(d_occupancy, p_pressure) if self.span_setting == "auto" else int(self.span_setting)

@@ -208,7 +208,7 @@ def options_from_args(a, layout: GroupLayout):
                        expert_backend=layout.expert_backend,
                        sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
                        skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None),
-                       d_async=getattr(a, "d_async", False))
+                       d_async=getattr(a, "d_async", False), rendezvous=getattr(a, "rendezvous", "gather"))
 
 
 def prepare(a, cfg, layout: GroupLayout, command: str):

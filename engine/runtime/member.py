@@ -21,7 +21,7 @@ from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
 from .pd_step import TurnstileStep
-from .rendezvous import Rendezvous
+from .rendezvous import make_rendezvous
 from .stall_dump import dump_threads
 from .streams import StreamDevice, make_streams
 from .warmup import warm_kernels, warm_nccl
@@ -68,7 +68,7 @@ class GroupMember:
             if hasattr(comm, "_p") and hasattr(comm, "_d"):
                 pgs += [comm.state(ph).group for ph in (Phase.DECODE, Phase.PREFILL)]
             warm_nccl(pgs, w.device)
-        self.rdv = Rendezvous(groups.rendezvous, world=topo.world)
+        self.rdv = make_rendezvous(opt.rendezvous, groups.rendezvous, world=topo.world)
         c = config.control
         self.ctl = TurnstileController(self.rdv, c.ordering, c.span, c.activation, watchdog=self.wd,
                                        p_pending=lambda: self.dev.pending("p"))
@@ -111,6 +111,13 @@ class GroupMember:
         report.ordering = self.ctl.ordering.value
         report.span = self.w.control.span
         report.multiplexed = any(r.rendezvous for r in rs)
+
+    def log_fields(self, mark) -> dict:
+        """A step log's turnstile fields: the transport and each rendezvous round's timing (start,
+        P to its permit, pre-D, D enqueue, post-D; the rendezvous simulator reads them)."""
+        rs = self.ctl.results[mark[0]:]
+        return {"rendezvous": self.rdv.kind,
+                "round_t": [[r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s] for r in rs if r.rendezvous]}
 
     # ---- the watchdog's view -------------------------------------------------------------
     def _frontier(self) -> dict:

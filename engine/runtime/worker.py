@@ -44,6 +44,7 @@ class RankOptions:
     skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
     gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
     d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
+    rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -177,7 +178,8 @@ class Worker:
             self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                         "ordering": report.ordering, "rounds": report.rounds,
                                         "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
-                                        "graph": report.graph}) + "\n")
+                                        "graph": report.graph,
+                                        **(self.group.log_fields(mark) if self.multi else {})}) + "\n")
             self._log.flush()
         return report
 

@@ -93,6 +93,22 @@ def test_greedy_equals_one_rank(setup, ranks, mode, control, extra):
     assert got == ref
 
 
+
+def test_dissemination_rendezvous_through_the_cli(setup):
+    """--rendezvous reaches every rank: the crossed 4/2/4 pd run with the log transport gives one
+    rank's tokens, and every rank's step log names the transport and times each round."""
+    _, _, d = setup
+    log = d / "steplog-dissemination"
+    got = _outputs(_generate(setup, "pd", FINE, (4, 2, 4),
+                             ["--slots", "1", "--rendezvous", "dissemination", "--step-log", str(log)]))
+    assert got == _reference(setup, "pd")
+    for r in range(4):
+        steps = [json.loads(x) for x in (log / f"rank{r}.jsonl").read_text().splitlines()]
+        assert {e["rendezvous"] for e in steps} == {"dissemination"}
+        timed = [t for e in steps for t in e["round_t"]]
+        assert len(timed) == sum(e["rounds"] for e in steps) > 0
+        assert all(pre > 0 and post > 0 and wait >= 0 and enq >= 0 for _, wait, pre, enq, post in timed)
+
 def test_bad_topology_is_a_clear_error_before_any_rank(setup):
     t0 = time.monotonic()
     res = _generate(setup, "pd", ranks=(4, 3, 4), timeout=60)

@@ -3,6 +3,7 @@ import pytest
 
 from harness import Scenario, run_scenarios
 from ranks import EXIT_OK, EXIT_STALL, run_ranks
+from pdrollout.engine.runtime.rendezvous import RENDEZVOUS
 from pdrollout.engine.runtime.collective_trace import check_order
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,9 +26,10 @@ def stall():
     return run_ranks(run_scenarios, 4, ([sc],), timeout_s=120)
 
 
-@pytest.fixture(scope="module")
-def ladder():
-    base = dict(epochs=2, boundaries=4, d_iters=6)
+@pytest.fixture(scope="module", params=sorted(RENDEZVOUS))
+def ladder(request):
+    """Every ordering once per rendezvous transport (the turnstile must not depend on it)."""
+    base = dict(epochs=2, boundaries=4, d_iters=6, rendezvous=request.param)
     scs = [Scenario(name="iso-2slots", ordering="isolation-only", slots=2, crossed=True, **base),
            Scenario(name="iso-atp1", ordering="isolation-only", adp=4, slots=1, crossed=True, **base),
            Scenario(name="fine-1slot", ordering="fine-grained", slots=1, span=1, **base),
@@ -38,10 +40,12 @@ def ladder():
            Scenario(name="global-complete", ordering="global-complete", slots=1, **base),
            Scenario(name="normal", ordering="normal", slots=1, **base),
            Scenario(name="delayed-ack", ordering="fine-grained", slots=1, epochs=1, boundaries=8,
-                    d_iters=8, p_compute_s=0.06, d_compute_s=0.001)]
+                    d_iters=8, p_compute_s=0.06, d_compute_s=0.001, rendezvous=request.param)]
     outs = run_ranks(run_scenarios, 4, (scs,), timeout_s=240)
     assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
-    return _by_name(outs)
+    runs = _by_name(outs)
+    assert all(r["scenario"]["rendezvous"] == request.param for rs in runs.values() for r in rs.values())
+    return runs
 
 
 def test_isolation_only_one_slot_stalls_and_watchdog_reports(stall):

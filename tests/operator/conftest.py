@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from real_cluster import real_cluster, real_namespace, real_operator  # noqa: F401  (fixtures: real nodes)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "e2e" / "cluster"
