@@ -64,19 +64,19 @@ def main():
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
     build_s = time.perf_counter() - t0
-    weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in e.worker.model.parameters())
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
         ids = torch.randint(2, cfg.vocab_size, (a.ctx,), generator=g).tolist()
         e.submit(f"r{i}", ids, SamplingParams(max_new_tokens=a.steps + 8, temperature=0.0, ignore_eos=True))
     prefill_times, prefill_tokens = [], []
-    while any(r.status.value != "decode" for r in e.reqs.values()):
+    while any(r.status.value != "decode" for r in e.schedulers[0].reqs.values()):
         torch.cuda.synchronize()
         t = time.perf_counter()
         launched = e.launch()
         torch.cuda.synchronize()
         prefill_times.append(time.perf_counter() - t)
-        prefill_tokens.append(launched[0].prefill_tokens)
+        prefill_tokens.append(sum(w.prefill_tokens for w in launched[0].replicas))
         e.finish(launched)
     # Decode: whole engine steps, then graph replay alone.
     for _ in range(3):
@@ -87,7 +87,7 @@ def main():
         e.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / a.steps
-    graph, _ = e.runner.graphs.graphs[a.batch]
+    graph, _ = e.worker.graphs.graphs[a.batch]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(a.steps):

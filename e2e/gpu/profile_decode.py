@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset
+from pdrollout.engine.protocol.plan import Phase, RowSpec
 from pdrollout.engine.runtime.engine import Engine
-from pdrollout.engine.scheduler.policy import Plan
 from pdrollout.engine.scheduler.request import SamplingParams
 
 
@@ -36,18 +36,19 @@ def main():
     for i in range(a.batch):
         e.submit(f"r{i}", torch.randint(2, cfg["vocab_size"], (a.ctx,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-    while any(r.status.value != "decode" for r in e.reqs.values()):
+    reqs = e.schedulers[0].reqs
+    while any(r.status.value != "decode" for r in reqs.values()):
         e.step()
     e.step()      # one engine decode step: every row now holds the block its next position needs
-    plan = Plan(step=-1, decode=tuple(e.reqs))
+    rows = [RowSpec(r.rid, Phase.DECODE, len(r.tokens) - 1, (r.tokens[-1],), tuple(r.reservation.blocks), True)
+            for r in reqs.values()]
+    w = e.worker
     for _ in range(2):                     # warm-up (Triton compile)
-        batch, _ = e.runner.build(plan, e.reqs)
-        e.model(batch, e.kv)
+        w.model(w.batches.build(rows, Phase.DECODE), w.kv)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            batch, _ = e.runner.build(plan, e.reqs)
-            e.model(batch, e.kv)
+            w.model(w.batches.build(rows, Phase.DECODE), w.kv)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
     text = f"3 eager decode forwards, batch {a.batch}, ctx {a.ctx}, {a.layers} layers (table totals are for all 3)\n" + table

@@ -135,6 +135,7 @@ class Worker:
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
+        t_start = time.monotonic()
         for nr in plan.new:
             if nr.replica == self.replica:
                 seed = request_seed(self.config.seed, nr.rid)
@@ -178,7 +179,7 @@ class Worker:
             self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                         "ordering": report.ordering, "rounds": report.rounds,
                                         "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
-                                        "graph": report.graph,
+                                        "graph": report.graph, "wall_s": time.monotonic() - t_start,
                                         **(self.group.log_fields(mark) if self.multi else {})}) + "\n")
             self._log.flush()
         return report
