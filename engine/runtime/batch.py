@@ -44,6 +44,7 @@ class BatchBuilder:
         host = [long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), long(logit_rows)]
         host += [q.slots for q in seqs]
         nd = sum(1 for r in rows if r.kind == Phase.DECODE)
+        width = 1
         if self.block_tables:
             width = max((len(r.blocks) for r in rows[:nd]), default=1)
             table = torch.zeros(nd, width, dtype=torch.long)
@@ -58,7 +59,7 @@ class BatchBuilder:
                              block_size=bs)
         if self.block_tables:
             table, lens = host[4 + n_seq:]
-            batch.block_tables = table.view(nd, -1).to(torch.int32)
+            batch.block_tables = table.view(nd, width).to(torch.int32)
             batch.seq_lens = lens.to(torch.int32)
         return batch
 
