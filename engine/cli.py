@@ -42,11 +42,19 @@ def _cmd_generate(a) -> int:
         print(f"pdrollout generate: --expert-backend {layout.expert_backend} needs --nproc > 1 (expert parallelism)",
               file=sys.stderr)
         return EXIT_CONFIG
-    engine = Engine(cfg)
+    engine = Engine(cfg, single_worker(a, cfg, layout))
     lines = read_requests(a.requests)
     for rec in run_requests(engine, lines, sequential=a.sequential):
         print(json.dumps(rec), flush=True)
     return 0
+
+
+def single_worker(a, cfg, layout):
+    """The world of one, with the rank options the flags give (e.g. --step-log)."""
+    from .protocol.topology import Topology
+    from .runtime.launcher import options_from_args
+    from .runtime.worker import Worker
+    return Worker(cfg, Topology(1), 0, options=options_from_args(a, layout))
 
 
 def engine_overrides(spec: str | None) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(5 + 11 * i)] for i in range(4)]
+DEVICE = os.environ.get("DEVICE", "cuda")   # cpu: a dry run of the mechanics (no graphs there)
 
 
 def meta(stage: str, **kw) -> dict:
@@ -37,7 +38,7 @@ def meta(stage: str, **kw) -> dict:
 def generate(model, reqs: str, out: Path, name: str, *, nproc=1, adp=1, ep=1, mode="pd", engine=None,
              control=None, dtype="float32", timeout=600) -> tuple[list, Path]:
     log = out / f"steplog-{name}"
-    args = ["pdrollout", "generate", "--model", str(model), "--requests", "-", "--mode", mode, "--device", "cuda",
+    args = ["pdrollout", "generate", "--model", str(model), "--requests", "-", "--mode", mode, "--device", DEVICE,
             "--dtype", dtype, "--step-log", str(log), "--engine-config", json.dumps(engine or {}),
             "--control", json.dumps(control or {})]
     if nproc > 1:
@@ -97,6 +98,8 @@ def check(out: Path) -> dict:
 
 def copy_bw() -> float:
     import torch
+    if DEVICE != "cuda":
+        return 1e11   # a dry run: any figure
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -126,7 +129,8 @@ def decode2(out: Path, layers: int = 48, batch: int = 64, ctx: int = 2048, new: 
     reqs = "".join(json.dumps({"rid": f"r{i}", "input_ids": [rng.randrange(2, c.vocab_size) for _ in range(ctx)],
                                "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}) + "\n"
                    for i in range(batch))
-    engine = {"random_weights": True, "kv_cache_bytes": 24 << 30, "max_running": batch, "block_size": 16}
+    engine = {"random_weights": True, "kv_cache_bytes": (24 << 30) if DEVICE == "cuda" else (1 << 30),
+              "max_running": batch, "block_size": 16}
     res = {"meta": meta("decode2", nproc=[1, 2], topology="ATP2/ADP1, EP2 (torch expert backend)", layers=layers,
                         batch=batch, ctx=ctx, seed=0), "copy_bw_tbs": bw / 1e12}
     # bytes one rank reads per decode step: its attention shard, the experts its tokens touch (64x8
@@ -139,7 +143,8 @@ def decode2(out: Path, layers: int = 48, batch: int = 64, ctx: int = 2048, new: 
     for name, n in (("1gpu", 1), ("2gpu", 2)):
         outs, log = generate(mdir, reqs, out, f"decode-{name}", nproc=n, adp=1, ep=n, mode="normal", engine=engine,
                              control={"prefill_budget_tokens": 32768}, dtype="bfloat16")
-        steps = [s for s in steplog(log) if s["decode_rows"] == batch and s["prefill_tokens"] == 0 and s.get("graph")]
+        steps = [s for s in steplog(log) if s["decode_rows"] == batch and s["prefill_tokens"] == 0
+                 and (s.get("graph") or DEVICE != "cuda")]
         walls = sorted(s["wall_s"] for s in steps[2:])
         kv = batch * (ctx + new // 2) * L * 2 * c.num_key_value_heads * c.head_dim * 2
         floor_bytes = (attn + experts + kv) / n + router_norm + lm_head
@@ -191,5 +196,7 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for stage in sys.argv[2:]:
-        r = {"check": check, "decode2": decode2, "small": small}[stage](out)
+        kw = {"layers": int(os.environ["LAYERS"]), "batch": int(os.environ.get("BATCH", 64)),
+              "ctx": int(os.environ.get("CTX", 2048))} if stage == "decode2" and "LAYERS" in os.environ else {}
+        r = {"check": check, "decode2": decode2, "small": small}[stage](out, **kw)
         (out / f"{stage}.json").write_text(json.dumps(r, indent=1))

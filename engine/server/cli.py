@@ -44,7 +44,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_overrides, layout_from_args
+    from ..cli import engine_overrides, layout_from_args, single_worker
     from ..protocol.config import EngineConfig
     from ..protocol.exits import EXIT_CONFIG
     from ..protocol.layout import LayoutError
@@ -85,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
             made.append(start_engine(config, layout, options, args.host))
             return made[-1]
         from ..runtime.engine import Engine
-        return Engine(config)
+        return Engine(config, single_worker(args, config, layout))
 
     def say(msg: str) -> None:
         print(msg, flush=True)
