@@ -48,6 +48,8 @@ class _Experts:
     fn = staticmethod(ops.experts_reference)
 
     def __call__(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0):
+        if x.shape[0] == 0:   # a rank may receive no rows this step (the shapes below need some)
+            return x.new_zeros(0, down.shape[1])
         return self.fn(x, topk_ids, topk_weights, gate_up, down, expert_offset)
 
     def routed(self, rows, local_ids, gate_up, down):
