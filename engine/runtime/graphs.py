@@ -61,7 +61,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             for b in reversed(self.buckets):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=side):
+                # thread_local: the watchdog's thread queries events and streams while we capture
+                with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
                     out = self.forward(self._batch(b), b)
                 self.graphs[b] = (g, out)
         torch.cuda.current_stream().wait_stream(side)
