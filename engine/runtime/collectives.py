@@ -146,10 +146,13 @@ class RankCollectives(Collectives):
 
         def issue(s) -> None:
             self.issued["d" if on_d or path == "d" else "p"] = key
+            capturing = s is not None and torch.cuda.is_current_stream_capturing()
             timed = contextlib.nullcontext() if self.timeline is None else \
                 self.timeline.span(name, s, phase=phase, key=key, registered=registered, lane=lane)
             with timed:
                 box.append(fn())
+            if capturing and not torch.cuda.is_current_stream_capturing():   # name what broke a D graph
+                raise RuntimeError(f"{key} invalidated the CUDA graph capture it was issued into")
 
         def call() -> None:
             with torch.inference_mode():   # the slot thread writes the forward's inference tensors
