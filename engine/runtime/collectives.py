@@ -116,6 +116,7 @@ class RankCollectives(Collectives):
         self.streams: dict = {}    # CUDA: the worker's P and D streams
         self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
+        self.in_capture = False            # a D graph is being captured (graphs.py): check it stays valid
         # D's compact shares need a count on the host, only for backends without fixed slots
         self.reader = None if comm.fixed_slots else HostReader(comm.device, ("decode",))
 
@@ -147,6 +148,8 @@ class RankCollectives(Collectives):
         def issue(s) -> None:
             self.issued["d" if on_d or path == "d" else "p"] = key
             capturing = s is not None and torch.cuda.is_current_stream_capturing()
+            if self.in_capture and not capturing:
+                raise RuntimeError(f"the CUDA graph capture was invalidated before {key}")
             timed = contextlib.nullcontext() if self.timeline is None else \
                 self.timeline.span(name, s, phase=phase, key=key, registered=registered, lane=lane)
             with timed:

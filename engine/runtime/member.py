@@ -84,7 +84,11 @@ class GroupMember:
 
             def forward(batch, bucket):   # every replica padded to the bucket: rank-shared shapes
                 self.col.begin("d", PathContext(-1, [bucket] * adp))
-                return w.model(batch, w.kv)
+                self.col.in_capture = torch.cuda.is_current_stream_capturing()
+                try:
+                    return w.model(batch, w.kv)
+                finally:
+                    self.col.in_capture = False
             w._capture(forward)
         if cuda:
             torch.cuda.synchronize(w.device)
