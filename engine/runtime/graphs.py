@@ -49,11 +49,11 @@ class DecodeGraphs:
                             phase=Phase.DECODE, num_decode=b, block_tables=self.block_tables[:b],
                             seq_lens=self.seq_lens[:b], block_size=self.block_size)
 
-    def capture(self, stream: torch.cuda.Stream | None = None) -> None:
+    def capture(self) -> None:
         """Every bucket, largest first (later graphs reuse its memory pool); on several ranks this
         is collective: every rank captures the same buckets in the same order."""
         pool = torch.cuda.graph_pool_handle()
-        side = stream or torch.cuda.Stream()
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):

@@ -131,7 +131,9 @@ class Worker:
         max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
         self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, self.config.max_running,
                                    -(-max_ctx // self.config.block_size), self.kv.null_slot)
-        self.graphs.capture(self.streams.get("d"))
+        # On a stream of the graphs' own: the watchdog's thread queries the worker's streams, and a
+        # query of a stream under capture invalidates the capture.
+        self.graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
