@@ -11,7 +11,7 @@ model=/tmp/pdrollout-bench-model
 mkdir -p "$model" "$out"
 python3 - "$model" "${LAYERS:-48}" <<'PY'
 import json, sys
-from pdrollout.engine.config import load_preset
+from pdrollout.engine.protocol.config import load_preset
 cfg = load_preset("qwen3-30b-a3b")
 cfg["num_hidden_layers"] = int(sys.argv[2])
 json.dump(cfg, open(sys.argv[1] + "/config.json", "w"))

@@ -30,7 +30,7 @@ python3 - "$work" "${TOPK:-8}" "${MOE_SCALE:-0.25}" <<'PY'
 import glob, json, sys
 from safetensors.torch import load_file, save_file
 from pdrollout.engine.checkpoint import write_checkpoint
-from pdrollout.engine.config import load_preset
+from pdrollout.engine.protocol.config import load_preset
 work = sys.argv[1]
 cfg = load_preset("tiny")
 cfg.update(vocab_size=512, hidden_size=2048, intermediate_size=1024, moe_intermediate_size=256,
@@ -120,9 +120,9 @@ def ref_margins(tokens: dict) -> dict:
     """Top-2 logprob gap at every generated position of the torch-EP2 tokens, from an independent
     fp32 forward of the same checkpoint on one GPU (teacher-forced over prompt + tokens)."""
     import torch
-    from pdrollout.engine.kv_cache import KVCache
+    from pdrollout.engine.model.kv_cache import KVCache
     from pdrollout.engine.loader import load_model
-    from pdrollout.engine.model import ForwardBatch, SeqSlice
+    from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(f"{work}/model", device=dev, dtype=torch.float32)
     prompts = {json.loads(l)["rid"]: json.loads(l)["input_ids"] for l in open(f"{work}/reqs.jsonl")}
