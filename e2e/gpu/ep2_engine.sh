@@ -29,7 +29,7 @@ nvidia-smi topo -m 2>/dev/null | head -4 || true
 python3 - "$work" "${TOPK:-8}" "${MOE_SCALE:-0.25}" <<'PY'
 import glob, json, sys
 from safetensors.torch import load_file, save_file
-from pdrollout.engine.checkpoint import write_checkpoint
+from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import load_preset
 work = sys.argv[1]
 cfg = load_preset("tiny")
@@ -121,7 +121,7 @@ def ref_margins(tokens: dict) -> dict:
     fp32 forward of the same checkpoint on one GPU (teacher-forced over prompt + tokens)."""
     import torch
     from pdrollout.engine.model.kv_cache import KVCache
-    from pdrollout.engine.loader import load_model
+    from pdrollout.engine.model.loader import load_model
     from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(f"{work}/model", device=dev, dtype=torch.float32)
