@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .runtime.options import add_layout_args, add_rank_args
+
 
 def _cmd_checkpoint(a) -> int:
     from .model.checkpoint import write_checkpoint
@@ -14,14 +16,13 @@ def _cmd_checkpoint(a) -> int:
     return 0
 
 
-
-
 def _cmd_generate(a) -> int:
     from .protocol.config import ControlSettings, EngineConfig
     from .protocol.exits import EXIT_CONFIG
     from .protocol.layout import LayoutError
+    from .runtime.offline import read_requests, run_requests
     from .runtime.engine import Engine
-    from .generate import run_requests, read_requests
+    from .runtime.options import engine_overrides, layout_from_args, single_worker
     try:
         layout = layout_from_args(a)
         fields = {"kv_cache_bytes": 256 << 20, **engine_overrides(a.engine_config)}
@@ -47,84 +48,6 @@ def _cmd_generate(a) -> int:
     for rec in run_requests(engine, lines, sequential=a.sequential):
         print(json.dumps(rec), flush=True)
     return 0
-
-
-def single_worker(a, cfg, layout):
-    """The world of one, with the rank options the flags give (e.g. --step-log)."""
-    from .protocol.topology import Topology
-    from .runtime.launcher import options_from_args
-    from .runtime.worker import Worker
-    return Worker(cfg, Topology(1), 0, options=options_from_args(a, layout))
-
-
-def engine_overrides(spec: str | None) -> dict:
-    """Extra EngineConfig fields from `--engine-config`: inline JSON or a JSON file."""
-    from pathlib import Path
-    if not spec:
-        return {}
-    try:
-        text = Path(spec).read_text() if Path(spec).is_file() else spec
-        value = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--engine-config {spec!r}: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--engine-config must be a JSON object")
-    return value
-
-
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    """The group layout (docs/DISTRIBUTED.md): flags override PDROLLOUT_* env, which overrides the
-    layout file. Unset flags (None) leave the other sources' values."""
-    g = p.add_argument_group("group layout (flags > PDROLLOUT_* env > layout file)")
-    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu; env PDROLLOUT_DEVICE)")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="ranks in the group on one node (the world size; several nodes: --nnodes/--nproc-per-node)")
-    g.add_argument("--adp", type=int, default=None, help="attention data-parallel width (default 1)")
-    g.add_argument("--ep", type=int, default=None, help="expert-parallel width (default 1)")
-    g.add_argument("--expert-backend", choices=["torch", "deep_ep"], default=None,
-                   help="expert all-to-all backend of the multi-rank engine (default torch; deep_ep: --device cuda)")
-    g.add_argument("--nnodes", type=int, default=None, help="nodes (pods) forming one engine (default 1)")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 serves the API")
-    g.add_argument("--nproc-per-node", type=int, default=None, help="local ranks per node (GPUs, or CPU processes)")
-    g.add_argument("--master-addr", default=None, help="node 0's address (its store and HTTP API)")
-    g.add_argument("--master-port", type=int, default=None, help="node 0's store port (default 29500)")
-    g.add_argument("--join-timeout", type=float, default=None,
-                   help="seconds a node waits for the whole group before it exits with 'peer lost' (default 300)")
-    g.add_argument("--layout", default=None,
-                   help="layout file (JSON, the operator's rollout.json; default: $PDROLLOUT_ROLLOUT_INFO)")
-
-
-def layout_from_args(a: argparse.Namespace):
-    """The GroupLayout from flags, env and the layout file; LayoutError if they do not form a group."""
-    from .protocol.layout import resolve
-    return resolve({"nproc": a.nproc, "layout": a.layout, "device": a.device, "adp": a.adp, "ep": a.ep,
-                    "expert_backend": a.expert_backend, "nnodes": a.nnodes, "node_rank": a.node_rank,
-                    "nproc_per_node": a.nproc_per_node, "master_addr": a.master_addr,
-                    "master_port": a.master_port, "join_timeout_s": a.join_timeout})
-
-
-def add_rank_args(p: argparse.ArgumentParser) -> None:
-    """Knobs of the multi-rank engine's device model and watchdog (--nproc > 1)."""
-    p.add_argument("--slots", type=int, default=2, help="CPU device execution slots per rank (1 = full SM residency)")
-    p.add_argument("--watchdog-bound", type=float, default=30.0, help="seconds without progress that are a stall")
-    p.add_argument("--step-log", help="directory for per-rank step logs (rankN.jsonl)")
-    p.add_argument("--cross-isolation", action="store_true",
-                   help="isolation-only diagnostic: odd replicas (ATP-only: odd ranks) enqueue P before D "
-                        "(shows the stall)")
-    p.add_argument("--sm-partition", type=int, default=0, metavar="SMS",
-                   help="CUDA: run P and D streams in one green-context partition of SMS SMs (0: whole GPU)")
-    p.add_argument("--nccl-ctas", type=int, default=0, metavar="N",
-                   help="CUDA: pin the NCCL kernels that can cross (registered pair, ATP, expert "
-                        "all-to-alls) to N CTAs (0: NCCL's choice)")
-    p.add_argument("--rank-skew-ms", type=float, default=0.0, metavar="MS",
-                   help="delay each rank's D enqueue by a seeded random 0..MS ms (rank skew)")
-    p.add_argument("--d-async", action="store_true",
-                   help="CUDA pd: the round's ACK does not wait for D's kernels (D is waited for before sampling)")
-    p.add_argument("--rendezvous", choices=["gather", "dissemination"], default="gather",
-                   help="turnstile rendezvous transport: gather (all_gather, a ring in gloo) or "
-                        "dissemination (log2(n) rounds of point-to-point exchanges)")
-    p.add_argument("--gpu-timeline", metavar="DIR",
-                   help="CUDA: write per-rank enqueue order and stream intervals to DIR/rankN.json")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdrollout.engine.protocol import metrics as metric
+
 TIMEOUT_S = 3.0
 
 
@@ -96,18 +98,18 @@ def parse_metrics(text: str) -> EngineMetrics:
     ttft: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "pdrollout:time_to_first_token_seconds_bucket":
+            if s.name == metric.TTFT + "_bucket":
                 le = float(s.labels["le"])
                 ttft[le] = ttft.get(le, 0.0) + s.value
             else:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
-    count = sums.get("pdrollout:decode_wait_seconds_count")
-    makespan = sums.get("pdrollout:rollout_makespan_seconds")
-    finished = sums.get("pdrollout:rollouts_finished_total")
+    count = sums.get(metric.DECODE_WAIT + "_count")
+    makespan = sums.get(metric.ROLLOUT_MAKESPAN)
+    finished = sums.get(metric.total(metric.ROLLOUTS_FINISHED))
     return EngineMetrics(
         makespan_s=makespan if finished else None,  # the gauge means nothing before a rollout finished
         ttft_p99_s=histogram_quantile(0.99, list(ttft.items())),
-        mean_decode_wait_s=sums["pdrollout:decode_wait_seconds_sum"] / count if count else None,
+        mean_decode_wait_s=sums[metric.DECODE_WAIT + "_sum"] / count if count else None,
     )
 
 

@@ -141,7 +141,7 @@ build_app() {
   "${pip[@]}" --no-deps --target "$s/opt/pdrollout/lib" "$t"
   rm -rf "$t" "$s/opt/pdrollout/lib/bin"  # pip's scripts name the build machine's interpreter
   mkdir -p "$s/usr/local/bin"
-  printf '#!/usr/bin/python3\nimport sys\nfrom pdrollout.engine.cli import main\nsys.exit(main())\n' \
+  printf '#!/usr/bin/python3\nimport sys\nfrom pdrollout.engine.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
     >"$s/usr/local/bin/pdrollout"
   printf '#!/usr/bin/python3\nimport sys\nfrom pdrollout.operator.__main__ import main\nsys.exit(main())\n' \
     >"$s/usr/local/bin/pdrollout-operator"

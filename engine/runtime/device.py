@@ -4,8 +4,8 @@ CpuDevice stands in for a GPU on CPU: each stream is FIFO (an op starts only aft
 previous op of its stream completed and its cross-stream dependencies fired), and at most
 `slots` ops execute at once, one per slot thread. slots=1 stands for full SM residency: a
 collective waiting for its peers holds the only slot, which is what lets crossed orders
-stall (DESIGN §2). Collectives are real gloo calls on per-path process groups, so a stall
-is a real one. CudaDevice maps the same interface onto CUDA streams and events.
+stall (docs/DISTRIBUTED.md). Collectives are real gloo calls on per-path process groups, so a
+stall is a real one. On CUDA, streams.py's StreamDevice has the same interface.
 """
 from __future__ import annotations
 
@@ -200,88 +200,3 @@ class CpuDevice:
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=0.2)
-
-
-class CudaEvent:
-    def __init__(self, name: str, ev: Any) -> None:
-        self.name, self._ev = name, ev
-
-    def query(self) -> bool:
-        return self._ev.query()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._ev.query():
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(1e-4)
-        return True
-
-
-class CudaDevice:
-    """The same interface on real CUDA streams: FIFO per stream and cross-stream events are the
-    hardware's; 'slots' are the SMs, so there is no slot count to set."""
-
-    def __init__(self, device: int | None = None, on_enqueue: Callable[[dict], None] | None = None) -> None:
-        import torch
-        self._torch = torch
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        self._streams: dict[str, Any] = {}
-        self._last: dict[str, CudaEvent] = {}
-        self.last_collective: dict | None = None
-        self.on_enqueue = on_enqueue
-        self.cycles_per_s = 1.5e9  # nominal SM clock for compute(); only used by synthetic loads
-
-    def stream(self, name: str) -> Any:
-        if name not in self._streams:
-            self._streams[name] = self._torch.cuda.Stream(device=self.device)
-        return self._streams[name]
-
-    def enqueue(self, stream: Any, fn: Callable[[], Any], name: str,
-                deps: Iterable[Any] = (), meta: dict | None = None) -> CudaEvent:
-        sname = stream if isinstance(stream, str) else next(k for k, v in self._streams.items() if v is stream)
-        s = self.stream(sname)
-        with self._torch.cuda.stream(s):
-            for d in deps:
-                if d is not None:
-                    s.wait_event(d._ev)
-            fn()
-            ev = self._torch.cuda.Event()
-            ev.record(s)
-        meta = dict(meta or {}, name=name, stream=sname)
-        if meta.get("collective"):
-            self.last_collective = meta
-        self._last[sname] = out = CudaEvent(name, ev)
-        if self.on_enqueue:
-            self.on_enqueue(meta)
-        return out
-
-    def compute(self, stream: Any, seconds: float, name: str = "compute",
-                deps: Iterable[Any] = (), meta: dict | None = None) -> CudaEvent:
-        cycles = int(seconds * self.cycles_per_s)
-        return self.enqueue(stream, lambda: self._torch.cuda._sleep(cycles), name, deps, meta)
-
-    def collective(self, stream: Any, fn: Callable[[], Any], name: str, group: tuple,
-                   deps: Iterable[Any] = (), meta: dict | None = None) -> CudaEvent:
-        return self.enqueue(stream, fn, name, deps, dict(meta or {}, collective=name, group=list(group)))
-
-    def pending(self, stream: str | None = None) -> int:
-        names = list(self._last) if stream is None else [stream]
-        return sum(0 if self._last[n].query() else 1 for n in names if n in self._last)
-
-    def synchronize(self, stream: str | None = None, timeout: float | None = None,
-                    check: Callable[[], None] | None = None, poll_s: float = 0.01) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.pending(stream):
-            if check:
-                check()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"CUDA streams not idle after {timeout}s")
-            time.sleep(poll_s)
-
-    def frontier(self) -> dict:
-        return {"pending": {n: not e.query() for n, e in self._last.items()},
-                "last_collective": (self.last_collective or {}).get("name")}
-
-    def close(self) -> None:
-        self._torch.cuda.synchronize(self.device)

@@ -200,19 +200,9 @@ def check_device(config, options) -> None:
         raise ValueError(f"--rank-skew-ms must be >= 0, got {options.skew_ms}")
 
 
-def options_from_args(a, layout: GroupLayout):
-    from .worker import RankOptions
-    return RankOptions(slots=getattr(a, "slots", 2), watchdog_bound_s=getattr(a, "watchdog_bound", 30.0),
-                       step_log=getattr(a, "step_log", None),
-                       cross_isolation=getattr(a, "cross_isolation", False),
-                       expert_backend=layout.expert_backend,
-                       sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
-                       skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None),
-                       d_async=getattr(a, "d_async", False), rendezvous=getattr(a, "rendezvous", "gather"))
-
-
 def prepare(a, cfg, layout: GroupLayout, command: str):
     """Options for `layout`, checked with the model: (options, None) or (None, a bad-configuration message)."""
+    from .options import options_from_args
     options = options_from_args(a, layout)
     try:
         check_topology(cfg.model, layout.world, layout.adp, layout.ep)
@@ -225,7 +215,7 @@ def prepare(a, cfg, layout: GroupLayout, command: str):
 def launch_generate(a, cfg, layout: GroupLayout) -> int:
     """`pdrollout generate` on several ranks: results on stdout in input order, as with one rank.
     On node k > 0 this process only runs its node's ranks."""
-    from ..generate import read_requests, run_requests
+    from .offline import read_requests, run_requests
     options, error = prepare(a, cfg, layout, "generate")
     if error:
         print(error, file=sys.stderr)

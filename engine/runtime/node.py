@@ -24,6 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..protocol import metrics as metric
 from ..protocol.exits import EXIT_OK, GroupJoinTimeout, most_telling, name as exit_name
 from ..protocol.layout import GroupLayout
 
@@ -216,7 +220,6 @@ class WorkerNode:
         return 200, {**body, "status": "ok"}
 
     def metrics(self) -> bytes:
-        from ..server.metrics import rank_metrics_text
         return rank_metrics_text(self.counters, self.local.codes(), self.layout)
 
     def run(self) -> int:
@@ -287,3 +290,44 @@ class WorkerNode:
 
 def log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# Per-rank figures of one node's ranks: every node's /metrics shows its own ranks (node 0 also
+# serves the engine-wide metrics above). Fields of `node.RankCounters`.
+_RANK_COUNTERS = (("steps", "rank_steps", "Steps this rank executed"),
+                  ("rounds", "rank_turnstile_rounds", "Turnstile rounds with a rendezvous on this rank"),
+                  ("rendezvous", "rank_rendezvous", "Rendezvous this rank took part in"),
+                  ("rendezvous_s", "rank_rendezvous_seconds", "Seconds this rank spent in rendezvous"),
+                  ("decode_rows", "rank_decode_rows", "Decode rows of this rank's replica it executed"),
+                  ("prefill_tokens", "rank_prefill_tokens", "Prefill tokens of this rank's replica it executed"))
+
+
+class RankCollector:
+    def __init__(self, counters, codes, layout) -> None:
+        self.counters, self.codes, self.layout = counters, codes, layout
+
+    def collect(self):
+        node = str(self.layout.node_rank)
+        codes = self.codes()
+        up = GaugeMetricFamily(metric.PREFIX + "rank_up", "1 while the rank's process runs", labels=["rank", "node"])
+        ready = GaugeMetricFamily(metric.PREFIX + "node_ranks_stepped", "Ranks of this node that executed a step",
+                                  labels=["node"])
+        families = {f: CounterMetricFamily(metric.PREFIX + n, h, labels=["rank", "node"]) for f, n, h in _RANK_COUNTERS}
+        stepped = 0
+        for r in self.layout.local_ranks:
+            values = self.counters.get(r)
+            up.add_metric([str(r), node], 1.0 if codes.get(r) is None else 0.0)
+            stepped += values["steps"] >= 1
+            for f, fam in families.items():
+                fam.add_metric([str(r), node], values[f])
+        ready.add_metric([node], stepped)
+        yield up
+        yield ready
+        yield from families.values()
+
+
+def rank_metrics_text(counters, codes: dict, layout) -> bytes:
+    """/metrics of a worker node: its ranks only."""
+    registry = CollectorRegistry()
+    registry.register(RankCollector(counters, lambda: codes, layout))
+    return generate_latest(registry)

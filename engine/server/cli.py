@@ -31,7 +31,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream only new tokens per chunk (SGLang's flag; default: cumulative)")
     p.add_argument("--log-level", default="info")
-    from ..cli import add_layout_args, add_rank_args
+    from ..runtime.options import add_layout_args, add_rank_args
     add_layout_args(p)
     add_rank_args(p)
     p.set_defaults(func=run_serve)
@@ -44,7 +44,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_overrides, layout_from_args, single_worker
+    from ..runtime.options import engine_overrides, layout_from_args, single_worker
     from ..protocol.config import EngineConfig
     from ..protocol.exits import EXIT_CONFIG
     from ..protocol.layout import LayoutError

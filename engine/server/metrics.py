@@ -11,12 +11,13 @@ from collections.abc import Iterable
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..protocol import metrics as metric
 from ..protocol.records import StepRecord
+from ..runtime.node import RankCollector
 
-P = "pdrollout:"
+P = metric.PREFIX
 
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0,
             20.0, 40.0, 60.0, 120.0, 300.0)
@@ -35,7 +36,7 @@ class ServerMetrics:
         self.token_usage = Gauge(P + "token_usage", "Fraction of KV blocks held by requests", registry=r)
         self.paused = Gauge(P + "paused", "1 while generation is paused (/pause_generation)", registry=r)
         # Requests.
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first output token",
+        self.ttft = Histogram(metric.TTFT, "Arrival to first output token",
                               buckets=_LATENCY, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between output tokens",
@@ -47,26 +48,26 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         # Planner and turnstile (from the engine's per-step records).
         self.steps = Counter(P + "engine_steps", "Engine steps that ran work", registry=r)
-        self.decode_wait = Histogram(P + "decode_wait_seconds", "Decode row ready to its step started (planner)",
+        self.decode_wait = Histogram(metric.DECODE_WAIT, "Decode row ready to its step started (planner)",
                                      buckets=_SHORT, registry=r)
-        self.turnstile_wait = Histogram(P + "turnstile_wait_seconds",
+        self.turnstile_wait = Histogram(metric.TURNSTILE_WAIT,
                                         "D ready at a turnstile round to D enqueued (P to its boundary, rendezvous)",
                                         buckets=_SHORT, registry=r)
         self.graph_steps = Counter(P + "graph_steps", "Steps whose D ran as a CUDA graph replay", registry=r)
-        self.rendezvous = Histogram(P + "turnstile_rendezvous_seconds", "One turnstile rendezvous",
+        self.rendezvous = Histogram(metric.RENDEZVOUS, "One turnstile rendezvous",
                                     buckets=_SHORT, registry=r)
-        self.rounds = Counter(P + "turnstile_rounds", "Turnstile rounds (D ordered inside a P epoch)", registry=r)
-        self.stalls = Counter(P + "stalls", "Collective stalls detected", registry=r)
+        self.rounds = Counter(metric.ROUNDS, "Turnstile rounds (D ordered inside a P epoch)", registry=r)
+        self.stalls = Counter(metric.STALLS, "Collective stalls detected", registry=r)
         self.multiplexing = Gauge(P + "multiplexing_active", "1 if the last step multiplexed P and D", registry=r)
         self.span = Gauge(P + "segment_span", "Segment span K of the last step", registry=r)
         # Rollouts (makespan of a client-declared batch of requests).
-        self.rollout_makespan = Gauge(P + "rollout_makespan_seconds",
+        self.rollout_makespan = Gauge(metric.ROLLOUT_MAKESPAN,
                                       "Makespan of the most recently finished rollout", registry=r)
         self.rollout_makespan_hist = Histogram(P + "rollout_makespan_seconds_hist", "Makespan of finished rollouts",
                                                buckets=_MAKESPAN, registry=r)
         self.rollout_requests = Gauge(P + "rollout_requests", "Requests of the most recently finished rollout",
                                       registry=r)
-        self.rollouts_finished = Counter(P + "rollouts_finished", "Finished rollouts", registry=r)
+        self.rollouts_finished = Counter(metric.ROLLOUTS_FINISHED, "Finished rollouts", registry=r)
         self.rollouts_active = Gauge(P + "rollouts_active", "Rollouts with requests not yet finished", registry=r)
 
     def exposition(self) -> bytes:
@@ -126,44 +127,3 @@ class ServerMetrics:
         if last is not None:
             self.multiplexing.set(1 if last.multiplexing_active else 0)
             self.span.set(last.span or 0)
-
-
-# Per-rank figures of one node's ranks: every node's /metrics shows its own ranks (node 0 also
-# serves the engine-wide metrics above). Fields of `node.RankCounters`.
-_RANK_COUNTERS = (("steps", "rank_steps", "Steps this rank executed"),
-                  ("rounds", "rank_turnstile_rounds", "Turnstile rounds with a rendezvous on this rank"),
-                  ("rendezvous", "rank_rendezvous", "Rendezvous this rank took part in"),
-                  ("rendezvous_s", "rank_rendezvous_seconds", "Seconds this rank spent in rendezvous"),
-                  ("decode_rows", "rank_decode_rows", "Decode rows of this rank's replica it executed"),
-                  ("prefill_tokens", "rank_prefill_tokens", "Prefill tokens of this rank's replica it executed"))
-
-
-class RankCollector:
-    def __init__(self, counters, codes, layout) -> None:
-        self.counters, self.codes, self.layout = counters, codes, layout
-
-    def collect(self):
-        node = str(self.layout.node_rank)
-        codes = self.codes()
-        up = GaugeMetricFamily(P + "rank_up", "1 while the rank's process runs", labels=["rank", "node"])
-        ready = GaugeMetricFamily(P + "node_ranks_stepped", "Ranks of this node that executed a step",
-                                  labels=["node"])
-        families = {f: CounterMetricFamily(P + n, h, labels=["rank", "node"]) for f, n, h in _RANK_COUNTERS}
-        stepped = 0
-        for r in self.layout.local_ranks:
-            values = self.counters.get(r)
-            up.add_metric([str(r), node], 1.0 if codes.get(r) is None else 0.0)
-            stepped += values["steps"] >= 1
-            for f, fam in families.items():
-                fam.add_metric([str(r), node], values[f])
-        ready.add_metric([node], stepped)
-        yield up
-        yield ready
-        yield from families.values()
-
-
-def rank_metrics_text(counters, codes: dict, layout) -> bytes:
-    """/metrics of a worker node: its ranks only."""
-    registry = CollectorRegistry()
-    registry.register(RankCollector(counters, lambda: codes, layout))
-    return generate_latest(registry)

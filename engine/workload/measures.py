@@ -8,12 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# Server metrics scraped before and after a run (docs/ENGINE_API.md).
-DECODE_WAIT = "pdrollout:decode_wait_seconds"
-RENDEZVOUS = "pdrollout:turnstile_rendezvous_seconds"
-ROUNDS = "pdrollout:turnstile_rounds_total"
-STALLS = "pdrollout:stalls_total"
-ROLLOUT_MAKESPAN = "pdrollout:rollout_makespan_seconds"
+from ..protocol import metrics as metric
+
+# Server metrics scraped before and after a run (docs/SERVER.md).
+DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOUS, metric.ROLLOUT_MAKESPAN
+ROUNDS, STALLS = metric.total(metric.ROUNDS), metric.total(metric.STALLS)
 
 
 class BenchError(RuntimeError):

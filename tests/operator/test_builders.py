@@ -107,7 +107,8 @@ def test_topology_arithmetic_reaches_the_engine(nodes, gpus, ep, adp, atp, etp, 
 def test_pod_command_is_what_the_engine_cli_accepts(example, tmp_path):
     """The container's args and env, parsed by the engine's own CLI: the whole group in every pod
     (this test would have caught pods that each started a one-GPU engine)."""
-    from pdrollout.engine.cli import build_parser, layout_from_args
+    from pdrollout.engine.cli import build_parser
+    from pdrollout.engine.runtime.options import layout_from_args
     spec = spec_of(example)
     name, ns = "r", "ns"
     c = builders.statefulset(name, ns, spec)["spec"]["template"]["spec"]["containers"][0]

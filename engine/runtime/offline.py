@@ -5,8 +5,8 @@ import json
 import sys
 from typing import Iterable, Iterator
 
-from .runtime.engine import Engine
-from .scheduler.request import RequestError, SamplingParams
+from ..scheduler.request import RequestError, SamplingParams
+from .engine import Engine
 
 _REQUEST_KEYS = {"input_ids", "sampling_params", "return_logprob", "rid", "rollout_id"}
 

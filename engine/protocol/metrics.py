@@ -1,0 +1,20 @@
+"""Names of the engine's Prometheus metrics that other components read (the operator's status,
+the bench's before/after scrapes): one place, so a rename cannot leave a reader behind.
+The server (server/metrics.py) defines every metric; these are the shared ones."""
+from __future__ import annotations
+
+PREFIX = "pdrollout:"
+
+TTFT = PREFIX + "time_to_first_token_seconds"                 # histogram
+DECODE_WAIT = PREFIX + "decode_wait_seconds"                  # histogram
+TURNSTILE_WAIT = PREFIX + "turnstile_wait_seconds"            # histogram
+RENDEZVOUS = PREFIX + "turnstile_rendezvous_seconds"          # histogram
+ROUNDS = PREFIX + "turnstile_rounds"                          # counter
+STALLS = PREFIX + "stalls"                                    # counter
+ROLLOUT_MAKESPAN = PREFIX + "rollout_makespan_seconds"        # gauge
+ROLLOUTS_FINISHED = PREFIX + "rollouts_finished"              # counter
+
+
+def total(counter: str) -> str:
+    """The exposition name of a counter's value."""
+    return counter + "_total"
