@@ -20,7 +20,8 @@ from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
 
 
-def measure_ceilings():
+def copy_bw() -> float:
+    """Device-to-device copy rate, bytes read + written per second (the decode floor's ceiling)."""
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -32,6 +33,12 @@ def measure_ceilings():
     torch.cuda.synchronize()
     bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
     del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def measure_ceilings():
+    bw = copy_bw()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ a

@@ -97,22 +97,11 @@ def check(out: Path) -> dict:
 
 
 def copy_bw() -> float:
-    import torch
     if DEVICE != "cuda":
         return 1e11   # a dry run: any figure
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
-    del x, y
-    torch.cuda.empty_cache()
-    return bw
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_engine import copy_bw as measured
+    return measured()
 
 
 def decode2(out: Path, layers: int = 48, batch: int = 64, ctx: int = 2048, new: int = 24) -> dict:
