@@ -29,36 +29,44 @@ class BatchBuilder:
 
     def build(self, rows: list[RowSpec], phase: Phase) -> ForwardBatch:
         rows = [r for r in rows if r.kind == Phase.DECODE] + [r for r in rows if r.kind != Phase.DECODE]
+        nd = sum(1 for r in rows if r.kind == Phase.DECODE)
         bs = self.block_size
-        ids, pos, slot_map, seqs, logit_rows, t = [], [], [], [], [], 0
-        for r in rows:
-            ctx = slots_of(r.blocks, 0, r.start + r.length, bs)
+        # With block tables the attention backend reads decode rows' context through the tables:
+        # their new token's slot is all they need (computed here, not gathered per row).
+        tabled = nd if self.block_tables else 0
+        ids, pos, logit_rows, seqs, t = [], [], [], [], 0
+        slot_map: list = [[r.blocks[r.start // bs] * bs + r.start % bs for r in rows[:tabled]]]
+        for i, r in enumerate(rows):
             ids.extend(r.tokens)
             pos.extend(range(r.start, r.start + r.length))
-            slot_map.append(ctx[r.start:])
+            if i >= tabled:
+                ctx = slots_of(r.blocks, 0, r.start + r.length, bs)
+                slot_map.append(ctx[r.start:])
+            else:
+                ctx = None
             seqs.append(SeqSlice(t, r.length, r.start + r.length, ctx))
             if r.samples:
                 logit_rows.append(t + r.length - 1)
             t += r.length
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
-        host = [long(ids), long(pos), torch.cat(slot_map) if slot_map else long([]), long(logit_rows)]
-        host += [q.slots for q in seqs]
-        nd = sum(1 for r in rows if r.kind == Phase.DECODE)
-        width = 1
-        if self.block_tables:
-            width = max((len(r.blocks) for r in rows[:nd]), default=1)
-            table = torch.zeros(nd, width, dtype=torch.long)
-            for i, r in enumerate(rows[:nd]):
-                table[i, :len(r.blocks)] = torch.tensor(r.blocks)
-            host += [table.view(-1), long([q.ctx_len for q in seqs[:nd]])]
+        slot_map[0] = long(slot_map[0])
+        ctx_slots = [q.slots for q in seqs[tabled:]]
+        host = [long(ids), long(pos), torch.cat(slot_map), long(logit_rows), *ctx_slots]
+        width = max((len(r.blocks) for r in rows[:nd]), default=1)
+        if self.block_tables:   # one flat list, padded per row: one tensor, not one per row
+            flat: list[int] = []
+            for r in rows[:nd]:
+                flat.extend(r.blocks)
+                flat.extend([0] * (width - len(r.blocks)))
+            host += [long(flat), long([q.ctx_len for q in seqs[:nd]])]
         if self.device.type != "cpu":
             host = self._upload(phase, host)
-        n_seq = len(seqs)
-        seqs = [SeqSlice(q.q_start, q.q_len, q.ctx_len, s) for q, s in zip(seqs, host[4:4 + n_seq])]
+        slots = host[4:4 + len(ctx_slots)]
+        seqs = seqs[:tabled] + [SeqSlice(q.q_start, q.q_len, q.ctx_len, s) for q, s in zip(seqs[tabled:], slots)]
         batch = ForwardBatch(host[0], host[1], host[2], seqs, host[3], phase=phase, num_decode=nd,
                              block_size=bs)
         if self.block_tables:
-            table, lens = host[4 + n_seq:]
+            table, lens = host[4 + len(ctx_slots):]
             batch.block_tables = table.view(nd, width).to(torch.int32)
             batch.seq_lens = lens.to(torch.int32)
         return batch
