@@ -81,10 +81,12 @@ class Engine:
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise RequestError(f"prompt + max_new_tokens = {total} tokens exceeds the KV cache capacity "
                                f"({self.pool.num_blocks * self.pool.block_size} tokens)")
+        # The generator first: a request must not be registered if it cannot be (it would fail a step).
+        gen = make_generator(sampling, self.config.seed ^ zlib.crc32(rid.encode()))
         req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id)
         self.reqs[rid] = req
         self.waiting.append(req)
-        self.gens[rid] = make_generator(sampling, self.config.seed ^ zlib.crc32(rid.encode()))
+        self.gens[rid] = gen
 
     def abort(self, rid: str, message: str = "aborted") -> bool:
         req = self.reqs.get(rid)
