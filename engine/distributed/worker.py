@@ -193,6 +193,7 @@ class Worker:
         threading.Thread(target=self._producer, name="P", daemon=True).start()
         self._gate = {"p": threading.Event(), "d": threading.Event()}
         self._log = None
+        self._skew_applied: list[float] = []
         if options.step_log:
             os.makedirs(options.step_log, exist_ok=True)
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
@@ -318,6 +319,7 @@ class Worker:
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
+        self._skew_applied = []
         for nr in plan.new:
             if nr.replica == self.replica:
                 seed = self.config.seed ^ zlib.crc32(nr.rid.encode())
@@ -352,7 +354,9 @@ class Worker:
             self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                         "ordering": report.ordering, "rounds": report.rounds,
                                         "decode_rows": mine.decode_rows,
-                                        "prefill_tokens": mine.prefill_tokens}) + "\n")
+                                        "prefill_tokens": mine.prefill_tokens,
+                                        "rendezvous_s": report.rendezvous_s,
+                                        "skew_ms": self._skew_applied}) + "\n")
             self._log.flush()
         return report
 
@@ -364,7 +368,9 @@ class Worker:
 
         def enqueue_d(ready: bool) -> None:
             if self.opt.skew_ms:
-                time.sleep(self._skew.uniform(0, self.opt.skew_ms) / 1e3)
+                delay = self._skew.uniform(0, self.opt.skew_ms)
+                self._skew_applied.append(delay)   # the step log's record of the injected skew
+                time.sleep(delay / 1e3)
             # --d-async: return once D's kernels are enqueued (the ACK orders enqueue, not
             # completion), so P's next work can overlap D's tail; D is waited for before sampling.
             out["d"] = self._forward("d", plan, plan.replicas, lambda w: w.decode, wait=not self.opt.d_async)
