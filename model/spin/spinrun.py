@@ -267,9 +267,10 @@ def matrix(scope: str = "ci") -> list[tuple[Config, str, str]]:
         add(Config(4, 2, **dict(b4, d_iters=2)))
         add(Config(4, 1, **b4))
         add(Config(4, 4, **b4))
-        # past the exhaustive bounds: bitstate (a partial search; pan's hash factor says how partial)
-        for o, a, s, b in (("fine-grained", "on", 1, 3), ("global-enqueue", "on", 1, 3), ("fine-grained", "auto", "auto", 2)):
-            add(Config(4, 2, ordering=o, activation=a, span=s, epochs=2, boundaries=b, d_iters=2), mode="bitstate")
+        # past the exhaustive bounds: bitstate (a partial search; pan's hash factor says how partial).
+        # activation auto + span auto at E2 B2 D2 did not finish in 25 min: not claimed.
+        for o in ("fine-grained", "global-enqueue"):
+            add(Config(4, 2, ordering=o, epochs=2, boundaries=3, d_iters=2), mode="bitstate")
     return rows
 
 
