@@ -120,7 +120,9 @@ class GroupMember:
         """A step log's turnstile fields: the transport and each rendezvous round's timing (start,
         P to its permit, pre-D, D enqueue, post-D; the rendezvous simulator reads them)."""
         rs = self.ctl.results[mark[0]:]
-        return {"rendezvous": self.rdv.kind,
+        pd = getattr(self.w, "pd", None)
+        return {"rendezvous": self.rdv.kind, "rendezvous_s": self.rdv.latencies[mark[1]:],
+                "skew_ms": list(pd.skew_applied) if pd is not None else [],
                 "round_t": [[r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s] for r in rs if r.rendezvous]}
 
     # ---- the watchdog's view -------------------------------------------------------------

@@ -23,6 +23,7 @@ class TurnstileStep:
         self._pq: "queue.Queue" = queue.Queue()
         self._p_done: "queue.Queue" = queue.Queue()
         self._skew = random.Random(worker.config.seed * 7919 + worker.rank)
+        self.skew_applied: list[float] = []   # this step's injected delays (ms), for the step log
         # the crossed diagnostic's gates: set once this rank's P (or D) holds a collective
         self.gate = {"p": threading.Event(), "d": threading.Event()}
         threading.Thread(target=self._producer, name="P", daemon=True).start()
@@ -35,10 +36,13 @@ class TurnstileStep:
         ctl = w.group.ctl
         order = ctl.ordering if w.control.activation != "off" else Ordering.NORMAL
         w.group.col.p_lane = ctl.registered_lane
+        self.skew_applied = []
 
         def enqueue_d(ready: bool) -> None:
             if w.opt.skew_ms:
-                time.sleep(self._skew.uniform(0, w.opt.skew_ms) / 1e3)
+                delay = self._skew.uniform(0, w.opt.skew_ms)
+                self.skew_applied.append(delay)
+                time.sleep(delay / 1e3)
             # --d-async: return once D's kernels are enqueued (the ACK orders enqueue, not
             # completion), so P's next work can overlap D's tail; D is waited for before sampling.
             out["d"], out["graph"] = w.forward_d(plan, wait=not w.opt.d_async)

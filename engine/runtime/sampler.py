@@ -22,7 +22,13 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    row = row.float().cpu() / p.temperature
+    row = row.float().cpu()
+    scaled = row / p.temperature
+    if not torch.isfinite(scaled).all():
+        # A tiny temperature overflows fp32 (or rounds to 0 in it): scale the gaps to the max in
+        # fp64 instead, where every positive temperature a JSON number can carry is nonzero.
+        scaled = (row.double() - row.max()) / p.temperature
+    row = scaled
     if 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

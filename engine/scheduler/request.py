@@ -3,6 +3,7 @@ incremental output the engine returns each step."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class SamplingParams:
             ok_types = (int,) if kind is int else (int, float)
             if isinstance(v, bool) or not isinstance(v, ok_types):
                 raise RequestError(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            if not math.isfinite(v):   # JSON NaN/Infinity: a NaN temperature made every sample fail
+                raise RequestError(f"sampling_params.{key} must be a finite number, got {v!r}")
             if lo is not None and (v <= lo if lo_open else v < lo):
                 raise RequestError(f"sampling_params.{key} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
             if hi is not None and v > hi:
@@ -70,6 +73,8 @@ class SamplingParams:
             v = d.pop("seed")
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise RequestError(f"sampling_params.seed must be an integer, got {v!r}")
+            if v is not None and not -(1 << 63) <= v < (1 << 64):   # torch.Generator's seed range
+                raise RequestError(f"sampling_params.seed must be in [-2**63, 2**64), got {v!r}")
             kw["seed"] = v
         if "ignore_eos" in d:
             v = d.pop("ignore_eos")

@@ -115,6 +115,8 @@ class Server:
             for t in tracked:
                 self.rollouts.released(rollout_id, t.arrival)
                 t.in_rollout = True
+                if t.finished:   # done within one step, dispatched before this handler resumed
+                    self._request_finished(t)
             self.metrics.rollouts_active.set(self.rollouts.active)
         return tracked, queue
 
@@ -216,6 +218,8 @@ async def read_json(request: web.Request, model: Optional[type[BaseModel]] = Non
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON: {e}") from None
+    except RecursionError:   # json's decoder recurses per nesting level: a client's mistake, not ours
+        raise BadRequest("malformed JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return parse(model, body) if model else body

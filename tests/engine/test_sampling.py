@@ -64,3 +64,20 @@ def test_slime_custom_params_accepted_and_checked():
     assert sp.top_p == 0.9
     with pytest.raises(RequestError, match="custom_params must be an object"):
         SamplingParams.from_dict({"custom_params": 3})
+
+
+def test_tiny_temperatures_sample_the_argmax_and_bad_numbers_are_refused():
+    """row / T overflowed fp32 for a tiny positive T (and T below fp32's range became 0): NaN
+    probabilities failed the whole engine step. Non-finite numbers from JSON are refused."""
+    import pytest
+    from pdrollout.engine.scheduler.request import RequestError
+    from pdrollout.engine.runtime.sampler import _sample_row
+    row, gen = torch.randn(512, generator=torch.Generator().manual_seed(1)), torch.Generator().manual_seed(0)
+    for t in (1e-5, 1e-40, 1e-300, 5e-324):
+        for extra in ({}, {"top_k": 3}, {"top_p": 0.5}):
+            assert _sample_row(row, SamplingParams(temperature=t, **extra), gen) == int(row.argmax())
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
+                {"seed": 2 ** 64}, {"seed": -2 ** 63 - 1}):
+        with pytest.raises(RequestError, match="finite|seed"):
+            SamplingParams.from_dict({"max_new_tokens": 2, **bad})
+    assert SamplingParams.from_dict({"seed": 2 ** 64 - 1}).seed == 2 ** 64 - 1
