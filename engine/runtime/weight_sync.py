@@ -30,9 +30,9 @@ class UpdateGroup:
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         self.store = dist.TCPStore(args["master_address"], args["master_port"], args["world_size"],
                                    is_master=False, timeout=GROUP_TIMEOUT)
-        # The keys torch's own group helper uses (group name, then one backend per device the
-        # backend serves: gloo makes a cpu and a cuda one, in that order), so a trainer that forms
-        # the group with torch's helper, as SGLang's clients do, meets this one on the same keys.
+        # The keys torch's own group helper uses (the group name, then the first device its
+        # backend serves: cpu for gloo, cuda for nccl), so a trainer that forms the group with
+        # torch's helper, as SGLang's clients do, meets this one on the same keys.
         prefix = dist.PrefixStore(f"{args['group_name']}/", self.store)
         size = args["world_size"]
         if self.backend == "nccl":
@@ -41,19 +41,19 @@ class UpdateGroup:
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), self.rank, size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), self.rank, size, GROUP_TIMEOUT)
-            self._cuda_twin = dist.ProcessGroupGloo(dist.PrefixStore("cuda/", prefix), self.rank, size,
-                                                    GROUP_TIMEOUT)
 
     def receive(self, shape, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self.pg.broadcast([t], 0).wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
         return t
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None and self.backend == "nccl":
             shutdown()
-        self.pg = self.store = self._cuda_twin = None
+        self.pg = self.store = None
 
 
 class RankWeights:

@@ -325,7 +325,7 @@ async def rollouts(request: web.Request) -> web.Response:
 
 
 def build_app(server: Server) -> web.Application:
-    from . import routes_native, routes_openai, routes_rl
+    from . import routes_chat, routes_native, routes_openai, routes_rl
     # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
     app = web.Application(middlewares=[errors_middleware], client_max_size=server.settings.max_body_bytes)
     app[SERVER_KEY] = server
@@ -338,4 +338,5 @@ def build_app(server: Server) -> web.Application:
     routes_native.add_routes(app)
     routes_openai.add_routes(app)
     routes_rl.add_routes(app)
+    routes_chat.add_routes(app)
     return app

@@ -181,7 +181,9 @@ async def get_server_info(request: web.Request) -> web.Response:
     server = server_of(request)
     stats = await server.bridge.snapshot()
     control = (await server.bridge.call(lambda e: e.requested_control)).model_dump()
+    memory = await server.bridge.call(lambda e: {"bytes": e.memory(), "released": sorted(e.released)})
     return json_response({**dataclasses.asdict(server.settings), "version": _version(),
+                          "weight_version": server.weight_version, "memory": memory,
                           "served_model_name": server.settings.model_name,
                           "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),
                           "in_flight": server.in_flight, "uptime_s": time.time() - server.started,
