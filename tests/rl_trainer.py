@@ -73,6 +73,9 @@ def main() -> None:
         pg = form_group("127.0.0.1", port, world, args.group)
         t.join()
         print(json.dumps({"init": box["r"]}), flush=True)
+    if "wait" in steps:   # the caller says when (a line on stdin): the group stays formed meanwhile
+        print(json.dumps({"waiting": True}), flush=True)
+        input()
     if "update" in steps:
         buckets, cur, size = [], [], 0
         for name, t in tensors.items():

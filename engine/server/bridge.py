@@ -110,10 +110,13 @@ class EngineBridge:
             self._cond.notify()
         return await fut
 
-    async def set_paused(self, paused: bool) -> None:
+    async def set_paused(self, paused: bool, then=None):
+        """Pauses (or not) between two steps; `then(engine)` runs in the same command (a retract
+        that no step may undo) and its result is returned."""
         def apply(engine):
             self._paused = paused
-        await self.call(apply)
+            return then(engine) if then is not None else None
+        return await self.call(apply)
 
     async def snapshot(self) -> dict:
         """engine.stats() plus whether generation is paused in place."""

@@ -120,9 +120,8 @@ async def pause_generation(request: web.Request) -> web.Response:
         n = await server.bridge.call(lambda e: e.abort_all())
         await server.wait_idle(30.0)
     else:
-        if req.mode == "retract":
-            retracted = await server.bridge.call(lambda e: e.retract_all())
-        await server.bridge.set_paused(True)
+        retract = (lambda e: e.retract_all()) if req.mode == "retract" else None
+        retracted = await server.bridge.set_paused(True, retract) or 0
     return json_response({"message": "Generation paused successfully.", "status": "ok", "success": True,
                           "mode": req.mode, "aborted": n, "retracted": retracted})
 

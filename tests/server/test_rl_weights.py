@@ -12,30 +12,20 @@ import base64
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from rl_common import ENGINE, TRAINER, checkpoint
 from serverproc import ServerProcess
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import load_preset
 
 pytestmark = pytest.mark.timeout(900)
-ENGINE = json.dumps({"block_size": 4, "num_blocks": 256})
 TOPOLOGIES = {"1rank": [], "4ranks-atp2-adp2": ["--nproc", "4", "--adp", "2", "--ep", "4"]}
 PROMPTS = [[3, 5, 7, 9, 11], list(range(20, 38)), [401, 17, 99]]
 SP = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-TRAINER = str(Path(__file__).resolve().parents[1] / "rl_trainer.py")
-
-
-def checkpoint(out: Path, seed: int) -> str:
-    """The second checkpoint as the issue says: `pdrollout checkpoint --config tiny --seed N`."""
-    r = subprocess.run([sys.executable, "-m", "pdrollout.engine.cli", "checkpoint", "--config", "tiny",
-                        "--seed", str(seed), "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return str(out)
 
 
 @pytest.fixture(scope="module")
