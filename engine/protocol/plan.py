@@ -65,7 +65,7 @@ class NewRequest:
 class EngineOp:
     """A rank-shared change of the engine's state (weights, memory, a weights update group), run by
     every rank at the same plan boundary: it travels in the StepPlan, never beside it."""
-    kind: str               # load_disk | group_init | group_update | group_destroy | release | resume | load_tensor
+    kind: str               # load_disk | group_init | group_update | group_destroy | release | resume
     args: dict = field(default_factory=dict)
 
 

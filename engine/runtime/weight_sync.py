@@ -1,7 +1,6 @@
 """One rank's side of the rank-shared engine ops (protocol/plan.EngineOp): new weights from disk,
 a weights update group with a trainer (torch.distributed: gloo on CPU, NCCL on GPUs) and the
-tensors it broadcasts, weights from a trainer's shared tensors, and giving memory back and taking
-it again. Rank 0 checks every argument before the op is broadcast, so what reaches a rank is
+tensors it broadcasts, and giving memory back and taking it again. Rank 0 checks every argument before the op is broadcast, so what reaches a rank is
 runnable; each rank keeps its own ATP/EP shard of what arrives (model/weights.py).
 
 The update group is a process group of its own, over a store at the trainer's address (the
