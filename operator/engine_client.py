@@ -68,6 +68,20 @@ def put_control(url: str, control: dict) -> dict:
     return json.loads(raw)
 
 
+def weight_version(url: str) -> str:
+    """The engine's weight version (SGLang's GET /get_weight_version)."""
+    code, raw = _request(f"{url}/get_weight_version")
+    if code != 200:
+        raise EngineError(f"GET {url}/get_weight_version: HTTP {code}: {raw[:200]!r}")
+    try:
+        version = json.loads(raw)["weight_version"]
+    except (ValueError, KeyError, TypeError):
+        raise EngineError(f"GET {url}/get_weight_version: no weight_version in {raw[:200]!r}") from None
+    if not isinstance(version, str):
+        raise EngineError(f"GET {url}/get_weight_version: weight_version is not a string: {version!r}")
+    return version
+
+
 @dataclass(frozen=True)
 class EngineMetrics:
     makespan_s: float | None = None

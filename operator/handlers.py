@@ -185,7 +185,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     stall = _stall_exit(pods, status, patch, body)   # before a restart replaces the pods that say so
     restarting = _group_restart(s, pods, status, memo, namespace, body, patch, logger)
     ready = 0 if restarting else sum(1 for p in _running(pods) if _ready(p))
-    health = metrics = None
+    health = metrics = version = None
     rank0 = _node0(name, pods)
     if not restarting and ready == s.topology.nodes and rank0 is not None:
         url = engine_client.base_url(rank0["status"]["podIP"], s.port)
@@ -197,13 +197,18 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
                 metrics = engine_client.metrics(url)
             except engine_client.EngineError as e:
                 logger.warning(f"metrics unavailable: {e}")
+        if health.ok:
+            try:
+                version = engine_client.weight_version(url)
+            except engine_client.EngineError as e:
+                logger.warning(f"weight version unavailable: {e}")
         if health.ok and push_control(namespace, name, s, logger, pods):
             patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
                          generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
                          health=health, metrics=metrics, restarting=restarting, stall=stall,
-                         previous_stalled=previous)
+                         previous_stalled=previous, weight_version=version)
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
                                                                         _iso(_now()))))

@@ -206,3 +206,6 @@ class PDRolloutStatus(_Model):
     group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")
     last_group_restart_time: str | None = None
     control: Multiplexing | None = Field(default=None, description="Controls last applied to the engines.")
+    weight_version: str | None = Field(default=None, description="The weight version node 0's engine reports "
+                                                                 "(GET /get_weight_version; set by the trainer's "
+                                                                 "weight updates).")

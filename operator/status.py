@@ -18,6 +18,7 @@ class Observation:
     restarting: str | None = None         # why the group is being recreated, if it is
     stall: str | None = None              # an engine exited with the stall code (seen this pass)
     previous_stalled: dict | None = None  # the Stalled condition as status had it
+    weight_version: str | None = None     # node 0's engine's, when it answered
 
 
 def _cond(t: ConditionType, ok: bool, reason: str, message: str = "") -> Condition:
@@ -86,6 +87,8 @@ def merge_conditions(old: list[dict], new: list[Condition], now: str) -> list[di
 
 def status_patch(o: Observation, phase: Phase, conds: list[dict]) -> dict:
     patch: dict = {"phase": phase.value, "readyNodes": o.ready_nodes, "conditions": conds}
+    if o.weight_version is not None:   # kept while the engine is away
+        patch["weightVersion"] = o.weight_version
     m = o.metrics
     if m is not None:  # keep the last known figures while the engine is away
         for key, value in (("makespanSeconds", m.makespan_s), ("ttftP99Seconds", m.ttft_p99_s),

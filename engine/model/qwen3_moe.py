@@ -43,6 +43,7 @@ class ForwardBatch:
     block_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks]
     seq_lens: torch.Tensor | None = None       # int32 [num_decode]
     block_size: int = 16
+    routes: list | None = None   # when a list: each MoE layer appends its top-k ids [T, k] (routing replay)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x, batch, collectives: Collectives):
         weights, ids = ops.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
+        if batch.routes is not None:
+            batch.routes.append(ids)
         return collectives.experts(self, x, ids, weights, batch.phase)
 
 

@@ -33,6 +33,7 @@ class RowSpec:
     blocks: tuple           # the request's block table (cache block ids on its replica)
     samples: bool           # produces a token (a decode row, or a prefill segment that completes)
     logprob: bool = False
+    routes: bool = False    # report each input token's top-k expert ids per layer (routing replay)
 
     @property
     def length(self) -> int:
@@ -61,6 +62,14 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class EngineOp:
+    """A rank-shared change of the engine's state (weights, memory, a weights update group), run by
+    every rank at the same plan boundary: it travels in the StepPlan, never beside it."""
+    kind: str               # load_disk | group_init | group_update | group_destroy | release | resume
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step: int
     control: dict                               # ControlSettings.model_dump() in force this step
@@ -69,6 +78,7 @@ class StepPlan:
     drop: tuple[str, ...] = ()                  # finished or aborted: forget the generator
     multiplexing: bool = False                  # the pd policy put P and D in this step
     stop: bool = False                          # shut the workers down
+    ops: tuple[EngineOp, ...] = ()              # run before the rows (an op plan carries no rows)
 
     @property
     def d_any(self) -> bool:
@@ -77,6 +87,11 @@ class StepPlan:
     @property
     def p_any(self) -> bool:
         return any(w.prefill for w in self.replicas)
+
+    @property
+    def routes_any(self) -> bool:
+        """A row wants its routing: every rank runs this step eagerly (no graph holds the ids)."""
+        return any(r.routes for w in self.replicas for r in w.decode + w.prefill)
 
 
 @dataclass
@@ -92,3 +107,5 @@ class StepReport:
     span: int | str = 1
     multiplexed: bool = False
     graph: bool = False                             # D ran as a CUDA graph replay
+    routes: dict = field(default_factory=dict)      # rid -> int32 bytes [tokens, layers, top-k] (leaders)
+    ops: list = field(default_factory=list)         # per op: None (done) or an error message

@@ -16,9 +16,10 @@ from ..protocol.plan import NewRequest, Phase, ReplicaWork, RowSpec, StepPlan, S
 from ..protocol.records import StepRecord
 from ..scheduler.request import RequestError, RequestOutput, SamplingParams
 from ..scheduler.scheduler import Scheduler
+from .engine_ops import EngineOps
 
 
-class Engine:
+class Engine(EngineOps):
     def __init__(self, config: EngineConfig, worker=None) -> None:
         """`worker`: this rank's Worker (a multi-rank group's rank 0); None builds a world of one."""
         if worker is None:
@@ -36,15 +37,20 @@ class Engine:
         self.step_id = 0
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
         self.closed = False
+        self._init_ops()
         self._first_step()
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-               return_logprob: bool = False, rollout_id: str | None = None) -> None:
+               return_logprob: bool = False, rollout_id: str | None = None, routes_from: int | None = None) -> None:
+        """`routes_from`: report the routing of positions [routes_from, end) (None: no routing)."""
         if isinstance(rid, str) and rid in self.replica_of:
             raise RequestError(f"request id {rid!r} is already running")
+        if self.released:
+            raise RequestError(f"the engine's memory is released ({', '.join(sorted(self.released))}): "
+                               "/resume_memory_occupation first")
         r = min(range(len(self.schedulers)), key=lambda i: (len(self.schedulers[i].reqs), i))
-        self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id)
+        self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id, routes_from)
         self.replica_of[rid] = r
         self._new.append(NewRequest(rid, r, sampling))
 
@@ -69,10 +75,11 @@ class Engine:
         """The settings the next step will run with (a pending change, else the current ones)."""
         return self._pending_control or self.control
 
-    def flush_cache(self) -> bool:
-        if any(s.reqs for s in self.schedulers):
+    def flush_cache(self, allow_waiting: bool = False) -> bool:
+        """Drops cached prefix blocks; False while a request holds KV (or, unless allowed, waits)."""
+        if self.holds_kv() or (not allow_waiting and any(s.reqs for s in self.schedulers)):
             return False
-        return all(s.flush_cache() for s in self.schedulers)
+        return all(s.flush_cache(allow_waiting) for s in self.schedulers)
 
     # --- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -84,6 +91,8 @@ class Engine:
         lifetime are discarded there)."""
         if self._pending_control is not None:
             self.control, self._pending_control = self._pending_control, None
+        if self.released:   # waiting (retracted) requests wait for the resume
+            return None
         launched = [s.plan_step(self.control) for s in self.schedulers]
         self.step_id += 1
         if all(x is None for x in launched):
@@ -116,7 +125,8 @@ class Engine:
         now = time.monotonic()
         for r, (s, x) in enumerate(zip(self.schedulers, launched)):
             if x is not None:
-                s.apply_result(x, reports[r * self.topo.atp].tokens, now)   # the replica leader's tokens
+                lead = reports[r * self.topo.atp]   # the replica leader's tokens and routing
+                s.apply_result(x, lead.tokens, now, lead.routes)
         works = plan.replicas
         self.records.append(StepRecord(
             step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode,
@@ -191,7 +201,7 @@ class Engine:
 
     def model_info(self) -> dict:
         c = self.model_config
-        return {"model_path": self.config.model, "vocab_size": c.vocab_size,
+        return {"model_path": self.model_path, "weight_version": self.weight_version, "vocab_size": c.vocab_size,
                 "max_context_len": self.schedulers[0].max_context_len, "eos_token_ids": list(c.eos_token_ids),
                 "num_experts": c.num_experts, "num_layers": c.num_hidden_layers,
                 "dtype": str(self.worker.dtype).removeprefix("torch."), "device": self.config.device,

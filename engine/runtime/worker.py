@@ -108,6 +108,7 @@ class Worker:
         self.batches = BatchBuilder(config.block_size, self.device, self.backends.attention.needs_block_tables)
         self.control = config.control
         self.gens: dict[str, torch.Generator] = {}
+        self._routes: dict[str, bytes] = {}
         self.sampling: dict[str, object] = {}
         self.streams: dict = {}
         self.graphs = None
@@ -116,10 +117,13 @@ class Worker:
         if options.step_log:
             os.makedirs(options.step_log, exist_ok=True)
             self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
+        self._capture_forward = None
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
         elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
+        from .weight_sync import RankWeights
+        self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
 
     @classmethod
     def single(cls, config: EngineConfig) -> "Worker":
@@ -128,6 +132,7 @@ class Worker:
 
     def _capture(self, forward) -> None:
         from .graphs import DecodeGraphs
+        self._capture_forward = forward
         max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
         self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, self.config.max_running,
                                    -(-max_ctx // self.config.block_size), self.kv.null_slot)
@@ -135,8 +140,19 @@ class Worker:
         # query of a stream under capture invalidates the capture.
         self.graphs.capture()
 
+    def recapture(self) -> None:
+        """D's graphs again, after a memory resume moved the tensors they read."""
+        if self._capture_forward is not None:
+            self._capture(self._capture_forward)
+
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
+        if plan.ops:   # between steps, on every rank at the same plan boundary
+            report = StepReport(self.rank, plan.step)
+            if self.multi:   # a group may wait for its trainer: not a stall of this engine
+                self.wd.update(busy=False, phase="op:" + plan.ops[0].kind)
+            report.ops = [self.weights.run(op) for op in plan.ops]
+            return report
         t_start = time.monotonic()
         for nr in plan.new:
             if nr.replica == self.replica:
@@ -171,6 +187,8 @@ class Worker:
                 self._sample(rows, logits_p, report)
             if logits_d is not None:
                 self._sample(list(mine.decode), logits_d, report)
+        if self._routes:
+            report.routes, self._routes = self._routes, {}
         if self.multi:
             self.wd.update(busy=False, phase="idle")
         if self.counters is not None:
@@ -192,23 +210,53 @@ class Worker:
         rows_all = [pick(w) for w in plan.replicas]
         if self.multi:
             self.group.begin(phase.path, plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary)
+        mine = rows_all[self.replica]
         if not self.cuda:
-            return self.model(self.batches.build(rows_all[self.replica], phase), self.kv)
+            batch = self.batches.build(mine, phase)
+            self._want_routes(batch, mine)
+            logits = self.model(batch, self.kv)
+            self._keep_routes(phase, batch, mine)
+            return logits
         torch.cuda.set_device(self.device)    # a P thread's device is its own
         s = self.streams.get(phase.path) or torch.cuda.current_stream()
         with torch.cuda.stream(s):
-            batch = self.batches.build(rows_all[self.replica], phase)
+            batch = self.batches.build(mine, phase)
+            self._want_routes(batch, mine)
             with self.group.span("forward", s, phase.path, plan.step) if self.multi else _nothing():
                 logits = self.model(batch, self.kv)
         if wait:
             s.synchronize()                   # eager: the step's logits are complete for sampling
+        self._keep_routes(phase, batch, mine)
         return logits
+
+    # ---- routing replay (return_routed_experts) ------------------------------------------
+    def _want_routes(self, batch, rows) -> None:
+        if self.leader and any(r.routes for r in rows):
+            batch.routes = []
+
+    def _keep_routes(self, phase: Phase, batch, rows) -> None:
+        """Each routed row's input tokens' top-k expert ids per layer (-1 on dense layers), as
+        int32 bytes [tokens, layers, top-k], in the batch builder's row order."""
+        if batch.routes is None:
+            return
+        cfg = self.cfg
+        moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        t = batch.input_ids.shape[0]
+        full = torch.full((t, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int32)
+        if moe:
+            full[:, moe] = torch.stack([ids.to("cpu", torch.int32) for ids in batch.routes], dim=1)
+        ordered = [r for r in rows if r.kind == Phase.DECODE] + [r for r in rows if r.kind != Phase.DECODE]
+        t0 = 0
+        for r in ordered:
+            if r.routes:
+                self._routes[r.rid] = full[t0:t0 + r.length].numpy().tobytes()
+            t0 += r.length
 
     def forward_d(self, plan: StepPlan, wait: bool = True) -> tuple[torch.Tensor, bool]:
         """The D iteration: a graph replay for the rank-shared bucket when one is captured (every
         rank replays it, rows or not: its collectives need every rank), else an eager forward."""
         n = max(w.decode_rows for w in plan.replicas)
-        if self.graphs is None or not self.graphs.fits(n):
+        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any:   # a graph keeps no ids
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
         with torch.cuda.stream(s):

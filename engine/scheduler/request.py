@@ -137,6 +137,9 @@ class Req:
     d_ready_at: float | None = None    # when this row became ready for its next decode step
     first_token_at: float | None = None
     emitted: int = 0                   # output tokens already reported
+    routes_from: int | None = None     # report routing of positions [routes_from, len(tokens) - 1)
+    route_parts: list[bytes] = field(default_factory=list)   # per computed position, in order
+    retractions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -162,3 +165,5 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     rollout_id: str | None = None
+    weight_version: str = "default"    # the weights that produced new_token_ids
+    routed_experts: bytes | None = None   # on the finished output of a routed request: int32 [pos, layers, k]

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: list[Req] = []         # FCFS
         self.step_id = 0
         self._outbox: list[RequestOutput] = []
+        self.weight_version = "default"     # tags every token this replica emits from now on
 
     # --- requests ---------------------------------------------------------------------------
     def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -73,9 +74,12 @@ class Scheduler:
                                f"({self.pool.num_blocks * self.pool.block_size} tokens)")
 
     def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
-               rollout_id: str | None = None) -> None:
+               rollout_id: str | None = None, routes_from: int | None = None) -> None:
         self.check(rid, input_ids, sampling)
-        req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id)
+        if routes_from is not None and not 0 <= routes_from <= len(input_ids):
+            raise RequestError(f"routed_experts_start_len must be in [0, {len(input_ids)}] "
+                               f"(the prompt's tokens), got {routes_from}")
+        req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id, routes_from=routes_from)
         self.reqs[rid] = req
         self.waiting.append(req)
 
@@ -92,11 +96,31 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.reqs) or bool(self._outbox)
 
-    def flush_cache(self) -> bool:
-        if self.reqs:
+    def flush_cache(self, allow_waiting: bool = False) -> bool:
+        """Drops cached prefix blocks: only with no request holding KV (and, unless allowed, none
+        waiting: a paused engine's retracted requests are recomputed anyway)."""
+        if self.holds_kv() or (self.reqs and not allow_waiting):
             return False
         self.pool.flush()
         return True
+
+    def drop_cached(self) -> int:
+        """After a weight change: every cached block nobody holds (running requests keep theirs)."""
+        return self.pool.flush()
+
+    def holds_kv(self) -> bool:
+        return any(r.reservation is not None for r in self.reqs.values())
+
+    def retract_all(self) -> int:
+        """Every request holding KV gives it back and waits, first in line, to be recomputed
+        (SGLang's pause mode `retract`); returns how many."""
+        held = sorted((r for r in self.reqs.values() if r.reservation is not None), key=lambda r: r.arrival)
+        for r in held:
+            self.reservations.close(r.reservation)
+            r.reservation, r.status, r.computed, r.route_parts = None, Status.WAITING, 0, []
+            r.retractions += 1
+        self.waiting[:0] = held
+        return len(held)
 
     # --- one step ---------------------------------------------------------------------------
     def plan_step(self, control: ControlSettings) -> Launched | None:
@@ -124,15 +148,18 @@ class Scheduler:
     @staticmethod
     def _spec(r: Req, kind: Phase, start: int, n: int, samples: bool) -> RowSpec:
         return RowSpec(r.rid, kind, start, tuple(r.tokens[start:start + n]), tuple(r.reservation.blocks),
-                       samples, r.return_logprob)
+                       samples, r.return_logprob, r.routes_from is not None)
 
-    def apply_result(self, launched: Launched, tokens: dict, now: float) -> None:
-        """`tokens`: rid -> (token, logprob | None) for the rows that sample."""
+    def apply_result(self, launched: Launched, tokens: dict, now: float, routes: dict | None = None) -> None:
+        """`tokens`: rid -> (token, logprob | None) for the rows that sample; `routes`: rid -> the
+        routed rows' expert ids (bytes)."""
         for row in launched.rows:
             self.reservations.end_work(row.reservation)
             if not self.reservations.is_current(row.req.rid, row.lifetime) or self.reqs.get(row.req.rid) is not row.req:
                 continue    # an earlier lifetime's result: discard
             token, logprob = tokens.get(row.req.rid, (None, None)) if row.samples else (None, None)
+            if routes and row.req.rid in routes:
+                row.req.route_parts.append(routes[row.req.rid])
             self._apply_row(row, token, logprob, now)
 
     def outputs(self) -> list[RequestOutput]:
@@ -148,6 +175,8 @@ class Scheduler:
                         self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint)
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
+        if r.routes_from is not None:
+            return 0, 0      # routing is reported per computed position: no prefix reuse
         hits, shared = self.pool.peek_prefix(r.tokens, len(r.tokens) - 1)
         return hits * self.pool.block_size, shared
 
@@ -162,7 +191,7 @@ class Scheduler:
             self.waiting.remove(r)
             res = self.reservations.open(rid)
             target = len(r.tokens)
-            res.blocks = self.pool.match_prefix(r.tokens, target - 1, res.chain)
+            res.blocks = [] if r.routes_from is not None else self.pool.match_prefix(r.tokens, target - 1, res.chain)
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:
@@ -224,8 +253,12 @@ class Scheduler:
         new = r.output[r.emitted:]
         lps = r.logprobs[r.emitted:] if r.return_logprob else None
         r.emitted = len(r.output)
+        routed = None
+        if finished and r.routes_from is not None:
+            per = self.model_config.num_hidden_layers * self.model_config.num_experts_per_tok * 4
+            routed = b"".join(r.route_parts)[r.routes_from * per:]
         self._outbox.append(RequestOutput(r.rid, new, lps, finished, reason, len(r.prompt), len(r.output),
-                                          r.cached_tokens, r.rollout_id))
+                                          r.cached_tokens, r.rollout_id, self.weight_version, routed))
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -59,6 +59,10 @@ class Server:
         self.draining = False
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.admitting = asyncio.Event()     # cleared while an update waits for in-flight requests
+        self.admitting.set()
+        self.update_lock = asyncio.Lock()    # one weight update (or memory op) at a time
+        self.weight_version = "default"      # the engine's, mirrored for responses with no tokens
         self._background: set[asyncio.Task] = set()
 
     # --- request lifecycle ------------------------------------------------------------------
@@ -74,7 +78,9 @@ class Server:
                 sampling.append(SamplingParams.from_dict(item.sampling_params))
             except RequestError as e:
                 raise BadRequest(_where(i, len(items)) + str(e)) from None
-        await self.unpaused.wait()           # SGLang: requests wait while generation is paused
+        while not (self.unpaused.is_set() and self.admitting.is_set()):
+            await self.unpaused.wait()       # SGLang: requests wait while generation is paused
+            await self.admitting.wait()      # ... and while an update waits for in-flight ones
         if self.draining:
             raise EngineUnavailable("server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
@@ -96,7 +102,7 @@ class Server:
             for i, (t, item, sp) in enumerate(zip(tracked, items, sampling)):
                 try:
                     engine.submit(t.rid, item.input_ids, sp, return_logprob=item.return_logprob,
-                                  rollout_id=rollout_id)
+                                  rollout_id=rollout_id, routes_from=item.routes_from)
                 except RequestError as e:
                     for prev in tracked[:i]:
                         engine.abort(prev.rid, "batch rejected")
@@ -170,6 +176,30 @@ class Server:
     @property
     def in_flight(self) -> int:
         return len(self.bridge.tracked)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no request is in flight (their answers sent); False after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.in_flight
+
+    async def exclusive(self, fn, abort_all: bool = False):
+        """Runs `fn(engine)` as SGLang runs a weight update: with generation running, new requests
+        wait and the ones in flight finish first (under the old weights); while paused it runs at
+        once (paused requests continue under the new weights, as their weight_versions say).
+        `abort_all` aborts the in-flight requests first."""
+        async with self.update_lock:
+            if abort_all:
+                await self.bridge.call(lambda e: e.abort_all())
+            if not self.unpaused.is_set():
+                return await self.bridge.call(fn)
+            self.admitting.clear()
+            try:
+                await self.wait_idle(float("inf"))
+                return await self.bridge.call(fn)
+            finally:
+                self.admitting.set()
 
     def health(self) -> tuple[int, dict]:
         b = self.bridge
@@ -299,7 +329,7 @@ async def rollouts(request: web.Request) -> web.Response:
 
 
 def build_app(server: Server) -> web.Application:
-    from . import routes_native, routes_openai
+    from . import routes_chat, routes_native, routes_openai, routes_rl
     # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
     app = web.Application(middlewares=[errors_middleware], client_max_size=server.settings.max_body_bytes)
     app[SERVER_KEY] = server
@@ -311,4 +341,6 @@ def build_app(server: Server) -> web.Application:
     app.router.add_get("/rollouts", rollouts)
     routes_native.add_routes(app)
     routes_openai.add_routes(app)
+    routes_rl.add_routes(app)
+    routes_chat.add_routes(app)
     return app

@@ -48,6 +48,18 @@ class Tracked:
     last_token_at: Optional[float] = None
     finished_at: Optional[float] = None
     wake: Optional[asyncio.Queue] = None  # gets `self` after every update
+    version_spans: list = field(default_factory=list)   # [version, start, end) over output_ids
+    routed_experts: Optional[bytes] = None
+
+    def add_tokens(self, ids: list[int], version: str) -> None:
+        """Appends tokens produced by the weights of `version` (a request spanning an update gets
+        one span per version, as SGLang's meta_info.weight_versions)."""
+        start = len(self.output_ids)
+        self.output_ids.extend(ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = len(self.output_ids)
+        else:
+            self.version_spans.append([version, start, len(self.output_ids)])
 
     @property
     def e2e_latency(self) -> Optional[float]:
@@ -98,14 +110,21 @@ class EngineBridge:
             self._cond.notify()
         return await fut
 
-    async def set_paused(self, paused: bool) -> None:
+    async def set_paused(self, paused: bool, then=None):
+        """Pauses (or not) between two steps; `then(engine)` runs in the same command (a retract
+        that no step may undo) and its result is returned."""
         def apply(engine):
             self._paused = paused
-        await self.call(apply)
+            return then(engine) if then is not None else None
+        return await self.call(apply)
 
     async def snapshot(self) -> dict:
         """engine.stats() plus whether generation is paused in place."""
         return await self.call(lambda e: {**e.stats(), "paused": self._paused})
+
+    @property
+    def paused_in_place(self) -> bool:
+        return self._paused
 
     def track(self, t: Tracked) -> None:
         if t.rid in self.tracked:
@@ -138,7 +157,7 @@ class EngineBridge:
         while True:
             with self._cond:
                 while (not self._inbox and not self._stopping
-                       and (self._paused or not engine.has_unfinished())):
+                       and (self._paused or engine.released or not engine.has_unfinished())):
                     self._cond.wait(IDLE_CHECK_S)
                     try:
                         check()
@@ -159,7 +178,7 @@ class EngineBridge:
                 break
             try:
                 # Paused in place: no new step, but aborted requests still get their final output.
-                outs = engine.finish(None) if self._paused else (
+                outs = engine.finish(None) if self._paused or engine.released else (
                     engine.step() if engine.has_unfinished() else [])
             except Exception as e:
                 log.error("engine step failed\n%s", traceback.format_exc())
@@ -232,11 +251,13 @@ class EngineBridge:
                 elif t.log_metrics and t.last_token_at is not None:
                     self._metrics.inter_token(now - t.last_token_at, len(o.new_token_ids))
                 t.last_token_at = now
-                t.output_ids.extend(o.new_token_ids)
+                t.add_tokens(o.new_token_ids, o.weight_version)
                 if t.return_logprob and o.new_logprobs:
                     t.logprobs.extend(o.new_logprobs)
                 if t.log_metrics:
                     self._metrics.generated(len(o.new_token_ids))
+            if o.routed_experts is not None:
+                t.routed_experts = o.routed_experts
             if o.finished:
                 self._finish(t, o.finish_reason, now)
             elif t.wake is not None:

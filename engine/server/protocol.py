@@ -2,6 +2,7 @@
 response builders. Pure: no engine, no aiohttp."""
 from __future__ import annotations
 
+import base64
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
@@ -60,6 +61,7 @@ class GenerateRequest(_Strict):
     image_data: Optional[Any] = None
     lora_path: Optional[Any] = None
     return_routed_experts: StrictBool = False
+    routed_experts_start_len: StrictInt = 0
     return_hidden_states: StrictBool = False
     custom_logit_processor: Optional[Any] = None
     data_parallel_rank: Optional[StrictInt] = None
@@ -73,7 +75,7 @@ class GenerateRequest(_Strict):
             raise ValueError("input_ids is empty")
         for name, allowed in (("image_data", (None, [])), ("lora_path", (None,)),
                               ("token_ids_logprob", (None,)), ("custom_logit_processor", (None,)),
-                              ("return_routed_experts", (False,)), ("return_hidden_states", (False,))):
+                              ("return_hidden_states", (False,))):
             _neutral(name, getattr(self, name), allowed)
         tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
         if any(t not in (None, 0) for t in tops):
@@ -114,7 +116,8 @@ class GenerateRequest(_Strict):
         for ids in prompts:
             if len(ids) == 0:
                 raise BadRequest("a prompt has no tokens")
-        return [GenerateItem(input_ids=list(p), sampling_params=sp, rid=r, return_logprob=lp)
+        routes = self.routed_experts_start_len if self.return_routed_experts else None
+        return [GenerateItem(input_ids=list(p), sampling_params=sp, rid=r, return_logprob=lp, routes_from=routes)
                 for p, sp, r, lp in zip(prompts, sps, rids, lps)]
 
     @property
@@ -129,6 +132,7 @@ class GenerateItem(BaseModel):
     sampling_params: dict[str, Any]
     rid: Optional[str]
     return_logprob: bool
+    routes_from: Optional[int] = None    # return_routed_experts: positions [routes_from, end)
 
 
 class AbortRequest(_Strict):
@@ -143,8 +147,88 @@ class AbortRequest(_Strict):
 
 
 class PauseRequest(_Strict):
-    # SGLang's modes; `retract` behaves as `in_place` here (KV kept instead of recomputed).
     mode: Literal["abort", "retract", "in_place"] = "abort"
+    rid: Optional[str] = None
+
+
+# --- the RL loop's bodies: SGLang 0.5.23's io_struct fields. Fields that select something this
+# engine does not have (a load format, async loads, a draft model) are accepted at their defaults.
+def _only(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported (only {', '.join(map(repr, allowed))})")
+
+
+class ContinueRequest(_Strict):
+    torch_empty_cache: StrictBool = True
+    rid: Optional[str] = None
+
+
+class UpdateFromDiskRequest(_Strict):
+    model_path: str = Field(min_length=1)
+    load_format: Optional[str] = None
+    abort_all_requests: StrictBool = False
+    weight_version: Optional[str] = None
+    is_async: StrictBool = False
+    torch_empty_cache: StrictBool = False
+    keep_pause: StrictBool = False
+    recapture_cuda_graph: StrictBool = False     # in-place copies keep the graphs valid
+    token_step: StrictInt = 0
+    flush_cache: StrictBool = True
+    manifest: Optional[dict[str, Any]] = None
+    rid: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _only("load_format", self.load_format, (None, "auto", "safetensors"))
+        _only("is_async", self.is_async, (False,))
+        _only("manifest", self.manifest, (None,))
+        return self
+
+
+class InitGroupRequest(_Strict):
+    master_address: str = Field(min_length=1)
+    master_port: StrictInt
+    rank_offset: StrictInt
+    world_size: StrictInt
+    group_name: str = Field(default="weight_update_group", min_length=1)
+    backend: str = "nccl"
+    rid: Optional[str] = None
+
+
+class UpdateFromDistributedRequest(_Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[StrictInt]]
+    group_name: str = "weight_update_group"
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: StrictBool = False
+    rid: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _only("load_format", self.load_format, (None,))
+        _only("selector", self.selector, ("all", "target"))   # no draft model here
+        return self
+
+
+class DestroyGroupRequest(_Strict):
+    group_name: str = "weight_update_group"
+    rid: Optional[str] = None
+
+
+class UpdateWeightVersionRequest(_Strict):
+    new_version: str = Field(min_length=1)
+    abort_all_requests: StrictBool = True
+    rid: Optional[str] = None
+
+
+class MemoryRequest(_Strict):
+    tags: Optional[list[str]] = None
+    rid: Optional[str] = None
 
 
 class RolloutFinishRequest(_Strict):
@@ -223,9 +307,19 @@ def _clean_finish_reason(fr: Optional[dict]) -> Optional[dict]:
     return {k: v for k, v in fr.items() if v is not None or k == "type"}
 
 
+def version_meta(spans: list, current: str, n_tokens: int) -> dict:
+    """SGLang's `weight_version` (the version of the last token, or the engine's now) and
+    `weight_versions` (one {version, start, end} per run of tokens one version produced)."""
+    if not spans:
+        return {"weight_version": current, "weight_versions": [{"version": current, "start": 0, "end": 0}]}
+    shown = [{"version": v, "start": a, "end": min(b, n_tokens)} for v, a, b in spans if a < n_tokens or a == 0]
+    return {"weight_version": shown[-1]["version"], "weight_versions": shown}
+
+
 def generate_response(*, rid: str, output_ids: list[int], logprobs: Optional[list[float]],
                       finish_reason: Optional[dict], prompt_tokens: int, cached_tokens: int,
-                      e2e_latency: Optional[float], text: str = "") -> dict:
+                      e2e_latency: Optional[float], text: str = "", versions: Optional[dict] = None,
+                      routed_experts: Optional[bytes] = None) -> dict:
     """SGLang's `/generate` item: cumulative `output_ids`, `meta_info` with SGLang's keys."""
     meta: dict[str, Any] = {
         "id": rid,
@@ -233,8 +327,10 @@ def generate_response(*, rid: str, output_ids: list[int], logprobs: Optional[lis
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(output_ids),
         "cached_tokens": cached_tokens,
-        "weight_version": "default",
+        **(versions or {"weight_version": "default"}),
     }
+    if routed_experts is not None:   # SGLang's encoding: base64 of int32 [positions, layers, top-k]
+        meta["routed_experts"] = base64.b64encode(routed_experts).decode()
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     if logprobs is not None:

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from .app import Server, json_response, read_json, server_of
 from .bridge import Tracked
-from .protocol import (AbortRequest, BadRequest, GenerateItem, GenerateRequest, PauseRequest,
-                       generate_response)
+from .protocol import (AbortRequest, BadRequest, ContinueRequest, GenerateItem, GenerateRequest, PauseRequest,
+                       generate_response, version_meta)
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
 
@@ -40,7 +40,9 @@ def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
     body = generate_response(rid=t.rid, output_ids=ids, logprobs=lps,
                              finish_reason=t.finish_reason if t.finished else None,
                              prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                             e2e_latency=t.e2e_latency, text=text)
+                             e2e_latency=t.e2e_latency, text=text,
+                             versions=version_meta(t.version_spans, server.weight_version, len(t.output_ids)),
+                             routed_experts=t.routed_experts if t.finished else None)
     body["meta_info"]["completion_tokens"] = len(t.output_ids)
     return body
 
@@ -106,28 +108,37 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def pause_generation(request: web.Request) -> web.Response:
+    """SGLang's modes. abort: in-flight requests end with finish_reason abort (their partial
+    output answered before this returns); in_place: no steps, running requests keep their KV;
+    retract: running requests give their KV back and are recomputed after /continue_generation.
+    In every mode new requests wait until /continue_generation."""
     req = await read_json(request, PauseRequest, allow_empty=True)
     server = server_of(request)
-    server.unpaused.clear()                   # new requests wait until /continue_generation
+    server.unpaused.clear()
+    n = retracted = 0
     if req.mode == "abort":
         n = await server.bridge.call(lambda e: e.abort_all())
-    else:                                     # in_place (and retract): stop stepping, keep KV
-        await server.bridge.set_paused(True)
-        n = 0
-    return json_response({"success": True, "mode": req.mode, "aborted": n})
+        await server.wait_idle(30.0)
+    else:
+        retract = (lambda e: e.retract_all()) if req.mode == "retract" else None
+        retracted = await server.bridge.set_paused(True, retract) or 0
+    return json_response({"message": "Generation paused successfully.", "status": "ok", "success": True,
+                          "mode": req.mode, "aborted": n, "retracted": retracted})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    await read_json(request, allow_empty=True)
+    await read_json(request, ContinueRequest, allow_empty=True)
     server = server_of(request)
     await server.bridge.set_paused(False)
     server.unpaused.set()
-    return json_response({"success": True})
+    return json_response({"message": "Generation continued successfully.", "status": "ok", "success": True})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     await read_json(request, allow_empty=True)
-    ok = await server_of(request).bridge.call(lambda e: e.flush_cache())
+    server = server_of(request)
+    paused = not server.unpaused.is_set()   # a paused engine's waiting requests are recomputed anyway
+    ok = await server.bridge.call(lambda e: e.flush_cache(allow_waiting=paused))
     if not ok:
         raise BadRequest("cache not flushed: requests are still running")
     return json_response({"success": True, "message": "Cache flushed."})
@@ -160,7 +171,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     info = await server.bridge.call(lambda e: e.model_info())
     tok = server.tokenizer.path if server.tokenizer else None
     return json_response({**info, "tokenizer_path": tok, "served_model_name": server.settings.model_name,
-                          "is_generation": True, "weight_version": "default",
+                          "is_generation": True,
                           "has_image_understanding": False, "has_audio_understanding": False,
                           "preferred_sampling_params": None})
 
@@ -169,7 +180,9 @@ async def get_server_info(request: web.Request) -> web.Response:
     server = server_of(request)
     stats = await server.bridge.snapshot()
     control = (await server.bridge.call(lambda e: e.requested_control)).model_dump()
+    memory = await server.bridge.call(lambda e: {"bytes": e.memory(), "released": sorted(e.released)})
     return json_response({**dataclasses.asdict(server.settings), "version": _version(),
+                          "weight_version": server.weight_version, "memory": memory,
                           "served_model_name": server.settings.model_name,
                           "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),
                           "in_flight": server.in_flight, "uptime_s": time.time() - server.started,

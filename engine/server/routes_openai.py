@@ -14,7 +14,7 @@ from aiohttp import web
 
 from .app import Server, json_response, read_json, server_of
 from .bridge import Tracked
-from .protocol import BadRequest, CompletionRequest, GenerateItem
+from .protocol import BadRequest, CompletionRequest, GenerateItem, version_meta
 from .routes_native import sse, wait_finished
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -79,7 +79,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, server, tracked, queue, head, want_logprobs, usage)
         await wait_finished(tracked, queue)
         return json_response({**head, "choices": [_choice(server, t, 0, want_logprobs) for t in tracked],
-                              "usage": _usage(tracked)})
+                              "usage": _usage(tracked), "metadata": version_meta(
+                                  tracked[0].version_spans, server.weight_version, len(tracked[0].output_ids))})
     finally:
         server.release(tracked, queue)
 

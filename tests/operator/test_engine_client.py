@@ -53,3 +53,20 @@ def test_unreachable_engine_is_a_health_result_not_an_exception():
     assert not h.ok and not h.reachable and "127.0.0.1:9" in h.detail
     with pytest.raises(ec.EngineError):
         ec.get_control("http://127.0.0.1:9")
+
+
+def test_weight_version_from_a_real_engine(tiny_model):
+    """GET /get_weight_version of a real `pdrollout serve`, before and after a version change."""
+    from serverproc import ServerProcess
+    s = ServerProcess(tiny_model)
+    try:
+        assert ec.weight_version(s.url) == "default"
+        r = s.http.post("/update_weight_version", json={"new_version": "step-7"})
+        assert r.status_code == 200 and r.json()["new_version"] == "step-7", r.text
+        assert ec.weight_version(s.url) == "step-7"
+        with pytest.raises(ec.EngineError, match="HTTP 404"):
+            ec.weight_version(s.url + "/nothing-here")
+    finally:
+        assert s.stop() == 0
+    with pytest.raises(ec.EngineError):
+        ec.weight_version("http://127.0.0.1:9")

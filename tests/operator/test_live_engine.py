@@ -99,6 +99,10 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     table = cluster.kubectl("get", "pdr", name, "-n", ns).stdout.splitlines()[1].split()
     assert table[1:4] == ["Running", "1", "1"] and float(table[4]) == pytest.approx(fin["makespan_s"], rel=1e-3)
 
+    # A trainer's weight update sets the engine's version: status shows it.
+    assert http(f"{engine.url}/update_weight_version", {"new_version": "step-2"})["success"]
+    wait("weightVersion in status", lambda: status(cluster, ns, name).get("weightVersion") == "step-2", timeout=30)
+
     # The engine dies: the rollout turns Degraded, with a Warning event.
     engine.kill()
     st = wait("Degraded", lambda: (s := status(cluster, ns, name)).get("phase") == "Degraded" and s, timeout=30)

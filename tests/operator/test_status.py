@@ -135,3 +135,13 @@ def test_restart_waits_out_backoff():
     assert not d.restart_now and d.wait_s == pytest.approx(15) and "backoff" in d.reason
     d = group.decide_restart("pod r-1 failed", streak=0, last_restart=last, now=NOW, base_s=10, cap_s=300)
     assert d.restart_now and "recreating the whole group" in d.reason
+
+
+def test_weight_version_reaches_status_and_is_kept_while_the_engine_is_away():
+    o = obs(health=Health(True, "ok"), weight_version="step-3")
+    phase, c = st.decide(o)
+    patch = st.status_patch(o, phase, st.merge_conditions([], c, "t"))
+    assert patch["weightVersion"] == "step-3"
+    o = obs(health=Health(False, "x", reachable=False))
+    phase, c = st.decide(o)
+    assert "weightVersion" not in st.status_patch(o, phase, st.merge_conditions([], c, "t"))

@@ -1,0 +1,148 @@
+"""One rank's side of the rank-shared engine ops (protocol/plan.EngineOp): new weights from disk,
+a weights update group with a trainer (torch.distributed: gloo on CPU, NCCL on GPUs) and the
+tensors it broadcasts, and giving memory back and taking it again. Rank 0 checks every argument before the op is broadcast, so what reaches a rank is
+runnable; each rank keeps its own ATP/EP shard of what arrives (model/weights.py).
+
+The update group is a process group of its own, over a store at the trainer's address (the
+trainer is rank 0 and hosts it; this engine's rank r is `rank_offset + r`): it never touches the
+engine's default group, so a trainer that forms it the way SGLang's clients do talks to it as is.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+
+import torch
+import torch.distributed as dist
+
+from ..model.weights import WeightMap, parse_dtype
+from ..protocol.plan import EngineOp
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class UpdateGroup:
+    def __init__(self, args: dict, rank: int, device: torch.device) -> None:
+        self.backend = args["backend"]
+        self.rank = args["rank_offset"] + rank
+        self.device = device if self.backend == "nccl" else torch.device("cpu")
+        self.store = dist.TCPStore(args["master_address"], args["master_port"], args["world_size"],
+                                   is_master=False, timeout=GROUP_TIMEOUT)
+        # The keys torch's own group helper uses (the group name, then the first device its
+        # backend serves: cpu for gloo, cuda for nccl), so a trainer that forms the group with
+        # torch's helper, as SGLang's clients do, meets this one on the same keys.
+        prefix = dist.PrefixStore(f"{args['group_name']}/", self.store)
+        size = args["world_size"]
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = GROUP_TIMEOUT
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), self.rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), self.rank, size, GROUP_TIMEOUT)
+
+    def receive(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None and self.backend == "nccl":
+            shutdown()
+        self.pg = self.store = None
+
+
+class RankWeights:
+    """The ops on one rank; `run` never raises (the error text goes back in the step report)."""
+
+    def __init__(self, worker) -> None:
+        from .worker import shard_of
+        self.w = worker
+        self.map = WeightMap(worker.model, worker.cfg, shard_of(worker.topo, worker.rank))
+        self.groups: dict[str, UpdateGroup] = {}
+        self.released: set[str] = set()
+        self._backup: dict[str, torch.Tensor] = {}
+        self._had_graphs = False
+
+    def run(self, op: EngineOp) -> str | None:
+        try:
+            getattr(self, "_" + op.kind)(**op.args)
+            return None
+        except Exception as e:   # reported by rank 0 to the HTTP client
+            return f"rank {self.w.rank}: {type(e).__name__}: {e}"
+
+    # ---- weights ------------------------------------------------------------------------
+    def _load_disk(self, path: str) -> None:
+        self.map.load_dir(path)
+        self._synchronize()
+
+    def _group_init(self, **args) -> None:
+        name = args["group_name"]
+        if name in self.groups:
+            raise ValueError(f"weights update group {name!r} already exists")
+        self.groups[name] = UpdateGroup(args, self.w.rank, self.w.device)
+
+    def _group_update(self, names, dtypes, shapes, group_name) -> None:
+        g = self.groups[group_name]
+        params = self.map.params()
+        # every rank receives every tensor (a broadcast needs every member) and keeps its shard
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            self.map.write(name, g.receive(shape, parse_dtype(dtype)), params)
+        self._synchronize()
+
+    def _group_destroy(self, group_name, missing_ok: bool = False) -> None:
+        g = self.groups.pop(group_name, None)
+        if g is None and not missing_ok:
+            raise ValueError(f"no weights update group {group_name!r} on this rank")
+        if g is not None:
+            g.close()
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _release(self, tags) -> None:
+        w = self.w
+        if w.graphs is not None:   # graphs hold the weights' and the KV cache's addresses
+            self._had_graphs = True
+            w.graphs = None
+        if "weights" in tags and "weights" not in self.released:
+            pin = w.cuda
+            for name, p in w.model.named_parameters():
+                # the copy outlives the release so outputs after resume equal those before
+                self._backup[name] = p.data.to("cpu").pin_memory() if pin else p.data
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            kv = w.kv
+            kv.k = [torch.empty(0, dtype=t.dtype, device=t.device) for t in kv.k]
+            kv.v = [torch.empty(0, dtype=t.dtype, device=t.device) for t in kv.v]
+        self.released |= set(tags)
+        gc.collect()
+        if w.cuda:
+            torch.cuda.synchronize(w.device)
+            torch.cuda.empty_cache()
+
+    def _resume(self, tags) -> None:
+        w = self.w
+        if "weights" in tags and "weights" in self.released:
+            for name, p in w.model.named_parameters():
+                p.data = self._backup.pop(name).to(w.device)
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            kv, slots = w.kv, (w.num_blocks + 1) * w.config.block_size
+            shape = lambda: (slots, w.model.model.layers[0].self_attn.kv_heads, w.cfg.head_dim)
+            kv.k = [torch.zeros(shape(), dtype=w.dtype, device=w.device) for _ in kv.k]
+            kv.v = [torch.zeros(shape(), dtype=w.dtype, device=w.device) for _ in kv.v]
+        self.released -= set(tags)
+        if self._had_graphs and not self.released:
+            w.recapture()   # on several ranks every rank does it in this same op
+            self._had_graphs = False
+
+    def memory(self) -> dict:
+        """Bytes this rank's weights and KV cache hold on its device now."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        return {"weights": size(p.data for p in self.w.model.parameters()),
+                "kv_cache": size(self.w.kv.k) + size(self.w.kv.v)}
+
+    def _synchronize(self) -> None:
+        if self.w.cuda:
+            torch.cuda.synchronize(self.w.device)

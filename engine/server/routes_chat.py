@@ -1,0 +1,174 @@
+"""OpenAI `/v1/chat/completions` (streaming too) for a model directory whose tokenizer has a chat
+template: the messages (and `tools`, as the template renders them) become the prompt exactly as
+transformers' `apply_chat_template(..., add_generation_prompt=True)` makes it, then generation runs
+as any other request. The answer is the assistant's text; tool calls stay in that text (no tool
+parser), which agent loops that parse their own format read as is."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from aiohttp import web
+from pydantic import ConfigDict, StrictBool, StrictInt, model_validator
+
+from .app import Server, json_response, read_json, server_of
+from .bridge import Tracked
+from .protocol import BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, version_meta
+from .routes_native import sse, wait_finished
+
+
+class ChatRequest(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    messages: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[StrictInt] = None
+    min_tokens: Optional[StrictInt] = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: StrictBool = False
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    rollout_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _neutral("n", self.n, (1,))
+        _neutral("top_logprobs", self.top_logprobs, (None, 0))
+        _neutral("response_format", self.response_format, (None,))
+        if not self.messages:
+            raise ValueError("messages is empty")
+        for i, m in enumerate(self.messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] needs a string role")
+        return self
+
+    def sampling_params(self) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 128}
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("min_tokens", "min_new_tokens"), ("seed", "seed"), ("stop", "stop"),
+                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
+            v = getattr(self, src)
+            if v is not None:
+                sp[dst] = v
+        if self.stop_token_ids:
+            sp["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            sp["ignore_eos"] = True
+        return sp
+
+
+def _flatten(messages: list[dict]) -> list[dict]:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) as the plain text templates expect."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            if any(p.get("type") != "text" for p in c):
+                raise BadRequest("only text content parts are supported (this engine has no vision input)")
+            m = {**m, "content": "".join(p.get("text", "") for p in c)}
+        out.append(m)
+    return out
+
+
+def prompt_ids(server: Server, req: ChatRequest) -> list[int]:
+    tok = server.tokenizer
+    if tok is None or tok.chat is None:
+        raise BadRequest("/v1/chat/completions needs a tokenizer with a chat template (tokenizer.json and "
+                         "chat_template.jinja or tokenizer_config.json's chat_template in the model directory)")
+    try:
+        text = tok.chat.render(_flatten(req.messages), req.tools, **(req.chat_template_kwargs or {}))
+    except BadRequest:
+        raise
+    except Exception as e:   # the template's own checks (raise_exception) and Jinja errors
+        raise BadRequest(f"chat template failed: {type(e).__name__}: {e}") from None
+    ids = tok.encode(text)
+    if not ids:
+        raise BadRequest("the chat template rendered an empty prompt")
+    return ids
+
+
+def _finish(t: Tracked) -> Optional[str]:
+    return t.finish_reason["type"] if t.finished and t.finish_reason else None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    server = server_of(request)
+    req = await read_json(request, ChatRequest)
+    if req.model is not None and req.model not in (server.settings.model_name, server.settings.model):
+        raise BadRequest(f"model {req.model!r} is not served here (serving {server.settings.model_name!r})", 404)
+    item = GenerateItem(input_ids=prompt_ids(server, req), sampling_params=req.sampling_params(), rid=None,
+                        return_logprob=req.logprobs)
+    tracked, queue = await server.submit([item], rollout_id=req.rollout_id or request.headers.get("X-Rollout-Id"))
+    t = tracked[0]
+    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.settings.model_name}
+    try:
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await _stream(request, server, t, queue, head, usage)
+        await wait_finished(tracked, queue)
+        text = server.tokenizer.decode(t.output_ids)
+        lps = {"content": [{"token": server.tokenizer.decode([i]), "logprob": lp}
+                           for i, lp in zip(t.output_ids, t.logprobs)]} if req.logprobs else None
+        return json_response({**head, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+            "finish_reason": _finish(t), "matched_stop": (t.finish_reason or {}).get("matched")}],
+            "usage": _usage(t), "metadata": version_meta(t.version_spans, server.weight_version, len(t.output_ids))})
+    finally:
+        server.release(tracked, queue)
+
+
+def _usage(t: Tracked) -> dict:
+    return {"prompt_tokens": t.prompt_tokens, "completion_tokens": len(t.output_ids),
+            "total_tokens": t.prompt_tokens + len(t.output_ids)}
+
+
+async def _stream(request, server: Server, t: Tracked, queue: asyncio.Queue, head: dict,
+                  include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    chunk = lambda delta, finish=None: sse({**head, "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+    sent = ""
+    try:
+        await resp.write(chunk({"role": "assistant", "content": ""}))
+        while True:
+            await queue.get()
+            while not queue.empty():
+                queue.get_nowait()
+            text = server.tokenizer.decode(t.output_ids)   # whole text: a split multi-byte char heals
+            if len(text) > len(sent) or t.finished:
+                await resp.write(chunk({"content": text[len(sent):]} if len(text) > len(sent) else {},
+                                       _finish(t)))
+                sent = text
+            if t.finished:
+                break
+        if include_usage:
+            await resp.write(sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(t)}))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)

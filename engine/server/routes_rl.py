@@ -1,0 +1,122 @@
+"""The RL loop's endpoints, SGLang 0.5.23's bodies and answers: new weights (from disk, from a
+trainer's weights update group), the weight version, and giving memory back between rollouts.
+
+Weight changes run through `Server.exclusive` (in-flight requests finish under the old weights
+first, unless generation is paused) and then as a rank-shared op of the engine (runtime/
+engine_ops.py): every rank changes at the same plan boundary. A refused op (bad arguments, wrong
+state) answers 400 `{"success": false, "message": ...}` and changes nothing."""
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from ..runtime.engine_ops import OpError, OpFailed
+from .app import json_response, read_json, server_of
+from .protocol import (BadRequest, DestroyGroupRequest, InitGroupRequest, MemoryRequest, UpdateFromDiskRequest,
+                       UpdateFromDistributedRequest, UpdateWeightVersionRequest)
+
+log = logging.getLogger("pdrollout.server")
+
+
+async def _op(request: web.Request, fn, *, abort_all: bool = False, **extra) -> web.Response:
+    server = server_of(request)
+    try:
+        message = await server.exclusive(fn, abort_all=abort_all)
+    except (OpError, OpFailed) as e:
+        log.warning("%s refused: %s", request.path, e)
+        return json_response({"success": False, "message": str(e), **extra}, 400)
+    server.weight_version = await server.bridge.call(lambda e: e.weight_version)
+    log.info("%s: %s (weight version %s)", request.path, message, server.weight_version)
+    return json_response({"success": True, "message": message, **extra})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    req = await read_json(request, UpdateFromDiskRequest)
+    return await _op(request, lambda e: e.update_weights_from_disk(req.model_path, req.weight_version,
+                                                                   req.flush_cache),
+                     abort_all=req.abort_all_requests, num_paused_requests=0)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    req = await read_json(request, InitGroupRequest)
+    # no exclusive wait: forming a group changes no weight (the trainer waits for it to form)
+    server = server_of(request)
+    try:
+        message = await server.bridge.call(lambda e: e.init_weights_update_group(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend))
+    except (OpError, OpFailed) as e:
+        return json_response({"success": False, "message": str(e)}, 400)
+    return json_response({"success": True, "message": message})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    req = await read_json(request, UpdateFromDistributedRequest)
+    return await _op(request, lambda e: e.update_weights_from_distributed(
+        req.names, req.dtypes, req.shapes, req.group_name, req.weight_version, req.flush_cache),
+        abort_all=req.abort_all_requests)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    req = await read_json(request, DestroyGroupRequest, allow_empty=True)
+    server = server_of(request)
+    try:
+        message = await server.bridge.call(lambda e: e.destroy_weights_update_group(req.group_name))
+    except (OpError, OpFailed) as e:
+        return json_response({"success": False, "message": str(e)}, 400)
+    return json_response({"success": True, "message": message})
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    req = await read_json(request, UpdateWeightVersionRequest)
+
+    def apply(e):
+        e.set_weight_version(req.new_version)
+        return f"Weight version updated to {req.new_version}"
+    resp = await _op(request, apply, abort_all=req.abort_all_requests)
+    if resp.status == 200:
+        return json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
+                              "new_version": req.new_version})
+    return resp
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    server = server_of(request)
+    version = await server.bridge.call(lambda e: e.weight_version)
+    return json_response({"weight_version": version})
+
+
+async def _memory(request: web.Request, release: bool) -> web.Response:
+    req = await read_json(request, MemoryRequest, allow_empty=True)
+    server = server_of(request)
+
+    def apply(e):
+        (e.release_memory if release else e.resume_memory)(req.tags)
+    try:
+        async with server.update_lock:
+            await server.bridge.call(apply)
+    except (OpError, OpFailed) as e:
+        raise BadRequest(str(e)) from None
+    return json_response(None)   # SGLang answers 200 with no content (null)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory(request, release=True)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    return await _memory(request, release=False)
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_get("/get_weight_version", get_weight_version)
+    for path, fn in (("/release_memory_occupation", release_memory_occupation),
+                     ("/resume_memory_occupation", resume_memory_occupation)):
+        r.add_post(path, fn)
+        r.add_get(path, fn)
