@@ -141,13 +141,18 @@ build_app() {
   "${pip[@]}" --no-deps --target "$s/opt/pdrollout/lib" "$t"
   rm -rf "$t" "$s/opt/pdrollout/lib/bin"  # pip's scripts name the build machine's interpreter
   mkdir -p "$s/usr/local/bin"
-  printf '#!/usr/bin/python3\nimport sys\nfrom pdrollout.engine.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
-    >"$s/usr/local/bin/pdrollout"
-  printf '#!/usr/bin/python3\nimport sys\nfrom pdrollout.operator.__main__ import main\nsys.exit(main())\n' \
-    >"$s/usr/local/bin/pdrollout-operator"
+  # The guard matters: the engine's rank processes start by multiprocessing's spawn, which imports
+  # this script again as __mp_main__; without it every rank ran `main()` (a second server) anew.
+  local cmd mod
+  for cmd in pdrollout=pdrollout.engine.cli pdrollout-operator=pdrollout.operator.__main__; do
+    mod="${cmd#*=}"
+    printf '#!/usr/bin/python3\nimport sys\nfrom %s import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
+      "$mod" >"$s/usr/local/bin/${cmd%%=*}"
+  done
   chmod 755 "$s/usr/local/bin/"*
 }
-app="$(layer app "$src_key" build_app)"
+# Keyed by the recipe too (declare -f): a change to how the layer is made rebuilds it.
+app="$(layer app "$( (echo "$src_key"; declare -f build_app) | hash)" build_app)"
 
 build_model() { "$PDROLLOUT_VENV/bin/pdrollout" checkpoint --config tiny --out "$1/models/tiny" --seed 0 >/dev/null; }
 model="$(layer model "$src_key" build_model)"

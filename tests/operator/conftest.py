@@ -146,6 +146,14 @@ def wait():
     return wait_for
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (item.rep_call), so a fixture can tell a failed test."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
 RELEASE, SYSTEM_NS = "pdr", "pdrollout-system"
 OPERATOR_SA = "pdr-pdrollout-operator"
 

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from real_cluster import REAL_RELEASE, REAL_SYSTEM_NS, RealCluster, helm_install_operator
+import yaml
+from real_cluster import REAL_RELEASE, REAL_SYSTEM_NS, RealCluster
+
+from pdrollout.operator.builders import LABEL_ROLLOUT, POD_INDEX_LABEL, api_service_name
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_nodes]
 
 ENGINE_PORT = 30000
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ready(pod: dict) -> bool:
@@ -173,130 +179,258 @@ def test_engine_pod_serves_on_cpu(real_cluster, real_namespace):
     assert f"pdrollout serve: ready on http://0.0.0.0:{ENGINE_PORT}" in logs, logs[-2000:]
 
 
-def test_operator_pod_template_runs_on_a_real_kubelet(real_cluster, real_namespace):
-    """The objects the operator's builders make for a one-pod rollout, applied as they are except for the
-    two GPU-only bits (until the CR has `device: cpu`): the engine starts from the command, args, env and
-    volumes of the template, reads its config from the mounted ConfigMap, turns Ready through the
-    template's readiness probe, and resolves rank 0's stable name to itself."""
-    from pdrollout.operator import builders
-    from pdrollout.operator.models import PDRolloutSpec
+# --- a PDRollout on the real nodes: issue 17's items 2-5, in one sequence (each builds on the last) ---
 
+CPU_EXAMPLE = ROOT / "examples" / "pdrollout-cpu.yaml"
+DIAGNOSTIC = ["--cross-isolation", "--slots", "1", "--watchdog-bound", "2"]   # the engine's stall diagnostic
+
+
+def _cpu_rollout(c: RealCluster) -> dict:
+    """examples/pdrollout-cpu.yaml with the engine image built here and requests that fit: the two
+    nodes share this machine's cores, and the operator's template makes limits = requests."""
+    doc = yaml.safe_load(CPU_EXAMPLE.read_text())
+    doc["spec"]["image"] = c.info["ENGINE_IMAGE"]
+    doc["spec"]["resources"] = {"cpu": "1", "memory": "3Gi", "sharedMemory": "256Mi"}
+    return doc
+
+
+def _live_pods(c: RealCluster, ns: str, name: str) -> dict[str, dict]:
+    pods = c.get("pods", "-n", ns, "-l", f"{LABEL_ROLLOUT}={name}")["items"]
+    return {p["metadata"]["name"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
+
+
+def _status(c: RealCluster, ns: str, name: str) -> dict:
+    return c.get("pdrollout", name, "-n", ns).get("status", {})
+
+
+def _cond(st: dict, type_: str) -> dict:
+    return next((x for x in st.get("conditions", []) if x["type"] == type_), {})
+
+
+def _events(c: RealCluster, ns: str, uid: str, reason: str) -> list[dict]:
+    return c.get("events", "-n", ns, "--field-selector", f"involvedObject.uid={uid},reason={reason}")["items"]
+
+
+def _count(events: list[dict]) -> int:
+    return sum(e.get("count") or 1 for e in events)
+
+
+def _bench_trace(path) -> None:
+    """A handful of requests: 3 sessions x 2 turns (the second turn carries the first's context)."""
+    path.write_text("".join(json.dumps({"session_id": f"s{s}", "turn": t, "input_length": 12 + 5 * s,
+                                        "output_length": 6, "delay_ms": 0}) + "\n"
+                            for s in range(3) for t in range(2)))
+
+
+@pytest.fixture
+def explain_failure(real_cluster, real_namespace, request):
+    """On a failure, the namespace's events, pods and the operator's log (the namespace goes afterwards)."""
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or rep.passed:
+        return
     c, ns = real_cluster, real_namespace
-    spec = PDRolloutSpec.model_validate({
-        "image": c.info["ENGINE_IMAGE"], "model": {"path": c.info["ENGINE_MODEL"], "dtype": "float32"},
-        "topology": {"nodes": 1, "gpusPerNode": 1, "expertParallel": 1, "attentionDataParallel": 1},
-        "multiplexing": {"ordering": "global-enqueue", "span": 2},
-        "resources": {"cpu": "500m", "memory": "3Gi", "sharedMemory": "256Mi", "rdmaPerNode": 0}})
-    objs = builders.desired_objects("tpl", ns, spec)
-    sts = objs[-1]
-    assert sts["kind"] == "StatefulSet"
-    (ctr,) = sts["spec"]["template"]["spec"]["containers"]
-    for part in ("requests", "limits"):
-        ctr["resources"][part].pop("nvidia.com/gpu")
-    ctr["args"][ctr["args"].index("--device") + 1] = "cpu"
-    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
-    c.kubectl("rollout", "status", "statefulset/tpl", "-n", ns, "--timeout=240s", timeout=260)
-
-    pod = c.get("pod", "tpl-0", "-n", ns)
-    ip = pod["status"]["podIP"]
-    env = dict(line.split("=", 1) for line in c.kubectl("exec", "-n", ns, "tpl-0", "--", "printenv").stdout.split())
-    assert env["POD_IP"] == ip and env["POD_NAME"] == "tpl-0" and env["PDROLLOUT_NODE_RANK"] == "0", env
-    code, body = c.http(f"http://{ip}:{spec.port}/control")
-    assert code == 200, (code, body)
-    control = json.loads(body)
-    assert control["ordering"] == "global-enqueue" and control["span"] == 2, control
-    shm = c.kubectl("exec", "-n", ns, "tpl-0", "--", "python3", "-c",
-                    "import os, socket; s = os.statvfs('/dev/shm'); "
-                    f"print(s.f_blocks * s.f_frsize >> 20, socket.gethostbyname('{env['PDROLLOUT_MASTER_ADDR']}'))")
-    assert shm.stdout.split() == ["256", ip], shm.stdout
+    out = [c.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-6000:],
+           c.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout,
+           c.kubectl("logs", "-n", REAL_SYSTEM_NS, "-l", "app.kubernetes.io/name=pdrollout-operator",
+                     "--tail", "60", check=False).stdout]
+    print("\n[real-nodes] on failure:\n" + "\n".join(out), file=sys.stderr)
 
 
-PEER_SCRIPT = """
-import os, socket, sys, time
-me, ns = os.environ["HOSTNAME"], os.environ["NS"]
-srv = socket.create_server(("0.0.0.0", 29500))
-if me.endswith("-1"):
-    peer = f"grp-0.grp.{ns}.svc.cluster.local"
-    for _ in range(240):
-        try:
-            conn = socket.create_connection((peer, 29500), timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
-    conn.sendall(b"hello")
-    print("connected", socket.gethostbyname(peer), conn.recv(16).decode(), flush=True)
-else:
-    conn, addr = srv.accept()
-    conn.sendall(b"ack:" + conn.recv(16))
-    print("accepted", addr[0], flush=True)
-time.sleep(3600)
-"""
-
-
-def _group(c: RealCluster, ns: str, command: list[str]) -> str:
-    """What the operator creates per rollout, made directly: a ConfigMap, a headless Service that
-    publishes not-ready pods, and a 2-pod StatefulSet placed one per node by anti-affinity."""
-    sts = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": {"name": "grp", "namespace": ns},
-        "spec": {"replicas": 2, "serviceName": "grp", "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": {"app": "grp"}},
-                 "template": {"metadata": {"labels": {"app": "grp"}}, "spec": {
-                     "containers": [{"name": "c", "image": c.info["ENGINE_IMAGE"], "imagePullPolicy": "Never",
-                                     "command": command, "env": [{"name": "NS", "value": ns}]}],
-                     "terminationGracePeriodSeconds": 1,
-                     "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-                         "labelSelector": {"matchLabels": {"app": "grp"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}}}}}}
-    objs = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "grp", "namespace": ns},
-             "data": {"k": "v"}},
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "grp", "namespace": ns},
-             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "grp"},
-                      "ports": [{"name": "dist", "port": 29500}]}}, sts]
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})
-
-
-def test_group_pods_reach_each_other_by_stable_name(real_cluster, real_namespace, wait):
-    """The path a multi-node engine's rendezvous takes: pod 1 resolves pod 0's stable name
-    (<sts>-0.<headless svc>.<ns>.svc.cluster.local, CoreDNS) and connects to it across nodes."""
+def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, explain_failure, tmp_path, wait):
+    """A `device: cpu` PDRollout of 2 nodes x 2 ranks on two real kubelets, under the chart's operator pod:
+    (2) a pod is not Ready while its group cannot form, both turn Ready through the engine's /health once
+    it joined, Running, and a replay through the client Service puts makespan, TTFT and D wait in status;
+    (3) a control patch reaches node 0's /control without restarting a pod; (4) deleting node 1's pod
+    recreates the whole group once, and an engine that really stalls (exit 3) sets Stalled;
+    (5) deleting the PDRollout and uninstalling the chart leave nothing behind. Runs last: it uninstalls
+    the chart."""
     c, ns = real_cluster, real_namespace
-    c.kubectl("apply", "-f", "-", input=_group(c, ns, ["python3", "-c", PEER_SCRIPT]))
-    c.kubectl("rollout", "status", "statefulset/grp", "-n", ns, "--timeout=180s", timeout=200)
-    pods = {p["metadata"]["name"]: p for p in c.get("pods", "-n", ns)["items"]}
-    assert {pods["grp-0"]["spec"]["nodeName"], pods["grp-1"]["spec"]["nodeName"]} == {"node-0", "node-1"}
-    ip0, ip1 = pods["grp-0"]["status"]["podIP"], pods["grp-1"]["status"]["podIP"]
-    log1 = wait("grp-1 to reach grp-0", lambda: "connected" in (o := c.kubectl(
-        "logs", "-n", ns, "grp-1", check=False).stdout) and o, timeout=120)
-    assert log1.split() == ["connected", ip0, "ack:hello"], log1
-    assert c.kubectl("logs", "-n", ns, "grp-0").stdout.split() == ["accepted", ip1]
+    doc = _cpu_rollout(c)
+    name, port = doc["metadata"]["name"], doc["spec"]["port"]
+    mux = doc["spec"]["multiplexing"]
+    t0 = time.monotonic()
+    times = {}
 
+    def lap(what: str) -> None:
+        nonlocal t0
+        times[what] = round(time.monotonic() - t0, 1)
+        t0 = time.monotonic()
 
-def test_deletions_leave_nothing(real_cluster, real_namespace):
-    """helm uninstall and namespace deletion: no pod, Service, ConfigMap or StatefulSet remains, and the
-    nodes' containerd runs no container of them any more. Runs last: it uninstalls the chart."""
-    c, ns = real_cluster, real_namespace
-    if not c.helm("status", REAL_RELEASE, "-n", REAL_SYSTEM_NS, check=False).returncode == 0:
-        helm_install_operator(c)
-    c.kubectl("apply", "-f", "-", input=_group(c, ns, ["python3", "-c", "import time; time.sleep(3600)"]))
-    c.kubectl("rollout", "status", "statefulset/grp", "-n", ns, "--timeout=180s", timeout=200)
-    pods = c.get("pods", "-n", ns)["items"]
-    assert sorted(p["spec"]["nodeName"] for p in pods) == ["node-0", "node-1"]  # anti-affinity, 2 nodes
-    running = _containers_on_nodes(c)
-    assert sum(1 for name in running if name == "c") == 2, running
+    def health(pod: dict) -> tuple[int, dict]:
+        code, body = c.http(f"http://{pod['status']['podIP']}:{port}/health")
+        return code, json.loads(body) if code else {}
 
-    c.helm("uninstall", REAL_RELEASE, "-n", REAL_SYSTEM_NS, "--wait", "--timeout", "120s")
-    c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", timeout=150)
+    # --- 2. node 0's pod cannot be placed (node-1 cordoned, and a pod on node-0 repels the group's pod 0 by
+    # anti-affinity): node 1's pod runs alone and stays unready, its /health saying the group is joining.
+    hold = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hold-node-0", "namespace": ns}, "spec": {
+        "nodeName": "node-0", "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "pause", "image": c.info["PAUSE_IMAGE"], "imagePullPolicy": "Never"}],
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {LABEL_ROLLOUT: name, POD_INDEX_LABEL: "0"}},
+            "topologyKey": "kubernetes.io/hostname"}]}}}}
+    c.kubectl("cordon", "node-1")
+    try:
+        c.kubectl("apply", "-f", "-", input=json.dumps(hold))
+        c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
 
-    def left() -> list[str]:
+        def node1_joining():
+            pods = _live_pods(c, ns, name)
+            p1 = pods.get(f"{name}-1")
+            if len(pods) < 2 or not (p1 and p1["status"].get("podIP")):
+                return None
+            code, body = health(p1)
+            return code == 503 and body.get("status") == "joining" and pods
+        pods = wait("node 1's engine up and joining", node1_joining, timeout=240)
+        lap("node 1 up, joining")
+        p0, p1 = pods[f"{name}-0"], pods[f"{name}-1"]
+        assert p0["status"]["phase"] == "Pending" and not p0["spec"].get("nodeName"), p0["status"]
+        assert p1["spec"]["nodeName"] == "node-0"
+        (ctr,) = p1["spec"]["containers"]
+        probe = ctr["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}, probe
+        # Two probe periods more: the kubelet keeps probing, the engine keeps saying 503.
+        time.sleep(2 * probe["periodSeconds"])
+        p1 = c.get("pod", f"{name}-1", "-n", ns)
+        assert not _ready(p1) and "running" in p1["status"]["containerStatuses"][0]["state"], p1["status"]
+        assert health(p1)[1]["status"] == "joining"
+        unready = [e["message"] for e in _events(c, ns, p1["metadata"]["uid"], "Unhealthy")]
+        assert any("Readiness probe failed: HTTP probe failed with statuscode: 503" in m for m in unready), unready
+        assert _events(c, ns, p0["metadata"]["uid"], "FailedScheduling")
+        st = _status(c, ns, name)
+        assert st["phase"] == "Starting" and st["readyNodes"] == 0, st
+    finally:
+        c.kubectl("uncordon", "node-1", check=False)
+        c.kubectl("delete", "pod", "hold-node-0", "-n", ns, "--wait=false", check=False)
+
+    # ... node 0's pod gets node-1; the group joins, and both turn Ready.
+    def group_ready():
+        pods = _live_pods(c, ns, name)
+        return len(pods) == 2 and all(_ready(p) for p in pods.values()) and pods
+    pods = wait("both pods Ready", group_ready, timeout=240, interval=1)
+    lap("group Ready after node 0's pod placed")
+    assert {n: p["spec"]["nodeName"] for n, p in pods.items()} == {f"{name}-0": "node-1", f"{name}-1": "node-0"}
+    assert pods[f"{name}-1"]["metadata"]["uid"] == p1["metadata"]["uid"]   # the same pod, not a restart
+    for p in pods.values():
+        (ctr,) = p["spec"]["containers"]
+        # Tagged (not :latest), so IfNotPresent: the kubelet finds the image in its node's store.
+        assert ctr["image"] == c.info["ENGINE_IMAGE"] and ctr["imagePullPolicy"] == "IfNotPresent"
+        assert set(ctr["resources"]["limits"]) == {"cpu", "memory"}          # device: cpu asks no GPU
+        assert p["status"]["containerStatuses"][0]["restartCount"] == 0
+    code, body = health(pods[f"{name}-1"])
+    assert code == 200 and body["status"] == "ok" and body["stepped"] == 2, body
+    assert health(pods[f"{name}-0"])[0] == 200
+    env = c.kubectl("exec", "-n", ns, f"{name}-1", "--", "printenv", "PDROLLOUT_NODE_RANK", "POD_IP").stdout.split()
+    assert env == ["1", pods[f"{name}-1"]["status"]["podIP"]], env
+    st = wait("Running", lambda: (s := _status(c, ns, name)).get("phase") == "Running" and s, timeout=60)
+    assert _cond(st, "Ready")["reason"] == "EngineHealthy" and st["readyNodes"] == 2, st
+
+    # ... a short replay through the client Service (node 0 alone), from node-0's namespace (kube-proxy).
+    svc = c.get("service", api_service_name(name), "-n", ns)
+    assert svc["spec"]["selector"] == {LABEL_ROLLOUT: name, POD_INDEX_LABEL: "0"}
+    url = f"http://{svc['spec']['clusterIP']}:{port}"
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "bench"
+    _bench_trace(trace)
+    c.run(sys.executable, "-m", "pdrollout.engine.cli", "bench", "--url", url, "--trace", str(trace),
+          "--pressure", "P1", "--out", str(out), "--no-progress", node=0, timeout=300)
+    bench = json.loads((out / "results.json").read_text())["modes"]["server"]
+    assert bench["completed"] == 6 and bench["stalls"] == 0, bench
+    st = wait("makespan in status", lambda: (s := _status(c, ns, name)).get("makespanSeconds") and s, timeout=30)
+    lap("bench and status figures")
+    # The engine's own rollout gauge, as the bench read it from node 0's /metrics: the same number.
+    assert st["makespanSeconds"] == pytest.approx(bench["server_rollout_makespan_s"], rel=1e-9)
+    assert 0 < st["makespanSeconds"] <= bench["makespan_s"]
+    assert st["ttftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0, st
+    figures = {k: st[k] for k in ("makespanSeconds", "ttftP99Seconds", "meanDecodeWaitSeconds")}
+
+    # --- 3. live controls: node 0 takes them for every rank; nothing restarts.
+    uids = {n: p["metadata"]["uid"] for n, p in pods.items()}
+    node0 = pods[f"{name}-0"]["status"]["podIP"]
+    c.kubectl("patch", "pdrollout", name, "-n", ns, "--type=merge",
+              "-p", json.dumps({"spec": {"multiplexing": {"span": 3, "ordering": "global-enqueue"}}}))
+    want = {"activation": mux["activation"], "span": 3, "prefill_budget_tokens": mux["prefillBudgetTokens"],
+            "ordering": "global-enqueue"}
+    wait("node 0's /control to change", lambda: c.http(f"http://{node0}:{port}/control")[1]
+         and json.loads(c.http(f"http://{node0}:{port}/control")[1]) == want, timeout=30)
+    st = wait("status.control", lambda: (s := _status(c, ns, name)).get("control", {}).get("span") == 3 and s,
+              timeout=30)
+    lap("control patch")
+    assert st["control"]["ordering"] == "global-enqueue" and st["phase"] == "Running"
+    assert c.http(f"http://{pods[f'{name}-1']['status']['podIP']}:{port}/control")[0] == 404   # API: node 0 only
+    now = _live_pods(c, ns, name)
+    assert {n: p["metadata"]["uid"] for n, p in now.items()} == uids
+    assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in now.values())
+
+    # --- 4. node 1's pod deleted: the operator recreates the whole group, once.
+    cr_uid = c.get("pdrollout", name, "-n", ns)["metadata"]["uid"]
+    c.kubectl("delete", "pod", f"{name}-1", "-n", ns, timeout=90)
+
+    def regrouped():
+        pods = _live_pods(c, ns, name)
+        return (len(pods) == 2 and all(p["metadata"]["uid"] not in uids.values() and _ready(p)
+                                       for p in pods.values()) and pods)
+    pods = wait("a new group, Ready", regrouped, timeout=240, interval=1)
+    st = wait("Running again", lambda: (s := _status(c, ns, name)).get("phase") == "Running" and s, timeout=60)
+    lap("group recreated, Running")
+    time.sleep(5)   # a few more operator polls: no second restart follows
+    st = _status(c, ns, name)
+    assert st["phase"] == "Running" and st["groupRestarts"] == 1, st
+    assert {n: p["metadata"]["uid"] for n, p in _live_pods(c, ns, name).items()} == \
+        {n: p["metadata"]["uid"] for n, p in pods.items()}
+    restarts = _events(c, ns, cr_uid, "GroupRestart")
+    assert _count(restarts) == 1, [e["message"] for e in restarts]
+
+    # ... an engine that stalls for real: the crossed isolation-only order on one execution slot (the
+    # engine's diagnostic flags, which the operator never passes, so they go into its StatefulSet here)
+    # deadlocks step 0 across the two nodes; the watchdog ends every rank with exit 3.
+    c.kubectl("patch", "pdrollout", name, "-n", ns, "--type=merge",
+              "-p", json.dumps({"spec": {"multiplexing": {"span": 1, "ordering": "isolation-only"}}}))
+    node0 = pods[f"{name}-0"]["status"]["podIP"]
+    wait("isolation-only on node 0", lambda: '"isolation-only"' in c.http(f"http://{node0}:{port}/control")[1],
+         timeout=30)
+    cm = c.get("configmap", f"{name}-engine", "-n", ns)
+    assert json.loads(cm["data"]["engine-config.json"])["control"]["ordering"] == "isolation-only"
+    c.kubectl("patch", "statefulset", name, "-n", ns, "--type=json", "-p", json.dumps(
+        [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in DIAGNOSTIC]))
+    exits: set[tuple[str, int]] = set()
+
+    def stalled():
+        for p in c.get("pods", "-n", ns, "-l", f"{LABEL_ROLLOUT}={name}")["items"]:  # what the kubelets reported
+            for cs in p["status"].get("containerStatuses", []):
+                for where in ("state", "lastState"):
+                    if term := (cs.get(where) or {}).get("terminated"):
+                        exits.add((p["metadata"]["name"], term["exitCode"]))
+        s = _status(c, ns, name)
+        return _cond(s, "Stalled").get("status") == "True" and s
+    st = wait("Stalled", stalled, timeout=240)
+    lap("stall exit seen, Stalled")
+    cond = _cond(st, "Stalled")
+    assert cond["reason"] == "EngineStalled" and "exited with the stall code 3" in cond["message"], cond
+    assert st["stalls"] >= 1 and st["lastStallTime"], st
+    assert any(code == 3 for _, code in exits), exits
+    assert _events(c, ns, cr_uid, "EngineStalled")
+    wait("a group restart for the stall", lambda: any("exit 3 (stall)" in e["message"]
+                                                       for e in _events(c, ns, cr_uid, "GroupRestart")), timeout=60)
+    args = c.get("statefulset", name, "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-len(DIAGNOSTIC):] == DIAGNOSTIC, args
+
+    # --- 5. deleting the PDRollout, then the chart: nothing of either remains, in the API or the runtimes.
+    c.kubectl("delete", "pdrollout", name, "-n", ns, "--timeout=120s", timeout=150)
+
+    def left(*namespaces: str) -> list[str]:
         # A namespace's own kube-root-ca.crt goes with the namespace; nothing else may remain.
-        return [f"{where}/{o}" for where in (ns, REAL_SYSTEM_NS)
+        return [f"{where}/{o}" for where in namespaces
                 for o in c.kubectl("get", "pods,services,configmaps,statefulsets", "-n", where, "-o", "name",
                                    check=False).stdout.split() if o != "configmap/kube-root-ca.crt"]
+    assert _settles(lambda: left(ns), timeout=120) == []
+    c.helm("uninstall", REAL_RELEASE, "-n", REAL_SYSTEM_NS, "--wait", "--timeout", "120s")
     # The operator's pod goes by garbage collection after its Deployment, so it may take a moment.
-    assert _settles(left, timeout=90) == []
+    assert _settles(lambda: left(ns, REAL_SYSTEM_NS), timeout=90) == []
     assert c.kubectl("get", "clusterrole", f"{REAL_RELEASE}-pdrollout-operator", check=False).returncode != 0
     # The kubelets stopped every container of those pods (the runtime's view, not the API's).
     assert _settles(lambda: _containers_on_nodes(c), timeout=60) == []
+    lap("deletions")
+    print(f"\n[real-nodes] PDRollout steps (s): {times}; status figures: {figures}", file=sys.stderr)
 
 
 def _settles(fn, timeout: float) -> list:
