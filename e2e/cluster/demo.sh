@@ -3,22 +3,28 @@
 # PDRollout of 2 pods x 2 ranks forming one engine, a short replay through its client Service, and the
 # figures the operator read back into the resource's status. The cluster keeps running afterwards.
 #   bash e2e/cluster/demo.sh DIR            # root; then: bash e2e/cluster/stop.sh DIR
+# A second run on the same DIR reuses the running cluster and replays again.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 dir="${1:?usage: demo.sh DIR}"
 t0=$SECONDS
-bash "$here/up.sh" "$dir"
+# A cluster of DIR that is already up is reused (the demo is idempotent: upgrade, apply, wait).
+if bash "$here/in.sh" "$dir" kubectl get nodes >/dev/null 2>&1; then
+  echo "[demo] reusing the cluster of $dir"
+else
+  bash "$here/up.sh" "$dir"
+fi
 dir="$(cd "$dir" && pwd)"
 source "$root/e2e/lib/env.sh"
 pdrollout_venv >/dev/null
 source "$here/versions.sh"
 source "$IMAGES_DIR/refs.env"
-in() { bash "$here/in.sh" "$dir" "$@"; }
+on_cluster() { bash "$here/in.sh" "$dir" "$@"; }
 ns=pdrollout-demo name=tiny-cpu port=30000
 
 echo "[demo] installing the chart (operator image $OPERATOR_IMAGE)"
-in helm upgrade --install pdr "$root/charts/pdrollout-operator" -n pdrollout-system --create-namespace \
+on_cluster helm upgrade --install pdr "$root/charts/pdrollout-operator" -n pdrollout-system --create-namespace \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   --set image.pullPolicy=Never --wait --timeout 300s >/dev/null
 
@@ -32,21 +38,21 @@ doc["spec"]["image"] = sys.argv[2]
 doc["spec"]["resources"] = {"cpu": "1", "memory": "3Gi", "sharedMemory": "256Mi"}
 print(yaml.safe_dump(doc))
 PY
-in kubectl create namespace "$ns" --dry-run=client -o yaml | in kubectl apply -f - >/dev/null
-in kubectl apply -n "$ns" -f "$manifest"
+on_cluster kubectl create namespace "$ns" --dry-run=client -o yaml | on_cluster kubectl apply -f - >/dev/null
+on_cluster kubectl apply -n "$ns" -f "$manifest"
 echo "[demo] waiting for the group to join (both pods Ready, phase Running)"
-in kubectl wait -n "$ns" "pdrollout/$name" --for=jsonpath='{.status.phase}'=Running --timeout=600s
-in kubectl get pods -n "$ns" -o wide
+on_cluster kubectl wait -n "$ns" "pdrollout/$name" --for=jsonpath='{.status.phase}'=Running --timeout=600s
+on_cluster kubectl get pods -n "$ns" -o wide
 
-ip="$(in kubectl get svc -n "$ns" "$name-api" -o jsonpath='{.spec.clusterIP}')"
+ip="$(on_cluster kubectl get svc -n "$ns" "$name-api" -o jsonpath='{.spec.clusterIP}')"
 out="$dir/demo-bench"
 "$PDROLLOUT_VENV/bin/pdrollout" trace --preset tiny --seed 0 --out "$dir/demo-trace.jsonl" >/dev/null
 echo "[demo] replaying the tiny trace through Service $name-api ($ip:$port), from node-0"
-in --node 0 "$PDROLLOUT_VENV/bin/pdrollout" bench --url "http://$ip:$port" --trace "$dir/demo-trace.jsonl" \
+on_cluster --node 0 "$PDROLLOUT_VENV/bin/pdrollout" bench --url "http://$ip:$port" --trace "$dir/demo-trace.jsonl" \
   --pressure P1 --out "$out" --no-progress
 # The operator polls node 0's /metrics; wait for its figures to reach the status.
-in kubectl wait -n "$ns" "pdrollout/$name" --for=jsonpath='{.status.makespanSeconds}' --timeout=120s >/dev/null
-in kubectl get pdrollout -n "$ns" "$name"
-in kubectl get pdrollout -n "$ns" "$name" -o jsonpath='{.status}' | "$PDROLLOUT_VENV/bin/python" -c \
+on_cluster kubectl wait -n "$ns" "pdrollout/$name" --for=jsonpath='{.status.makespanSeconds}' --timeout=120s >/dev/null
+on_cluster kubectl get pdrollout -n "$ns" "$name"
+on_cluster kubectl get pdrollout -n "$ns" "$name" -o jsonpath='{.status}' | "$PDROLLOUT_VENV/bin/python" -c \
   'import json, sys; s = json.load(sys.stdin); print({k: s.get(k) for k in ("phase", "readyNodes", "makespanSeconds", "ttftP99Seconds", "meanDecodeWaitSeconds")})'
 echo "[demo] done in $((SECONDS - t0)) s; results in $out; stop with: bash e2e/cluster/stop.sh $dir"
