@@ -81,7 +81,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if store is not None and code != EXIT_STALL:   # tell the group at once, with the cause
             report_lost(dist.PrefixStore("wd", store), rank, f"rank {rank} failed ({exit_name(code)}): "
-                        f"{type(e).__name__}: {e}")
+                        f"{type(e).__name__}: {e}", code)
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 
