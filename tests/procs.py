@@ -3,13 +3,18 @@ still alive, and a `pdrollout serve` started in its own session (one process gro
 test can inject a fault into one rank and then check that nothing of the tree outlived it."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import httpx
+
+CHAOS_TABLE: list[dict] = []   # rows of tests/distributed/test_chaos.py, printed in the terminal summary
 PDROLLOUT = [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())"]
 
 
@@ -84,7 +89,7 @@ class Served:
     """`pdrollout serve ARGS` in its own session, stdout and stderr in `log`; `url` once ready."""
 
     def __init__(self, args: list[str], log, env: dict | None = None, ready_timeout: float = 240.0,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, wait_ready: bool = True) -> None:
         self.log_path = log
         self.lines: list[str] = []
         self.url: str | None = None
@@ -93,7 +98,7 @@ class Served:
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(ready_timeout) or self.url is None:
+        if wait_ready and (not self._ready.wait(ready_timeout) or self.url is None):
             self.kill()
             raise RuntimeError(f"server did not become ready:\n{self.tail()}")
 
@@ -130,3 +135,170 @@ class Served:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def sid_pgid(pid: int) -> tuple[int, int] | None:
+    try:
+        return os.getsid(pid), os.getpgid(pid)
+    except OSError:
+        return None
+
+
+class Leftovers:
+    """What a test started and left running: every process seen descending from this (pytest's)
+    process while the test ran, plus anything still in a session or group one of them led (a
+    `start_new_session` tree whose leader died re-parents to init and leaves our tree). `exempt`:
+    pids that higher-scoped fixtures started; they and their trees may outlive a test."""
+
+    def __init__(self, exempt: set[int], poll_s: float = 1.0) -> None:
+        self.me, self.exempt = os.getpid(), exempt
+        self.before = set(descendants(self.me))
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="leftovers", daemon=True)
+        self._thread.start()
+
+    def _watch(self, poll_s: float) -> None:
+        while True:
+            self.seen.update(p for p in descendants(self.me) if p not in self.before)
+            if self._stop.wait(poll_s):
+                return
+
+    def _exempt(self, pid: int, kids_of: dict[int, int]) -> bool:
+        while pid > 1:
+            if pid in self.exempt or pid in self.before:
+                return True
+            pid = kids_of.get(pid, 0)
+        return False
+
+    def stop(self) -> list[int]:
+        """Live processes the test left behind (not yet waited for)."""
+        self._stop.set()
+        self._thread.join()
+        self.seen.update(p for p in descendants(self.me) if p not in self.before)
+        parent = {c: p for p, cs in children_map().items() for c in cs}
+        leaders = self.seen - self.before
+        out = []
+        for pid in all_pids():
+            if pid == self.me or not alive(pid) or self._exempt(pid, parent) or _session_helper(pid):
+                continue
+            ids = sid_pgid(pid)
+            if pid in leaders or (ids is not None and (ids[0] in leaders or ids[1] in leaders)):
+                out.append(pid)
+        return out
+
+
+def _session_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker (or forkserver): started on first use, lives with pytest."""
+    cmd = cmdline(pid)
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
+def kill_all(pids) -> None:
+    for p in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+
+
+# ---- a multi-rank server with requests in flight (tests/distributed/test_chaos.py, test_hygiene.py)
+BOUND_S = 3.0   # --watchdog-bound
+ENGINE = {"block_size": 4, "num_blocks": 512, "mixed_chunk_tokens": 16,
+          "control": {"prefill_budget_tokens": 16, "ordering": "fine-grained", "activation": "on", "span": 1}}
+
+
+def serve_args(model, *extra: str) -> list[str]:
+    return ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--mode", "pd", "--device", "cpu",
+            "--nproc", "2", "--adp", "1", "--ep", "2", "--watchdog-bound", str(BOUND_S),
+            "--drain-timeout", "5", "--engine-config", json.dumps(ENGINE), *extra]
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(i * 37 + k * 11) % 500 + 2 for k in range(n)]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} (\S+)", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+class InFlight:
+    """A long non-streaming request, a long streaming one and a feeder of short prefill-heavy ones;
+    each records how it ended. `outcomes` after `join`: kind -> (how, detail)."""
+
+    def __init__(self, url: str, timeout: float = 120.0) -> None:
+        self.url, self.timeout = url, timeout
+        self.outcomes: dict[str, tuple[str, str]] = {}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._plain, self._stream, self._feed)]
+        for t in self.threads:
+            t.start()
+
+    def _body(self, i: int, length: int, new: int, **kw) -> dict:
+        return {"input_ids": prompt(i, length), "sampling_params": {"max_new_tokens": new, "temperature": 0,
+                                                                     "ignore_eos": True}, **kw}
+
+    def _plain(self) -> None:
+        try:
+            r = httpx.post(self.url + "/generate", json=self._body(1, 30, 2000), timeout=self.timeout)
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            fr = (body.get("meta_info") or {}).get("finish_reason") or {}
+            self.outcomes["generate"] = (f"HTTP {r.status_code} finish {fr.get('type')}",
+                                         fr.get("message") or json.dumps(body)[:300])
+        except httpx.TimeoutException as e:
+            self.outcomes["generate"] = ("hung", repr(e))
+        except httpx.HTTPError as e:
+            self.outcomes["generate"] = ("connection closed", repr(e))
+
+    def _stream(self) -> None:
+        last, chunks = None, 0
+        try:
+            with httpx.stream("POST", self.url + "/generate", json=self._body(2, 30, 2000, stream=True),
+                              timeout=self.timeout) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        last, chunks = json.loads(line[6:]), chunks + 1
+            fr = ((last or {}).get("meta_info") or {}).get("finish_reason") or {}
+            self.outcomes["stream"] = (f"stream ended after {chunks} chunks, finish {fr.get('type')}",
+                                       fr.get("message") or json.dumps(last)[:300])
+        except httpx.TimeoutException as e:
+            self.outcomes["stream"] = ("hung", repr(e))
+        except httpx.HTTPError as e:
+            self.outcomes["stream"] = (f"connection closed after {chunks} chunks", repr(e))
+
+    def _feed(self) -> None:
+        i = 10
+        while not self.stop.is_set():
+            try:
+                r = httpx.post(self.url + "/generate", json=self._body(i, 40, 3), timeout=self.timeout)
+                self.outcomes["feeder"] = (f"HTTP {r.status_code}", r.text[:200])
+            except httpx.TimeoutException as e:
+                self.outcomes["feeder"] = ("hung", repr(e))
+                return
+            except httpx.HTTPError as e:
+                self.outcomes["feeder"] = ("connection closed", repr(e))
+                return
+            i += 1
+
+    def join(self, timeout: float) -> list[str]:
+        """Names of requests still open at the deadline (hung)."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [n for n, t in zip(("generate", "stream", "feeder"), self.threads) if t.is_alive()]
+
+
+def mid_round(srv: Served, flight: InFlight) -> None:
+    """Until tokens flow and the turnstile runs rounds (P epochs beside decoding rows)."""
+    deadline = time.monotonic() + 120
+    r0 = metric(srv.url, "pdrollout:turnstile_rounds_total")
+    while time.monotonic() < deadline:
+        if (metric(srv.url, "pdrollout:generation_tokens_total") >= 10
+                and metric(srv.url, "pdrollout:turnstile_rounds_total") >= r0 + 5):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no turnstile rounds with tokens flowing; outcomes {flight.outcomes}\n{srv.tail()}")
