@@ -54,9 +54,9 @@ def no_leftover_processes(request):
     """Fails a test that leaves a process it started running (after a grace of a few seconds for
     trees that are still on their way out), and kills what it left so later tests start clean.
 
-    "Started by the test": seen descending from pytest's process while the test ran, or in a
-    session or process group led by such a process (a `start_new_session` tree whose leader died
-    re-parents to init, and is found by its session id). Processes of higher-scoped fixtures
+    "Started by the test": a new descendant of pytest's process, or any process carrying the
+    test's token in its environment (set while the test runs; an orphan that init adopted keeps
+    it, procs.Leftovers). Processes of higher-scoped fixtures
     (the operator tests' control plane, module-scoped servers) are exempt with their whole trees:
     they are meant to outlive the test that first asked for them, and their own teardown ends
     them. multiprocessing's resource tracker lives with pytest itself and is exempt too."""

@@ -137,55 +137,48 @@ class Served:
             pass
 
 
-def sid_pgid(pid: int) -> tuple[int, int] | None:
+TEST_TOKEN = "PDROLLOUT_TEST_TOKEN"
+
+
+def environ_has(pid: int, entry: bytes) -> bool:
     try:
-        return os.getsid(pid), os.getpgid(pid)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
     except OSError:
-        return None
+        return False
 
 
 class Leftovers:
-    """What a test started and left running: every process seen descending from this (pytest's)
-    process while the test ran, plus anything still in a session or group one of them led (a
-    `start_new_session` tree whose leader died re-parents to init and leaves our tree). `exempt`:
-    pids that higher-scoped fixtures started; they and their trees may outlive a test."""
+    """What a test started and left running. Two marks, both read when the test ends: a process
+    descending from this (pytest's) process that was not there before the test, and any process
+    whose environment carries the test's token (`PDROLLOUT_TEST_TOKEN`, set for the test's
+    duration and inherited by everything it starts: also an orphan of a `start_new_session` tree
+    whose leader died, which init adopted). `exempt`: pids higher-scoped fixtures started; they
+    and their trees may outlive a test."""
 
-    def __init__(self, exempt: set[int], poll_s: float = 1.0) -> None:
+    def __init__(self, exempt: set[int]) -> None:
         self.me, self.exempt = os.getpid(), exempt
         self.before = set(descendants(self.me))
-        self.seen: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="leftovers", daemon=True)
-        self._thread.start()
+        self.token = f"{self.me}-{time.monotonic_ns()}"
+        os.environ[TEST_TOKEN] = self.token
 
-    def _watch(self, poll_s: float) -> None:
-        while True:
-            self.seen.update(p for p in descendants(self.me) if p not in self.before)
-            if self._stop.wait(poll_s):
-                return
-
-    def _exempt(self, pid: int, kids_of: dict[int, int]) -> bool:
+    def _exempt(self, pid: int, parent: dict[int, int]) -> bool:
         while pid > 1:
             if pid in self.exempt or pid in self.before:
                 return True
-            pid = kids_of.get(pid, 0)
+            pid = parent.get(pid, 0)
         return False
 
     def stop(self) -> list[int]:
-        """Live processes the test left behind (not yet waited for)."""
-        self._stop.set()
-        self._thread.join()
-        self.seen.update(p for p in descendants(self.me) if p not in self.before)
+        """Live processes the test left behind."""
+        if os.environ.get(TEST_TOKEN) == self.token:
+            del os.environ[TEST_TOKEN]
         parent = {c: p for p, cs in children_map().items() for c in cs}
-        leaders = self.seen - self.before
-        out = []
-        for pid in all_pids():
-            if pid == self.me or not alive(pid) or self._exempt(pid, parent) or _session_helper(pid):
-                continue
-            ids = sid_pgid(pid)
-            if pid in leaders or (ids is not None and (ids[0] in leaders or ids[1] in leaders)):
-                out.append(pid)
-        return out
+        mine = set(descendants(self.me))
+        entry = f"{TEST_TOKEN}={self.token}".encode()
+        return [pid for pid in all_pids()
+                if pid != self.me and alive(pid) and not self._exempt(pid, parent) and not _session_helper(pid)
+                and (pid in mine or environ_has(pid, entry))]
 
 
 def _session_helper(pid: int) -> bool:
