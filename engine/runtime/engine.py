@@ -182,7 +182,7 @@ class Engine(EngineOps):
         return self.worker.verdict(exc)
 
     def cause(self) -> str | None:
-        """Another rank's report of the group's failure, if it had it first."""
+        """The report of the group's failure in its store (another rank's, or a launcher's), if any."""
         return self.worker.wd.cause() if self.worker.wd is not None else None
 
     def on_exit(self, hook) -> None:

@@ -21,10 +21,12 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
-from pdrollout.engine.protocol.exits import EXIT_ERROR, EXIT_PEER_LOST, name as exit_name
-from procs import BOUND_S, CHAOS_TABLE, InFlight, Served, in_group, mid_round, rank_pids, serve_args, wait_gone
+from pdrollout.engine.protocol.exits import EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, name as exit_name
+from procs import (BOUND_S, CHAOS_TABLE, InFlight, Served, in_group, metric, mid_round, prompt, rank_pids,
+                   serve_args, wait_gone)
 
 pytestmark = pytest.mark.timeout(600)
 LOST_S = 5.0          # a silent peer is lost after max(watchdog bound / 2, 5 s)
@@ -136,3 +138,108 @@ def test_full_disk_for_a_step_log_ends_every_rank_with_error(served, tmp_path, r
         assert f"rank {rank}: step log" in said and "No space left on device" in said, said
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# ---- loss on the ranks' links ----------------------------------------------------------------
+# No sch_netem in this kernel ("Specified qdisc kind is unknown"), so no delay qdisc: loss is
+# iptables' `statistic` match dropping a random share of every packet on the loopback of a network
+# namespace of our own, where the ranks (gloo pairs and the group's store) talk. The client reaches
+# the server over a veth pair, which no rule touches.
+LOSS_WINDOW_S = 15.0
+
+
+def _sh(*cmd: str) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:   # a required fault: never skipped
+        pytest.fail(f"link-loss setup: `{' '.join(cmd)}` failed (needs root, iproute2, iptables): {r.stderr.strip()}")
+    return r.stdout
+
+
+@pytest.fixture
+def netns():
+    """A network namespace with lo up and a veth pair to it; (name, the namespace's address)."""
+    tag = f"pdrc{os.getpid() % 100000}"
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    host, inner = f"{net}.1", f"{net}.2"
+    _sh("ip", "netns", "add", tag)
+    try:
+        _sh("ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
+        _sh("ip", "link", "set", f"{tag}b", "netns", tag)
+        _sh("ip", "addr", "add", f"{host}/30", "dev", f"{tag}a")
+        _sh("ip", "link", "set", f"{tag}a", "up")
+        for cmd in (("ip", "addr", "add", f"{inner}/30", "dev", f"{tag}b"), ("ip", "link", "set", f"{tag}b", "up"),
+                    ("ip", "link", "set", "lo", "up")):
+            _sh("ip", "netns", "exec", tag, *cmd)
+        yield tag, inner
+    finally:
+        subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", tag], capture_output=True)
+
+
+class Aborted(Exception):
+    """A request answered with an abort (the group failed): its message."""
+
+
+def _greedy(url: str, i: int) -> list[int]:
+    r = httpx.post(url + "/generate", json={"input_ids": prompt(i, 24), "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    fr = r.json()["meta_info"]["finish_reason"]
+    if fr["type"] == "abort":
+        raise Aborted(fr.get("message", ""))
+    assert r.status_code == 200 and fr["type"] == "length", r.text
+    return r.json()["output_ids"]
+
+
+@pytest.mark.parametrize("loss", [0.05, 0.3])
+def test_loss_on_the_ranks_links_is_carried_or_ends_with_a_documented_code(served, netns, loss):
+    """A share of the packets between the ranks dropped for 15 s while requests run: TCP
+    retransmits, so the ranks carry on and greedy answers equal the ones before the loss; if the
+    retransmits outlast the watchdog, the group must end as a stall (3) or a lost peer (4), within
+    the bound, with nothing left behind."""
+    tag, addr = netns
+    srv = served("--host", addr, prefix=["ip", "netns", "exec", tag])
+    t_ref = time.monotonic()
+    reference = {i: _greedy(srv.url, i) for i in range(3)}
+    t_ref = (time.monotonic() - t_ref) / 3
+    tree = srv.tree()
+    rounds0 = metric(srv.url, "pdrollout:turnstile_rounds_total")
+    _sh("ip", "netns", "exec", tag, "iptables", "-A", "INPUT", "-i", "lo", "-m", "statistic", "--mode", "random",
+        "--probability", str(loss), "-j", "DROP")
+    t0 = time.monotonic()
+    answers, failure = 0, None
+    try:
+        while time.monotonic() - t0 < LOSS_WINDOW_S and srv.proc.poll() is None:
+            i = answers % 3
+            assert _greedy(srv.url, i) == reference[i], "an answer under loss differs from the one before it"
+            answers += 1
+    except (httpx.HTTPError, Aborted) as e:   # a wrong answer fails the test at once
+        failure = e
+    t_fail = time.monotonic()
+    stats = _sh("ip", "netns", "exec", tag, "iptables", "-L", "INPUT", "-v", "-x", "-n")
+    dropped = int(next(line.split()[0] for line in stats.splitlines() if "DROP" in line))
+    if srv.proc.poll() is None and failure is None:
+        rounds = metric(srv.url, "pdrollout:turnstile_rounds_total") - rounds0
+        CHAOS_TABLE.append({"fault": f"{loss:.0%} loss on the ranks' links for {LOSS_WINDOW_S:.0f}s",
+                            "expected": "carry on",
+                            "code": "running", "exit_s": "-", "tree_gone_s": "-",
+                            "client": {"generate": (f"{answers} greedy answers equal to the loss-free ones "
+                                                    f"({LOSS_WINDOW_S / max(answers, 1):.2f} s each, "
+                                                    f"{t_ref:.2f} s without loss); {rounds:.0f} rounds, "
+                                                    f"{dropped} packets dropped", "")}})
+        assert dropped > 0, f"the rule dropped nothing:\n{stats}"
+        assert answers >= 1 and rounds > 0, (answers, rounds)
+        srv.proc.send_signal(signal.SIGTERM)   # and it still stops cleanly
+        assert srv.proc.wait(30) == 0, srv.tail()
+        assert not wait_gone(tree, 5.0)
+        return
+    # the group gave up: only with a documented code, within the bound of the first failed answer
+    code = srv.proc.wait(EXIT_WITHIN_S + 10)
+    took = time.monotonic() - t_fail
+    said = f"{type(failure).__name__}: {str(failure).splitlines()[0][:160]}"
+    CHAOS_TABLE.append({"fault": f"{loss:.0%} loss on the ranks' links (first failed answer "
+                                 f"{t_fail - t0:.0f}s into it)", "expected": "3 or 4", "code": code,
+                        "exit_s": round(took, 1), "tree_gone_s": "-",
+                        "client": {"generate": (f"{answers} equal answers, then: {said}", "")}})
+    assert code in (EXIT_STALL, EXIT_PEER_LOST), f"exit {code} under loss ({failure!r})\n{srv.tail()}"
+    assert took <= EXIT_WITHIN_S, f"exit {took:.1f}s after the first failed answer, bound {EXIT_WITHIN_S}s"
+    assert not wait_gone(tree, 5.0)

@@ -13,14 +13,16 @@ import time
 import pytest
 
 from pdrollout.engine.protocol.exits import EXIT_OK
-from procs import PDROLLOUT, InFlight, Served, descendants, in_group, mid_round, rank_pids, serve_args, wait_gone
+from procs import (PDROLLOUT, InFlight, Served, descendants, in_group, mid_round, rank_pids, serve_args,
+                   wait_gone)
 
 pytestmark = pytest.mark.timeout(600)
 DRAIN_S = 5.0                     # --drain-timeout of _args: in-flight requests are aborted after it
 STOP_WITHIN_S = DRAIN_S + 15.0    # drain, the stop plan to every rank, reaping
 
 
-def _stopped(proc: subprocess.Popen, tree: list[int], t0: float, within: float, what: str, tail) -> tuple[int, float]:
+def _stopped(proc: subprocess.Popen, tree: list[int], t0: float, within: float, what: str,
+             tail) -> tuple[int, float]:
     try:
         code = proc.wait(within + 10)
     except subprocess.TimeoutExpired:
