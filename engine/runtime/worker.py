@@ -301,13 +301,17 @@ class Worker:
     def exit_now(self, err: BaseException) -> None:
         """The group failed and a thread may be stuck inside a collective: leave with the verdict,
         after the exit hooks had their say."""
+        from ..protocol.exits import EXIT_STALL, name
         code = self.verdict(err)
         if self.wd is not None:   # tell the group the cause first, so every rank exits with its code
-            from ..protocol.exits import EXIT_STALL, name
             from .watchdog import report_lost
             if code != EXIT_STALL:
                 report_lost(self.wd.store, self.rank, f"rank {self.rank} failed ({name(code)}): "
                             f"{type(err).__name__}: {err}", code)
+        # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to say it)
+        first = str(err).splitlines()[0] if str(err) else ""
+        print(f"[rank {self.rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}",
+              file=sys.stderr, flush=True)
         for hook in self.exit_hooks:
             try:
                 hook(err, code)

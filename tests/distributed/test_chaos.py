@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import time
@@ -93,6 +94,32 @@ def test_sigstop_of_a_rank_past_the_watchdog_bound_ends_the_group_with_peer_lost
     os.kill(ranks[0], signal.SIGSTOP)   # never continued: the launcher must take it down stopped
     _end(srv, flight, f"SIGSTOP of rank 1 (bound {BOUND_S:.0f}s)", EXIT_PEER_LOST, t0, tree)
     assert "no heartbeat" in srv.tail(), srv.tail()
+
+
+def test_sigkill_of_rank_0_leaves_no_rank_behind(served):
+    """The server itself (rank 0, the group's store) killed: nobody can report an exit code for
+    the group, but its rank must notice the store is gone and leave within the bound, and every
+    client sees its connection closed."""
+    srv = served()
+    flight = InFlight(srv.url)
+    mid_round(srv, flight)
+    ranks = rank_pids(srv.pid)
+    t0 = time.monotonic()
+    os.kill(srv.pid, signal.SIGKILL)
+    left = wait_gone(ranks, EXIT_WITHIN_S)
+    took = time.monotonic() - t0
+    hung = flight.join(10.0)
+    deadline = time.monotonic() + 3.0   # its own last words (nobody can wait for it), through the pipe
+    while not (said := re.search(r"\[rank 1\] exit (-?\d+)", srv.tail())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    CHAOS_TABLE.append({"fault": "SIGKILL of rank 0 (the server, the group's store)", "expected": 4,
+                        "code": f"rank 1: {said.group(1) if said else '?'}", "exit_s": round(took, 1), "tree_gone_s": round(took, 1),
+                        "client": flight.outcomes})
+    assert not left, f"rank processes outlived rank 0 by {EXIT_WITHIN_S}s: {left}\n{srv.tail()}"
+    assert not hung, f"requests still open: {hung}"
+    for kind in ("generate", "stream"):
+        assert flight.outcomes[kind][0].startswith("connection closed"), flight.outcomes
+    assert said and int(said.group(1)) == EXIT_PEER_LOST, srv.tail()
 
 
 def _mount_tmpfs(path, size: str) -> None:
