@@ -58,10 +58,11 @@ def no_leftover_processes(request):
 
     "Started by the test": a new descendant of pytest's process, or any process carrying the
     test's token in its environment (set while the test runs; an orphan that init adopted keeps
-    it, procs.Leftovers). Processes of higher-scoped fixtures
-    (module-scoped servers) are exempt with their whole trees: they are meant to outlive the test
-    that first asked for them, and their own teardown ends them. multiprocessing's resource tracker
-    lives with pytest itself and is exempt too.
+    it, procs.Leftovers). Processes of higher-scoped fixtures (module-scoped servers) are exempt
+    with their whole trees: they are meant to outlive the test that first asked for them, and
+    their own teardown ends them. multiprocessing's resource tracker lives with pytest itself and
+    is exempt too. A process started with an environment of its own (not inheriting pytest's) that
+    leaves pytest's tree is not seen.
 
     tests/operator is not checked: its session-scoped control plane daemonizes (init adopts it),
     and its tests restart session-long processes in place on purpose (the operator killed
