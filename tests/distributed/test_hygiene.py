@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pdrollout.engine.protocol.exits import EXIT_OK
+from pdrollout.engine.protocol.exits import EXIT_OK, EXIT_PEER_LOST
 from procs import (PDROLLOUT, InFlight, Served, descendants, in_group, mid_round, rank_pids, serve_args,
                    wait_gone)
 
@@ -116,3 +116,59 @@ def test_bench_takes_its_server_down_on_a_signal(tiny_model, tmp_path, sig):
         for p in in_group(proc.pid):
             os.kill(p, signal.SIGKILL)
         proc.wait(10)
+
+
+@pytest.fixture
+def two_nodes(tiny_model, tmp_path):
+    """One engine over two "nodes" on loopback (one rank each, node 0 serves the API): the CLI's
+    multi-node flags, each node its own process tree."""
+    from pod_launch import free_port
+    store, health = free_port(), free_port()
+    made: list[Served] = []
+
+    def node(k: int) -> Served:
+        args = serve_args(tiny_model, "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1",
+                          "--master-addr", "127.0.0.1", "--master-port", str(store))
+        args = _without(args, "--nproc")   # the world is nodes x local ranks here
+        if k:
+            args += ["--port", str(health)]
+        made.append(Served(args, tmp_path / f"node{k}.log", wait_ready=not k))
+        return made[-1]
+    node1 = node(1)
+    node0 = node(0)
+    yield node0, node1
+    for s in made:
+        s.kill()
+
+
+def _without(args: list[str], flag: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+def test_sigterm_to_node_0_stops_every_node(two_nodes):
+    node0, node1 = two_nodes
+    flight = InFlight(node0.url)
+    mid_round(node0, flight)
+    trees = node0.tree() + node1.tree()
+    t0 = time.monotonic()
+    os.kill(node0.pid, signal.SIGTERM)
+    code0, _ = _stopped(node0.proc, trees, t0, STOP_WITHIN_S, "node 0 on SIGTERM (two nodes)",
+                        lambda: node0.tail() + node1.tail())
+    assert code0 == EXIT_OK and node1.proc.wait(5) == EXIT_OK, node1.tail()   # the stop plan reached node 1
+    assert not flight.join(10.0), f"requests hung: {flight.outcomes}"
+
+
+def test_sigterm_to_node_1_takes_its_ranks_and_ends_the_group(two_nodes):
+    node0, node1 = two_nodes
+    flight = InFlight(node0.url)
+    mid_round(node0, flight)
+    tree1, tree0 = node1.tree(), node0.tree()
+    t0 = time.monotonic()
+    os.kill(node1.pid, signal.SIGTERM)
+    code1, _ = _stopped(node1.proc, tree1, t0, 10.0, "node 1 on SIGTERM", node1.tail)
+    assert code1 == EXIT_OK, node1.tail()
+    # node 0 lost its peer: the documented code, within the bound, nothing left behind
+    code0, _ = _stopped(node0.proc, tree0, t0, 20.0, "node 0 after node 1 stopped", node0.tail)
+    assert code0 == EXIT_PEER_LOST, node0.tail()
+    assert not flight.join(10.0), f"requests hung: {flight.outcomes}"
