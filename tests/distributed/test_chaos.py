@@ -4,9 +4,11 @@ epochs coming), then one fault per run:
 
 * SIGKILL of the worker rank mid-round               -> exit 4 (peer lost)
 * SIGSTOP of the worker rank past the watchdog bound -> exit 4 (peer lost: its heartbeat stopped)
+* SIGKILL of rank 0 (the server, the store's host)   -> the worker rank leaves by itself with 4
 * a rank's step-log disk full (a 64 KiB tmpfs we mount) -> exit 1 (error), the same on every rank
-* loss on the ranks' links (iptables in a network namespace of our own; no netem here)
-                                                     -> the ranks carry on (TCP retransmits)
+* 5% and 30% loss on the ranks' links (iptables in a network namespace of our own; no netem here)
+                                                     -> the ranks carry on (TCP retransmits), or
+                                                        end as a stall (3) or lost peer (4)
 
 Each must end (or carry on) within a bound with the documented code, answer every in-flight
 request (an abort that says why, or a closed connection: never a hang) and leave no process of
