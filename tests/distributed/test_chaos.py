@@ -12,8 +12,9 @@ epochs coming), then one fault per run:
 
 Each must end (or carry on) within a bound with the documented code, answer every in-flight
 request (an abort that says why, or a closed connection: never a hang) and leave no process of
-its tree behind. The per-fault table (code, time to exit, what the client saw) is printed in pytest's terminal
-summary (tests/conftest.py), so CI's log has it; docs/DISTRIBUTED.md, "Chaos", keeps a run's.
+its tree behind. The per-fault table (code, time to exit, what the client saw) is printed in
+pytest's terminal summary (tests/conftest.py), so CI's log has it; docs/DISTRIBUTED.md, "Chaos and
+process hygiene", keeps a run's.
 """
 from __future__ import annotations
 
