@@ -4,8 +4,11 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+import procs
 
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import load_preset
@@ -30,3 +33,63 @@ def tiny_config(**overrides) -> dict:
 def tiny_model(tmp_path_factory):
     """The `tiny` preset, per-expert layout (the layout of real Hub checkpoints)."""
     return write_checkpoint(TINY, tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+# ---- no test leaves a process behind ------------------------------------------------------
+LEFTOVER_GRACE_S = 5.0
+_TESTS = Path(__file__).resolve().parent
+_FIXTURE_PIDS: set[int] = set()   # started by session/package/module/class fixtures: may outlive a test
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope == "function":
+        yield
+        return
+    before = set(procs.descendants(os.getpid()))
+    yield
+    _FIXTURE_PIDS.update(set(procs.descendants(os.getpid())) - before)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request):
+    """Fails a test that leaves a process it started running (after a grace of a few seconds for
+    trees that are still on their way out), and kills what it left so later tests start clean.
+
+    "Started by the test": a new descendant of pytest's process, or any process carrying the
+    test's token in its environment (set while the test runs; an orphan that init adopted keeps
+    it, procs.Leftovers). Processes of higher-scoped fixtures (module-scoped servers) are exempt
+    with their whole trees: they are meant to outlive the test that first asked for them, and
+    their own teardown ends them. multiprocessing's resource tracker lives with pytest itself and
+    is exempt too. A process started with an environment of its own (not inheriting pytest's) that
+    leaves pytest's tree is not seen.
+
+    tests/operator is not checked: its session-scoped control plane daemonizes (init adopts it),
+    and its tests restart session-long processes in place on purpose (the operator killed
+    mid-reconcile and started again, the API server restarted), so a process started inside such
+    a test is meant to outlive it; e2e/cluster/stop.sh and the fixtures' teardown end them."""
+    if Path(request.node.path).resolve().is_relative_to(_TESTS / "operator"):
+        yield
+        return
+    watch = procs.Leftovers(_FIXTURE_PIDS)
+    yield
+    left = procs.wait_gone(watch.stop(), LEFTOVER_GRACE_S)
+    if left:
+        what = [f"{p}: {procs.cmdline(p)[:200]}" for p in left]
+        procs.kill_all(left)
+        pytest.fail(f"the test left {len(left)} process(es) running after {LEFTOVER_GRACE_S:.0f}s:\n"
+                    + "\n".join(what), pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The chaos tests' table (fault, exit code, time to exit), so CI's log shows it."""
+    if not procs.CHAOS_TABLE:
+        return
+    tr = terminalreporter
+    tr.section("chaos: exit code and time to exit per fault")
+    tr.write_line("| fault | expected | exit code | time to exit (s) | tree gone (s) | client saw |")
+    tr.write_line("|---|---|---|---:|---:|---|")
+    for r in procs.CHAOS_TABLE:
+        client = "; ".join(f"{k}: {v[0]}" for k, v in sorted(r["client"].items()))
+        tr.write_line(f"| {r['fault']} | {r['expected']} | {r['code']} | {r['exit_s']} | {r['tree_gone_s']} "
+                      f"| {client} |")

@@ -181,6 +181,10 @@ class Engine(EngineOps):
         """The exit code for a failure of this engine (protocol/exits.py)."""
         return self.worker.verdict(exc)
 
+    def cause(self) -> str | None:
+        """The report of the group's failure in its store (another rank's, or a launcher's), if any."""
+        return self.worker.wd.cause() if self.worker.wd is not None else None
+
     def on_exit(self, hook) -> None:
         """`hook(err, code)` runs before a forced exit of this process (the group failed while a
         thread was stuck in a collective)."""

@@ -67,7 +67,10 @@ def _init_pg(rank: int, world: int, store) -> None:
 
 def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, counters) -> None:
     """A spawned rank: join the group, run the worker loop, exit with the group's verdict."""
+    import signal
     import torch.distributed as dist
+    # Ctrl-C reaches the whole process group: the launcher stops the group, the rank must not die first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .node import connect_store, join
     from .watchdog import report_lost
     code, store, box = EXIT_ERROR, None, []
@@ -81,7 +84,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if store is not None and code != EXIT_STALL:   # tell the group at once, with the cause
             report_lost(dist.PrefixStore("wd", store), rank, f"rank {rank} failed ({exit_name(code)}): "
-                        f"{type(e).__name__}: {e}")
+                        f"{type(e).__name__}: {e}", code)
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 
@@ -153,6 +156,23 @@ def start_engine(config, layout: GroupLayout, options, host: str | None = None):
         raise
     engine.ranks = group
     return engine
+
+
+def reap_children(grace_s: float = 2.0) -> None:
+    """End every rank this process spawned that is still running (SIGTERM, then SIGKILL after the
+    grace): a launcher that leaves, e.g. on SIGTERM while the group was still joining, before any
+    engine held its ranks, must not leave them behind."""
+    import multiprocessing
+    import time
+    live = multiprocessing.active_children()
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2)
 
 
 def stop_engine(engine) -> None:

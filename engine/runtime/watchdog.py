@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..protocol.exits import PeerLostError, exit_code
+from ..protocol.exits import EXIT_PEER_LOST, PeerLostError, exit_code
 
 
 class StallError(RuntimeError):
@@ -45,12 +45,13 @@ def format_frontiers(frontiers: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def report_lost(store: Any, rank: int, report: str) -> None:
+def report_lost(store: Any, rank: int, report: str, code: int = EXIT_PEER_LOST) -> None:
     """Tell every rank's watchdog that the group lost a peer (best effort: the store may be gone
-    too), unless a stall was declared first."""
+    too), unless a stall was declared first. `code`: the exit code of the failure's cause (a rank's
+    own error, e.g. a full disk, is 1); the first report wins, so every rank exits with its code."""
     try:
         if not store.check(["stall"]):
-            store.compare_set("lost", "", json.dumps({"report": report, "by": rank}))
+            store.compare_set("lost", "", json.dumps({"report": report, "by": rank, "code": code}))
     except Exception:
         pass
 
@@ -112,13 +113,26 @@ class Watchdog:
 
     def verdict(self, exc: BaseException | None = None) -> int:
         """The exit code for this rank (exits.py), the group's record first."""
-        stall, lost = self.stall is not None, self.lost is not None
+        stall, lost, cause = self.stall is not None, self.lost is not None, None
         try:
             stall = stall or self.store.check(["stall"])
-            lost = lost or self.store.check(["lost"])
+            if self.store.check(["lost"]):
+                lost, cause = True, json.loads(self.store.get("lost")).get("code")
         except Exception:
             lost = lost or self.stall is None   # node 0 (the store) is gone
+        if not stall and isinstance(cause, int) and not isinstance(getattr(exc, "exit_code", None), int):
+            return cause   # the first failure's code, on every rank: not "peer lost" for a peer's own error
         return exit_code(exc, stall=stall, lost=lost)
+
+    def cause(self) -> str | None:
+        """The group's failure report in the store (the first rank's, or a launcher's), if any."""
+        try:
+            for key in ("stall", "lost"):
+                if self.store.check([key]):
+                    return json.loads(self.store.get(key))["report"]
+        except Exception:
+            pass
+        return None
 
     # ---- the watching thread -----------------------------------------------------------
     def start(self) -> "Watchdog":

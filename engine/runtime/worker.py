@@ -30,6 +30,10 @@ from .batch import BatchBuilder
 from .sampler import make_generator, request_seed, sample
 
 
+class StepLogError(RuntimeError):
+    """The step log (--step-log) could not be written, e.g. its disk is full."""
+
+
 @dataclass
 class RankOptions:
     """Per-run knobs of a multi-rank group that are not EngineConfig fields."""
@@ -196,12 +200,16 @@ class Worker:
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
-            self._log.write(json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
-                                        "ordering": report.ordering, "rounds": report.rounds,
-                                        "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
-                                        "graph": report.graph, "wall_s": time.monotonic() - t_start,
-                                        **(self.group.log_fields(mark) if self.multi else {})}) + "\n")
-            self._log.flush()
+            line = json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
+                               "ordering": report.ordering, "rounds": report.rounds,
+                               "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
+                               "graph": report.graph, "wall_s": time.monotonic() - t_start,
+                               **(self.group.log_fields(mark) if self.multi else {})}) + "\n"
+            try:
+                self._log.write(line)
+                self._log.flush()
+            except OSError as e:   # a full disk: say which file, the group ends with "error"
+                raise StepLogError(f"rank {self.rank}: step log {self._log.name}: {e.strerror or e}") from e
         return report
 
     # ---- forwards ------------------------------------------------------------------------
@@ -293,7 +301,17 @@ class Worker:
     def exit_now(self, err: BaseException) -> None:
         """The group failed and a thread may be stuck inside a collective: leave with the verdict,
         after the exit hooks had their say."""
+        from ..protocol.exits import EXIT_STALL, name
         code = self.verdict(err)
+        if self.wd is not None:   # tell the group the cause first, so every rank exits with its code
+            from .watchdog import report_lost
+            if code != EXIT_STALL:
+                report_lost(self.wd.store, self.rank, f"rank {self.rank} failed ({name(code)}): "
+                            f"{type(err).__name__}: {err}", code)
+        # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to say it)
+        first = str(err).splitlines()[0] if str(err) else ""
+        print(f"[rank {self.rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}",
+              file=sys.stderr, flush=True)
         for hook in self.exit_hooks:
             try:
                 hook(err, code)

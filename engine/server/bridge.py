@@ -163,7 +163,7 @@ class EngineBridge:
                         check()
                     except Exception as e:
                         code = self._verdict(e)
-                        self._fail(f"engine failed ({exit_name(code)}): {type(e).__name__}: {e}", code)
+                        self._fail(f"engine failed ({exit_name(code)}): {type(e).__name__}: {e}{self._cause(e)}", code)
                         return
                 cmds = list(self._inbox)
                 self._inbox.clear()
@@ -183,7 +183,7 @@ class EngineBridge:
             except Exception as e:
                 log.error("engine step failed\n%s", traceback.format_exc())
                 code = self._verdict(e)
-                self._fail(f"engine step failed ({exit_name(code)}): {type(e).__name__}: {e}", code)
+                self._fail(f"engine step failed ({exit_name(code)}): {type(e).__name__}: {e}{self._cause(e)}", code)
                 return
             records = engine.records[:]
             engine.records.clear()
@@ -203,6 +203,11 @@ class EngineBridge:
     def _verdict(self, e: BaseException) -> int:
         verdict = getattr(self.engine, "verdict", None)
         return verdict(e) if verdict is not None else exit_code(e)
+
+    def _cause(self, e: BaseException) -> str:
+        """The group's recorded failure, when this rank only saw its effect (a closed connection)."""
+        cause = getattr(self.engine, "cause", lambda: None)()
+        return f"; cause: {cause}" if cause and cause not in str(e) else ""
 
     def _last_words(self, err: BaseException, code: int) -> None:
         """Runs on the watchdog's thread before a forced exit: fail the in-flight requests and give

@@ -97,6 +97,9 @@ def run_serve(args: argparse.Namespace) -> int:
             stop_engine(engine)
         else:                 # the group failed: no stop plan can reach it, end this node's ranks
             engine.ranks.join(0)
+    if options is not None:   # stopped while the group was still joining: its ranks go too
+        from ..runtime.launcher import reap_children
+        reap_children()
     # Interpreter teardown with torch loaded takes seconds; the server is already shut down
     # cleanly, so leave now (a SIGTERM'd pod should exit fast).
     logging.shutdown()

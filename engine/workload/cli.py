@@ -52,6 +52,11 @@ def _cmd_bench(a) -> int:
     rows = read_jsonl(a.trace) if a.trace else generate(a.preset, a.seed)
     meta = {"trace": a.trace or f"preset:{a.preset}", "model": a.model, "url": a.url,
             "device": a.device}
+    import signal
+
+    def interrupted(signum, _frame):   # unwind, so the server of the mode running is stopped too
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         run_bench(rows, a.out, modes=modes, model=a.model, url=a.url, device=a.device,
                   pressure=a.pressure, seed=a.seed, progress=not a.no_progress,
@@ -59,6 +64,10 @@ def _cmd_bench(a) -> int:
     except BenchError as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        print(f"bench interrupted ({signal.Signals(signum).name}); its server was stopped", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

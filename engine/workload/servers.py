@@ -53,11 +53,15 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
           extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0):
     """Start the server, wait for GET /health 200, yield its URL; SIGTERM and wait on exit."""
     port = free_port()
+    # the bench is the server's only client: a stop (the bench done or interrupted) need not wait long
+    drain = [] if "--drain-timeout" in extra_args else ["--drain-timeout", "2"]
     cmd = _pdrollout() + ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-                          "--mode", mode, *(["--device", device] if device else []), *extra_args]
+                          "--mode", mode, *(["--device", device] if device else []), *drain, *extra_args]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # its own session: the whole tree (ranks included) can be ended by its process group
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + startup_timeout_s
         while not _healthy(url):
@@ -70,10 +74,18 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
             time.sleep(0.25)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_tree(proc, grace_s=30.0)
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the server (it drains, stops its ranks and exits), then SIGKILL whatever is left of
+    its process group after the grace."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)   # the leader's pid is the group's id
+    proc.wait()
