@@ -57,6 +57,50 @@ def test_rbac_is_least_privilege(tools):
     assert ("", "pods", "delete") in grants and ("pdrollout.io", "pdrollouts/status", "patch") in grants
 
 
+@pytest.mark.parametrize("setting, error", [
+    ("operator.pollSeconds=abc", "at '/operator/pollSeconds': got string, want number"),
+    ("operator.pollSeconds=0", "at '/operator/pollSeconds': exclusiveMinimum"),
+    ("operator.restartBackoffSeconds=-1", "at '/operator/restartBackoffSeconds': minimum"),
+    ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of"),
+    ("operator.pollSecond=3", "additional properties 'pollSecond' not allowed"),
+    ("watchNamespaces={Team_A}", "at '/watchNamespaces/0'"),
+    ("fullnameOverride=Bad.Name", "at '/fullnameOverride'"),
+    ("monitoring.podMonitor.interval=15", "at '/monitoring/podMonitor/interval'"),
+])
+def test_schema_refuses_bad_values(tools, setting, error):
+    """values.schema.json: a bad value fails `helm template` (and so install/upgrade) with the path,
+    instead of rendering and crashing the operator at start."""
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", setting)
+    assert r.returncode != 0, f"{setting} rendered:\n{r.stdout[:500]}"
+    assert "values don't meet the specifications of the schema" in r.stderr and error in r.stderr, r.stderr
+
+
+def test_schema_accepts_the_defaults_and_documented_overrides(tools):
+    # helm --set reads 2.5 as a string (the schema says so); --set-json keeps the number.
+    docs = render(tools, "--set-json", "operator.pollSeconds=2.5", "--set", "fullnameOverride=pdo",
+                  "--set", "imagePullSecrets[0].name=regcred", "--set", "image.pullPolicy=Never")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["metadata"]["name"] == "pdo"
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "pdo" and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["PDROLLOUT_OPERATOR_POLL_S"] == "2.5"
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo"}
+
+
+def test_helm_test_hook_pod_renders(tools):
+    (pod,) = [d for d in render(tools, "--set", "watchNamespaces={team-a,team-b}")
+              if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["serviceAccountName"] == "pdr-pdrollout-operator"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == "ghcr.io/pdrollout/operator:0.1.0" and c["args"][1:] == ["team-a", "team-b"]
+    # The script is valid Python (a template typo would only show at `helm test` time otherwise).
+    compile(c["args"][0], "helm-test", "exec")
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
 def test_dashboard_configmap_is_valid_grafana_json(tools):
     cm = next(d for d in render(tools) if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
     dash = json.loads(cm["data"]["pdrollout.json"])
