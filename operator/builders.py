@@ -7,7 +7,7 @@ import json
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
-from pdrollout.operator.models import PDRolloutSpec
+from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
 DIST_PORT = 29500                  # torch.distributed rendezvous on rank 0
@@ -39,6 +39,27 @@ def api_service_name(name: str) -> str:
 
 def configmap_name(name: str) -> str:
     return f"{name}-engine"
+
+
+DNS_LABEL_MAX = 63
+# The StatefulSet controller labels each pod `controller-revision-hash: <statefulset>-<hash>`; the hash
+# is up to 10 characters and a label value at most 63, so this suffix bounds the StatefulSet's name.
+REVISION_HASH_SUFFIX = "-" + "h" * 10
+
+
+def derived_names(name: str) -> list[str]:
+    """Every name built from the rollout's that must be a DNS-1035 label (Services) or fit one (the
+    pods' hostnames, the revision-hash label)."""
+    return [service_name(name), api_service_name(name), configmap_name(name), name + REVISION_HASH_SUFFIX,
+            *(f"{name}-{i}" for i in range(MAX_NODES))]
+
+
+def max_name_length() -> int:
+    """The longest rollout name whose derived names all fit a DNS label (52)."""
+    return DNS_LABEL_MAX - max(len(n) for n in derived_names(""))
+
+
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"   # DNS-1035: a Service name must start with a letter
 
 
 def master_address(name: str, namespace: str) -> str:

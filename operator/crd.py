@@ -11,6 +11,7 @@ import sys
 
 import yaml
 
+from pdrollout.operator import builders
 from pdrollout.operator.models import GROUP, KIND, PLURAL, VERSION, PDRolloutSpec, PDRolloutStatus
 
 _KEEP = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength",
@@ -97,6 +98,7 @@ def openapi_schema() -> dict:
     return {
         "type": "object",
         "required": ["spec"],
+        "x-kubernetes-validations": name_rules(),
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
@@ -105,6 +107,20 @@ def openapi_schema() -> dict:
             "status": status,
         },
     }
+
+
+def name_rules() -> list[dict]:
+    """The rollout's name becomes Service, StatefulSet and pod host names (builders.derived_names): refuse
+    at admission a name any of them would reject, instead of accepting it and failing later."""
+    limit = builders.max_name_length()
+    return [
+        {"rule": f"self.metadata.name.matches('{builders.NAME_PATTERN}')",
+         "message": "metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+                    "with a letter, ending with a letter or digit): it names the rollout's Services"},
+        {"rule": f"size(self.metadata.name) <= {limit}",
+         "message": f"metadata.name must be at most {limit} characters: the StatefulSet's pods carry "
+                    f"'<name>-<revision hash>' in a 63-character label"},
+    ]
 
 
 PRINTER_COLUMNS = [

@@ -14,7 +14,9 @@ from pydantic import ValidationError
 
 from pdrollout.operator import builders, engine_client, group, kube
 from pdrollout.operator import status as st
-from pdrollout.operator.models import GROUP, PLURAL, VERSION, PDRolloutSpec, Phase
+from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
+
+INVALID_SPEC = ConditionType.INVALID_SPEC.value
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,27 @@ def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> 
     s = _spec(spec)
     objs = builders.desired_objects(name, namespace, s)
     kopf.adopt(objs, owner=body)
+    conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
     for i, obj in enumerate(objs):
         if i and CFG.apply_pause_s:
             time.sleep(CFG.apply_pause_s)
-        kube.apply(obj)
+        try:
+            kube.apply(obj)
+        except kube.Refused as e:
+            # Retrying cannot help; say why where users look, and wait for a spec change (an update).
+            message = f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {e.message}"
+            patch.status["conditions"] = conditions + [{
+                "type": INVALID_SPEC, "status": "True", "reason": "ObjectRefused", "message": message[:1000],
+                "lastTransitionTime": _iso(_now())}]
+            patch.status["phase"] = Phase.FAILED.value
+            patch.status["observedGeneration"] = meta.get("generation")
+            kopf.warn(body, reason=INVALID_SPEC, message=message)
+            logger.error(message)
+            return
         logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
+    if len(conditions) != len((status or {}).get("conditions") or []):
+        patch.status["conditions"] = conditions       # the spec is runnable again
+        patch.status["phase"] = Phase.STARTING.value
     if push_control(namespace, name, s, logger):
         patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     patch.status["observedGeneration"] = meta.get("generation")
@@ -177,6 +195,8 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         return
     s = _spec(spec)
     status = dict(status or {})
+    if any(c.get("type") == INVALID_SPEC and c.get("status") == "True" for c in status.get("conditions") or []):
+        return  # nothing runs until the spec changes (reconcile clears the condition)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(
         f"{p['metadata']['name']}({p['metadata']['uid'][:8]} {(p.get('status') or {}).get('phase')}"

@@ -23,11 +23,25 @@ def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
     return client.CoreV1Api(api), client.AppsV1Api(api)
 
 
+class Refused(kopf.PermanentError):
+    """The API server refused an object built from the spec (400/422): no retry helps until the spec
+    changes. `message` is the API server's own."""
+
+    def __init__(self, what: str, message: str):
+        super().__init__(f"{what}: {message}")
+        self.message = message
+
+
 def retry_semantics(e: ApiException, what: str) -> Exception:
     """Transient API trouble -> TemporaryError (kopf retries); a rejected object -> PermanentError."""
+    message = _message(e)
+    # Server-side apply reports a field it cannot decode (e.g. a bad quantity) as a 500 "failed to
+    # convert"; it is as final as a 422.
+    if e.status in (400, 422) or (e.status == 500 and message.startswith("failed to convert new object")):
+        return Refused(what, message)
     if e.status in (409, 410, 429) or e.status >= 500:
-        return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}; retrying", delay=3)
-    if e.status in (400, 403, 404, 422):
+        return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}; retrying", delay=3)
+    if e.status in (403, 404):
         return kopf.PermanentError(f"{what}: HTTP {e.status}: {_message(e)}")
     return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}", delay=10)
 

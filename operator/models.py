@@ -22,6 +22,7 @@ Dtype = Literal[get_args(EngineConfig.model_fields["dtype"].annotation)]  # the 
 RestartPolicy = Literal["RecreateGroupOnPodRestart", "None"]
 Device = Literal[DEVICES]                     # the engine's own lists
 ExpertBackend = Literal[EXPERT_BACKENDS]
+MAX_NODES = 2
 QPDepth = Literal[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
@@ -47,7 +48,7 @@ class Topology(_Model):
          "attentionDataParallel must divide the world size nodes × gpusPerNode"),
     ))
 
-    nodes: int = Field(default=1, ge=1, le=2, description="Nodes in the group (1 or 2), one pod each.")
+    nodes: int = Field(default=1, ge=1, le=MAX_NODES, description="Nodes in the group (1 or 2), one pod each.")
     gpus_per_node: int = Field(default=8, ge=1, le=8)
     expert_parallel: int = Field(default=8, ge=1, le=16, description="EP width e; ETP = world/e.")
     attention_data_parallel: int = Field(default=1, ge=1, le=16, description="ADP width d; ATP = world/d.")
@@ -115,10 +116,16 @@ class Network(_Model):
     nvshmem: Nvshmem = Field(default_factory=Nvshmem)
 
 
+# Kubernetes' quantity syntax (the API server's own message quotes it): checked at admission, since a
+# bad quantity in a built StatefulSet is only refused later, as an HTTP 500 on apply.
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
 class Resources(_Model):
-    cpu: str = Field(default="16", min_length=1)
-    memory: str = Field(default="128Gi", min_length=1)
-    shared_memory: str = Field(default="32Gi", min_length=1, description="Size of the /dev/shm tmpfs.")
+    cpu: str = Field(default="16", min_length=1, pattern=QUANTITY)
+    memory: str = Field(default="128Gi", min_length=1, pattern=QUANTITY)
+    shared_memory: str = Field(default="32Gi", min_length=1, pattern=QUANTITY,
+                               description="Size of the /dev/shm tmpfs.")
     rdma_resource: str = Field(default="rdma/ib", min_length=1)
     rdma_per_node: int = Field(default=1, ge=0, description="0: request no RDMA device.")
 
@@ -172,6 +179,7 @@ class Phase(str, enum.Enum):
     RUNNING = "Running"          # every pod ready and rank 0 healthy
     DEGRADED = "Degraded"        # pods ready but the engine unhealthy or unreachable
     RESTARTING = "Restarting"    # the whole group is being recreated (or waits out its backoff)
+    FAILED = "Failed"            # an object built from the spec was refused (InvalidSpec says why)
 
 
 class ConditionType(str, enum.Enum):
@@ -179,6 +187,7 @@ class ConditionType(str, enum.Enum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     STALLED = "Stalled"
+    INVALID_SPEC = "InvalidSpec"  # the API server refused an object built from the spec
 
 
 class Condition(_Model):

@@ -132,6 +132,63 @@ def test_invalid_resources_rejected(cluster, installed, namespace):
     assert not cluster.get("pdrollouts", "-n", namespace)["items"]
 
 
+def test_unusable_names_refused_at_admission(cluster, installed, namespace):
+    """A name the Service or the StatefulSet's pods cannot carry is refused by the CRD's CEL rule (the
+    real API server evaluates it), not accepted to sit in Starting forever."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    for bad, why in (("dotted.name", "must be a DNS-1035 label"), ("1starts-with-digit", "must be a DNS-1035 label"),
+                     ("a" * 53, "must be at most 52 characters")):
+        doc["metadata"]["name"] = bad
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+        assert r.returncode != 0 and why in r.stderr, f"{bad}: {r.stderr}"
+    assert not cluster.get("pdrollouts", "-n", namespace)["items"]
+
+
+def test_longest_allowed_name_runs(cluster, operator, namespace, wait):
+    """The limit is not too strict either: a 52-character name gets its Services and a Running pod (whose
+    controller-revision-hash label is `<name>-<hash>`, the longest derived name)."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "l" * 52
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    pod = wait("pod Running", when(lambda: cluster.kubectl("get", "pod", f"{name}-0", "-n", namespace, "-o", "json",
+                                                           check=False),
+                                   lambda r: r.returncode == 0 and json.loads(r.stdout)["status"].get("phase")
+                                   == "Running"), timeout=60)
+    labels = json.loads(pod.stdout)["metadata"]["labels"]
+    assert labels["controller-revision-hash"].startswith(name + "-")
+    cluster.get("service", f"{name}-api", "-n", namespace)
+
+
+def test_spec_the_api_server_refuses_sets_invalid_spec(cluster, operator, namespace, wait):
+    """Defence behind the CRD: a spec the CRD accepts but whose built object the API server refuses (an
+    RDMA resource name that is no resource name) ends in phase Failed with an InvalidSpec condition carrying
+    the API server's message, not in Starting; fixing the spec clears it and the rollout proceeds."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "bad-rdma"
+    doc["spec"].setdefault("resources", {})["rdmaResource"] = "not a resource"
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    pdr = wait("InvalidSpec", when(lambda: rollout(cluster, namespace, name),
+                                   lambda r: cond(r, "InvalidSpec").get("status") == "True"), timeout=60)
+    c = cond(pdr, "InvalidSpec")
+    assert c["reason"] == "ObjectRefused" and f"StatefulSet {name} refused by the API server" in c["message"]
+    assert "not a resource" in c["message"] and "Invalid value" in c["message"], c["message"]
+    assert pdr["status"]["phase"] == "Failed"
+    time.sleep(3)   # the timer (1 s here) must not overwrite it with Starting
+    pdr = rollout(cluster, namespace, name)
+    assert pdr["status"]["phase"] == "Failed" and cond(pdr, "InvalidSpec")["status"] == "True"
+    events = cluster.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
+    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events), events
+
+    cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"resources": {"rdmaResource": "rdma/ib"}}}))
+    wait("the StatefulSet after the fix",
+         lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode == 0,
+         timeout=60)
+    pdr = wait("InvalidSpec cleared", when(lambda: rollout(cluster, namespace, name),
+                                           lambda r: not cond(r, "InvalidSpec")
+                                           and r["status"].get("phase") != "Failed"), timeout=60)
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]

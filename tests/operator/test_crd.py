@@ -90,3 +90,13 @@ def test_examples_are_valid(path):
     doc = yaml.safe_load((ROOT / path).read_text())
     assert doc["apiVersion"] == "pdrollout.io/v1alpha1" and doc["kind"] == "PDRollout"
     PDRolloutSpec.model_validate(doc["spec"])
+
+
+def test_name_limit_comes_from_the_derived_names():
+    from pdrollout.operator import builders
+    limit = builders.max_name_length()
+    assert limit == 52, "63 minus the longest suffix the builders or the StatefulSet controller add"
+    assert all(len(n) <= 63 for n in builders.derived_names("a" * limit))
+    assert any(len(n) > 63 for n in builders.derived_names("a" * (limit + 1)))
+    rules = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert {"rule": f"size(self.metadata.name) <= {limit}"} .items() <= rules[1].items()
