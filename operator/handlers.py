@@ -3,6 +3,7 @@ group (pods, rank 0's /health and /metrics), enforces group restarts, converges 
 writes status. Decisions live in the pure modules; this file only wires them to the API."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -38,6 +39,45 @@ class OperatorConfig:
 
 
 CFG = OperatorConfig.from_env()
+TOKEN_KEY_FILE_ENV = "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"
+NAMESPACE_ENV = "PDROLLOUT_OPERATOR_NAMESPACE"
+MIN_KEY_BYTES = 32
+
+
+class SetupError(Exception):
+    """The operator is missing what it needs to run (said before kopf starts)."""
+
+
+@functools.cache
+def token_key() -> bytes:
+    """The key every rollout's admin token derives from (a Secret the chart keeps across upgrades)."""
+    path = os.environ.get(TOKEN_KEY_FILE_ENV)
+    if not path:
+        raise SetupError(f"${TOKEN_KEY_FILE_ENV} (or --token-key-file) is required: the key the engines' "
+                         f"admin tokens derive from")
+    try:
+        key = open(path, "rb").read().strip()
+    except OSError as e:
+        raise SetupError(f"token key file {path}: {e.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise SetupError(f"token key file {path} holds {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
+    return key
+
+
+@functools.cache
+def operator_namespace() -> str:
+    """Where the operator's pods run (the engines' NetworkPolicy admits them from there)."""
+    ns = os.environ.get(NAMESPACE_ENV)
+    if not ns:
+        try:
+            ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read().strip()
+        except OSError:
+            raise SetupError(f"${NAMESPACE_ENV} is required outside a pod: the operator's namespace") from None
+    return ns
+
+
+def rollout_token(namespace: str, name: str, uid: str) -> str:
+    return builders.admin_token(token_key(), namespace, name, uid)
 
 
 def _now() -> datetime:
@@ -95,7 +135,8 @@ def _node0(name: str, pods: list[dict]) -> dict | None:
     return next((p for p in _running(pods) if p["metadata"]["name"] == f"{name}-0"), None)
 
 
-def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: list[dict] | None = None) -> bool:
+def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logger,
+                 pods: list[dict] | None = None) -> bool:
     """Bring the engine's /control to spec.multiplexing. Node 0 takes it for every rank of every node
     (the control travels in its step plans). True when node 0 agrees."""
     want = spec.multiplexing.control().model_dump()
@@ -106,7 +147,7 @@ def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: l
     try:
         have = engine_client.get_control(url)
         if {k: have.get(k) for k in want} != want:
-            engine_client.put_control(url, want)
+            engine_client.put_control(url, want, rollout_token(namespace, name, uid))
             logger.info(f"pushed control {want} to {pod['metadata']['name']}")
         return True
     except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
@@ -119,7 +160,8 @@ def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: l
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> None:
     s = _spec(spec)
-    objs = builders.desired_objects(name, namespace, s)
+    objs = builders.desired_objects(name, namespace, s, rollout_token(namespace, name, meta["uid"]),
+                                    operator_namespace())
     kopf.adopt(objs, owner=body)
     conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
     for i, obj in enumerate(objs):
@@ -142,7 +184,7 @@ def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> 
     if len(conditions) != len((status or {}).get("conditions") or []):
         patch.status["conditions"] = conditions       # the spec is runnable again
         patch.status["phase"] = Phase.STARTING.value
-    if push_control(namespace, name, s, logger):
+    if push_control(namespace, name, meta["uid"], s, logger):
         patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     patch.status["observedGeneration"] = meta.get("generation")
     if not (status or {}).get("phase"):
@@ -222,7 +264,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
                 version = engine_client.weight_version(url)
             except engine_client.EngineError as e:
                 logger.warning(f"weight version unavailable: {e}")
-        if health.ok and push_control(namespace, name, s, logger, pods):
+        if health.ok and push_control(namespace, name, meta["uid"], s, logger, pods):
             patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,

@@ -14,13 +14,16 @@ _APPLY = "application/apply-patch+yaml"
 
 
 @functools.cache
-def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
+def _api() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.ApiClient()
-    return client.CoreV1Api(api), client.AppsV1Api(api)
+    return client.ApiClient()
+
+
+def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
+    return client.CoreV1Api(_api()), client.AppsV1Api(_api())
 
 
 class Refused(kopf.PermanentError):
@@ -58,7 +61,8 @@ def apply(obj: dict) -> None:
     core, apps = _clients()
     kind, meta = obj["kind"], obj["metadata"]
     fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-          "StatefulSet": apps.patch_namespaced_stateful_set}[kind]
+          "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
+          "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]
     try:
         fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
     except ApiException as e:

@@ -28,6 +28,7 @@ FIELD_ENV = {
     "POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
     "POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
     "PDROLLOUT_ROLLOUT_INFO": "/etc/pdrollout/rollout.json",
+    "PDROLLOUT_ADMIN_TOKEN_FILE": "/var/run/secrets/pdrollout/token",
 }
 
 
@@ -169,7 +170,53 @@ def test_cpu_pods_request_no_gpu_no_rdma_no_capabilities():
     pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout-cpu.yaml"))["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
-    assert "securityContext" not in c and "tolerations" not in pod
+    assert "tolerations" not in pod
+    # Non-root, no capabilities, no privilege escalation, no API token.
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True,
+                                      "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_cuda_pods_keep_only_ipc_lock_and_no_api_token():
+    pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout.yaml"))["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                        "capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_admin_token_secret_is_mounted_where_the_engine_reads_it():
+    import base64
+    sec = builders.admin_secret("r", "ns", "tok")
+    assert sec["metadata"]["name"] == "r-admin" and base64.b64decode(sec["data"]["token"]) == b"tok"
+    pod = builders.statefulset("r", "ns", spec_of("examples/pdrollout.yaml"))["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "admin")
+    assert vol["secret"] == {"secretName": "r-admin", "defaultMode": 0o440}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "admin"]
+    token_file = env_map(pod["containers"][0]["env"])["PDROLLOUT_ADMIN_TOKEN_FILE"]
+    assert token_file == f"{mount['mountPath']}/token" and mount["readOnly"]
+
+
+def test_admin_tokens_are_per_rollout_and_stable():
+    key = b"k" * 32
+    t = builders.admin_token(key, "ns", "r", "uid-1")
+    assert t == builders.admin_token(key, "ns", "r", "uid-1") and len(t) == 64
+    assert len({t, builders.admin_token(key, "ns", "r", "uid-2"), builders.admin_token(key, "ns2", "r", "uid-1"),
+                builders.admin_token(b"j" * 32, "ns", "r", "uid-1")}) == 4
+
+
+def test_network_policy_admits_the_group_the_operator_and_the_namespace():
+    spec = spec_of("examples/pdrollout.yaml")
+    np = builders.network_policy("r", "ns", spec, "ops")
+    assert np["spec"]["podSelector"] == {"matchLabels": {"pdrollout.io/rollout": "r"}}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    group, http = np["spec"]["ingress"]
+    assert group == {"from": [{"podSelector": {"matchLabels": {"pdrollout.io/rollout": "r"}}}]}  # every port
+    assert http["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"pdrollout.io/component": "operator"}}} in http["from"]
+    assert {"podSelector": {}} in http["from"]   # this namespace's clients
 
 
 def test_multiplexing_is_not_in_the_pod_template():
@@ -211,10 +258,11 @@ def test_client_service_selects_node_0_alone():
 def test_adopt_sets_controller_owner_reference():
     owner = {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout",
              "metadata": {"name": "r", "namespace": "ns", "uid": "1234", "labels": {}}}
-    objs = builders.desired_objects("r", "ns", spec_of("examples/pdrollout.yaml"))
+    objs = builders.desired_objects("r", "ns", spec_of("examples/pdrollout.yaml"), "tok", "ops")
     kopf.adopt(objs, owner=owner)
     for o in objs:
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout", "name": "r", "uid": "1234",
                        "controller": True, "blockOwnerDeletion": True}
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Service", "StatefulSet"]
+    assert [o["kind"] for o in objs] == ["Secret", "NetworkPolicy", "ConfigMap", "Service", "Service",
+                                         "StatefulSet"]

@@ -1,6 +1,7 @@
 """The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)
 built from source: helm install, apply, exact objects and env, status, validation, group restart,
 garbage collection. Engine-facing paths are in test_live_engine.py."""
+import base64
 import json
 import signal
 import threading
@@ -13,6 +14,7 @@ import yaml
 
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
+from chart_install import SYSTEM_NS, admin_token
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +50,7 @@ def assert_converged(cluster, ns, name):
     """The live objects are exactly what the pure builders say, owned by the PDRollout."""
     pdr = rollout(cluster, ns, name)
     spec = PDRolloutSpec.model_validate(pdr["spec"])
-    for want in builders.desired_objects(name, ns, spec):
+    for want in builders.desired_objects(name, ns, spec, admin_token(cluster, ns, name), SYSTEM_NS):
         kind, obj_name = want["kind"].lower(), want["metadata"]["name"]
         have = cluster.get(kind, obj_name, "-n", ns)
         diff = contains(have, {k: v for k, v in want.items() if k != "metadata"})
@@ -89,6 +91,21 @@ def test_helm_install_and_example(cluster, installed, operator, namespace, wait)
     assert pod["status"]["podIP"].startswith("127.1.")
     assert pod["metadata"]["labels"]["apps.kubernetes.io/pod-index"] == "0"
 
+    # Security: no API token in the engine pod; the rollout's NetworkPolicy selects exactly its pods
+    # (the API server stores it; enforcing it needs a CNI, which this cluster has none of).
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert not [v for v in pod["spec"]["volumes"] if v["name"].startswith("kube-api-access")]
+    np = cluster.get("networkpolicy", name, "-n", namespace)
+    selected = cluster.get("pods", "-n", namespace, "-l", ",".join(
+        f"{k}={v}" for k, v in np["spec"]["podSelector"]["matchLabels"].items()))["items"]
+    assert [p["metadata"]["name"] for p in selected] == [f"{name}-0"]
+    operator_from = np["spec"]["ingress"][1]["from"][0]
+    system_pods = cluster.get("pods", "-n", operator_from["namespaceSelector"]["matchLabels"][
+        "kubernetes.io/metadata.name"], "-l", "pdrollout.io/component=operator")["items"]
+    assert len(system_pods) == 1, "the policy's operator selector must match the chart's operator pod"
+    token = base64.b64decode(cluster.get("secret", f"{name}-admin", "-n", namespace)["data"]["token"]).decode()
+    assert token == admin_token(cluster, namespace, name)
+
     # No engine answers on the pod IP: the pods are ready, the group is Degraded (unreachable).
     pdr = wait("Degraded status", when(lambda: rollout(cluster, namespace, name),
                                        lambda r: r.get("status", {}).get("phase") == "Degraded"), timeout=30)
@@ -112,6 +129,7 @@ def test_operator_runs_with_least_privilege(cluster, installed):
 
     assert can("patch", "pdrollouts.pdrollout.io/status") and can("create", "statefulsets.apps")
     assert can("delete", "pods") and can("list", "pods")
+    assert can("create", "secrets") and can("patch", "networkpolicies.networking.k8s.io")
     assert not can("get", "secrets") and not can("delete", "statefulsets.apps")
     assert not can("list", "nodes") and not can("update", "configmaps") and not can("create", "pods")
 

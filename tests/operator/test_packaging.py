@@ -1,5 +1,6 @@
 """Helm chart (lint, capability-gated monitoring objects, RBAC), alert rules (promtool check + unit
 tests), Dockerfiles (hadolint). No cluster needed; helm comes from e2e/cluster/build.sh."""
+import base64
 import json
 import subprocess
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_helm_lint_clean(tools):
 def test_monitoring_objects_only_when_their_crds_exist(tools):
     kinds = [d["kind"] for d in render(tools)]
     assert "PodMonitor" not in kinds and "PrometheusRule" not in kinds
-    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ConfigMap"} <= set(kinds)
+    assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "ConfigMap", "Secret"} <= set(kinds)
     kinds = [d["kind"] for d in render(tools, *MONITORING)]
     assert "PodMonitor" in kinds and "PrometheusRule" in kinds
 
@@ -48,11 +49,49 @@ def test_namespaced_rbac_when_watching_namespaces(tools):
     assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_rbac_is_namespaced_by_default_cluster_wide_opt_in(tools):
+    docs = render(tools)
+    assert not [d for d in docs if d["kind"].startswith("Cluster")]
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert sorted(roles) == [("Role", "ops"), ("RoleBinding", "ops")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert "--namespace=ops" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    docs = render(tools, "--set", "rbac.clusterWide=true")
+    assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert not [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
+
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", "rbac.clusterWide=true",
+            "--set", "watchNamespaces={a}")
+    assert r.returncode != 0 and "leave watchNamespaces empty" in r.stderr, r.stderr
+
+
+def test_operator_gets_its_token_key_and_namespace(tools):
+    docs = render(tools)
+    (key,) = [d for d in docs if d["kind"] == "Secret"]
+    assert key["metadata"]["name"] == "pdr-pdrollout-operator-token-key"
+    assert key["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(key["data"]["key"])) == 64
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    assert pod["metadata"]["labels"]["pdrollout.io/component"] == "operator"   # the NetworkPolicies admit it
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["PDROLLOUT_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    (mount,) = c["volumeMounts"]
+    assert env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] == mount["mountPath"] + "/key"
+    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == key["metadata"]["name"]
+
+
 def test_rbac_is_least_privilege(tools):
-    role = next(d for d in render(tools) if d["kind"] == "ClusterRole")
+    role = next(d for d in render(tools) if d["kind"] == "Role")
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
-    assert ("", "secrets", "get") not in grants and not any(r == "*" or v == "*" for _, r, v in grants)
+    assert not any(r == "*" or v == "*" for _, r, v in grants)
+    # The admin-token Secrets and the NetworkPolicies are written, never read.
+    assert {v for g, r, v in grants if r == "secrets"} == {"create", "patch"}
+    assert {v for g, r, v in grants if r == "networkpolicies"} == {"create", "patch"}
     assert ("apps", "statefulsets", "delete") not in grants, "deletion is the garbage collector's job"
     assert ("", "pods", "delete") in grants and ("pdrollout.io", "pdrollouts/status", "patch") in grants
 

@@ -187,7 +187,7 @@ def test_operator_pod_template_runs_on_a_real_kubelet(real_cluster, real_namespa
         "topology": {"nodes": 1, "gpusPerNode": 1, "expertParallel": 1, "attentionDataParallel": 1},
         "multiplexing": {"ordering": "global-enqueue", "span": 2},
         "resources": {"cpu": "500m", "memory": "3Gi", "sharedMemory": "256Mi", "rdmaPerNode": 0}})
-    objs = builders.desired_objects("tpl", ns, spec)
+    objs = builders.desired_objects("tpl", ns, spec, "t" * 64, REAL_SYSTEM_NS)
     sts = objs[-1]
     assert sts["kind"] == "StatefulSet"
     (ctr,) = sts["spec"]["template"]["spec"]["containers"]

@@ -31,3 +31,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: {{ include "pdrollout.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+
+{{- /* The namespaces the operator watches, as JSON: none (all) when cluster-wide, else watchNamespaces
+or the release's own. */ -}}
+{{- define "pdrollout.watchNamespaces" -}}
+{{- if .Values.rbac.clusterWide -}}
+{{- list | toJson -}}
+{{- else -}}
+{{- .Values.watchNamespaces | default (list .Release.Namespace) | toJson -}}
+{{- end -}}
+{{- end -}}
