@@ -1,0 +1,28 @@
+"""`python -m pdrollout.operator` refuses to start without what the engines' admin tokens need, saying so
+(before kopf starts and before any rollout would fail on it)."""
+import subprocess
+import sys
+
+import pytest
+
+
+def start(tmp_path, **env):
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PDROLLOUT_OPERATOR_NAMESPACE": "ops"}
+    return subprocess.run([sys.executable, "-m", "pdrollout.operator"], capture_output=True, text=True,
+                          timeout=120, env={**base, **env})
+
+
+@pytest.mark.parametrize("key, why", [
+    (None, "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE (or --token-key-file) is required"),
+    (b"short", "holds 5 bytes; at least 32 are needed"),
+    ("missing", "No such file or directory"),
+])
+def test_operator_needs_a_token_key(tmp_path, key, why):
+    env = {}
+    if key is not None:
+        path = tmp_path / "key"
+        if isinstance(key, bytes):
+            path.write_bytes(key)
+        env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] = str(path)
+    r = start(tmp_path, **env)
+    assert r.returncode == 2 and why in r.stderr, r.stderr
