@@ -267,9 +267,38 @@ def _resources(spec: PDRolloutSpec) -> dict:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
+    """spec.podTemplate into the built pod template. Only keys the user set appear (an empty podTemplate
+    changes nothing); the operator's own env, volumes and mounts cannot be replaced (the CRD refuses
+    reserved names) and its exclusive-placement term stays."""
+    o = spec.pod_template
+    pod, ctr = tpl["spec"], tpl["spec"]["containers"][0]
+    if o.annotations:
+        tpl["metadata"]["annotations"] = dict(o.annotations)
+    if o.node_selector:
+        pod["nodeSelector"] = dict(o.node_selector)
+    if o.affinity:
+        affinity = {k: v for k, v in o.affinity.items() if k != "podAntiAffinity"}
+        anti = dict(o.affinity.get("podAntiAffinity") or {})
+        ours = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        anti["requiredDuringSchedulingIgnoredDuringExecution"] = \
+            ours + list(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        pod["affinity"] = {**affinity, "podAntiAffinity": anti}
+    if o.tolerations:
+        pod["tolerations"] = pod.get("tolerations", []) + list(o.tolerations)
+    if o.image_pull_secrets:
+        pod["imagePullSecrets"] = [r.model_dump() for r in o.image_pull_secrets]
+    if o.priority_class_name:
+        pod["priorityClassName"] = o.priority_class_name
+    ctr["env"] += [e.model_dump(by_alias=True, exclude_none=True) for e in o.env]
+    pod["volumes"] += [v.model_dump(by_alias=True, exclude_none=True) for v in o.volumes]
+    ctr["volumeMounts"] += [m.model_dump(by_alias=True, exclude_none=True) for m in o.volume_mounts]
+    return tpl
+
+
 def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     pod_security, container_security = _security(spec)
-    return {
+    return _merge_overrides({
         "metadata": {"labels": labels(name)},
         "spec": {
             # The engine never calls the Kubernetes API: no token in the pod.
@@ -306,7 +335,7 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                if spec.device == "cuda" else {}),
             "terminationGracePeriodSeconds": 30,
         },
-    }
+    }, spec)
 
 
 def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:

@@ -7,6 +7,7 @@ subset. `structural()` translates the few shapes the models use and rejects anyt
 """
 from __future__ import annotations
 
+import copy
 import sys
 
 import yaml
@@ -79,7 +80,8 @@ def structural(node: dict, defs: dict) -> dict:
 
 def _filled(node: dict) -> dict:
     """The value an omitted object takes: each child's default."""
-    return {k: v["default"] for k, v in node.get("properties", {}).items() if "default" in v}
+    # Copies: a shared object would be written as a YAML anchor/alias.
+    return {k: copy.deepcopy(v["default"]) for k, v in node.get("properties", {}).items() if "default" in v}
 
 
 def model_schema(model) -> dict:

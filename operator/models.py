@@ -3,7 +3,7 @@ operator's view of a resource. Field names are the CRD's camelCase; Python attri
 from __future__ import annotations
 
 import enum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -130,6 +130,82 @@ class Resources(_Model):
     rdma_per_node: int = Field(default=1, ge=0, description="0: request no RDMA device.")
 
 
+# What the operator itself sets in the pod; podTemplate may not set these (the operator's win).
+RESERVED_ENV = ("POD_NAME", "POD_IP")
+RESERVED_ENV_PREFIXES = ("PDROLLOUT_", "NCCL_", "NVSHMEM_")
+RESERVED_VOLUMES = ("dshm", "config", "admin")
+RESERVED_MOUNTS = ("/dev/shm", "/etc/pdrollout", "/var/run/secrets/pdrollout")
+_ENV_MSG = ("podTemplate.env may not set " + ", ".join(RESERVED_ENV) + " or "
+            + ", ".join(p + "*" for p in RESERVED_ENV_PREFIXES) + " (the operator sets them)")
+_VOL_MSG = "podTemplate.volumes may not use the names " + ", ".join(RESERVED_VOLUMES) + " (the operator's)"
+_MOUNT_MSG = "podTemplate.volumeMounts may not mount at " + ", ".join(RESERVED_MOUNTS) + " (the operator's)"
+_PASS = {"x-kubernetes-preserve-unknown-fields": True}   # a Kubernetes object, checked by the API server
+MAX_ITEMS = 64
+
+
+def _cel_list(values) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+class _Open(BaseModel):
+    """A Kubernetes object passed through into the pod: `name` checked here, the rest by the API server
+    when the StatefulSet is applied."""
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow",
+                              json_schema_extra=_PASS)
+    name: str = Field(min_length=1, max_length=253)
+
+
+class EnvVar(_Open):
+    pass
+
+
+class Volume(_Open):
+    pass
+
+
+class VolumeMount(_Model):
+    name: str = Field(min_length=1, max_length=253)
+    mount_path: str = Field(min_length=1, max_length=4096)
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=4096)
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
+class PodTemplate(_Model):
+    """Pod settings a platform needs (placement, pulls, extra env and volumes), merged into the pods the
+    operator builds; the operator's own fields win (reserved names are refused)."""
+
+    annotations: dict[str, str] = Field(default={}, description="Added to the pods' annotations.")
+    node_selector: dict[str, str] = Field(default={})
+    affinity: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS, description=(
+        "nodeAffinity/podAffinity as written; podAntiAffinity terms are added to the operator's exclusive "
+        "placement term."))
+    tolerations: list[dict[str, Any]] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra={
+        "items": {"type": "object", **_PASS}}, description="Added to the operator's (the GPU taint's).")
+    image_pull_secrets: list[LocalObjectReference] = Field(default=[], max_length=MAX_ITEMS)
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    env: list[EnvVar] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(e, !(e.name in {_cel_list(RESERVED_ENV)}) && "
+         + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")", _ENV_MSG)))
+    volumes: list[Volume] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}))", _VOL_MSG)))
+    volume_mounts: list[VolumeMount] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNTS)}))", _MOUNT_MSG)))
+
+    @model_validator(mode="after")
+    def _reserved(self) -> "PodTemplate":  # mirrors the CEL rules above
+        if any(e.name in RESERVED_ENV or e.name.startswith(RESERVED_ENV_PREFIXES) for e in self.env):
+            raise ValueError(_ENV_MSG)
+        if any(v.name in RESERVED_VOLUMES for v in self.volumes):
+            raise ValueError(_VOL_MSG)
+        if any(m.mount_path in RESERVED_MOUNTS for m in self.volume_mounts):
+            raise ValueError(_MOUNT_MSG)
+        return self
+
+
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
 _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
@@ -158,6 +234,7 @@ class PDRolloutSpec(_Model):
     resources: Resources = Field(default_factory=Resources)
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
+    pod_template: PodTemplate = Field(default_factory=PodTemplate)
 
     @model_validator(mode="after")
     def _runnable(self) -> "PDRolloutSpec":  # mirrors the CEL rules above

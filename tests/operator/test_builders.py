@@ -266,3 +266,55 @@ def test_adopt_sets_controller_owner_reference():
                        "controller": True, "blockOwnerDeletion": True}
     assert [o["kind"] for o in objs] == ["Secret", "NetworkPolicy", "ConfigMap", "Service", "Service",
                                          "StatefulSet"]
+
+
+OVERRIDES = {
+    "annotations": {"team": "rl"},
+    "nodeSelector": {"pool": "h200"},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}},
+                 "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                     {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "zone"}]}},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+    "imagePullSecrets": [{"name": "regcred"}],
+    "priorityClassName": "rollout-high",
+    "env": [{"name": "HF_HOME", "value": "/cache"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+}
+
+
+def test_pod_template_overrides_merge_with_the_operators_winning():
+    base = spec_of("examples/pdrollout.yaml")
+    plain = builders.pod_template("r", "ns", base)
+    spec = PDRolloutSpec.model_validate({**base.model_dump(by_alias=True), "podTemplate": OVERRIDES})
+    tpl = builders.pod_template("r", "ns", spec)
+    pod, c = tpl["spec"], tpl["spec"]["containers"][0]
+    assert tpl["metadata"] == {"labels": plain["metadata"]["labels"], "annotations": {"team": "rl"}}
+    assert pod["nodeSelector"] == {"pool": "h200"} and pod["priorityClassName"] == "rollout-high"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["tolerations"] == plain["spec"]["tolerations"] + OVERRIDES["tolerations"]
+    assert pod["affinity"]["nodeAffinity"] == OVERRIDES["affinity"]["nodeAffinity"]
+    ours = plain["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == \
+        ours + OVERRIDES["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert c["env"] == plain["spec"]["containers"][0]["env"] + OVERRIDES["env"]
+    assert pod["volumes"] == plain["spec"]["volumes"] + OVERRIDES["volumes"]
+    assert c["volumeMounts"] == plain["spec"]["containers"][0]["volumeMounts"] + OVERRIDES["volumeMounts"]
+    # Everything else is the operator's, unchanged.
+    for key in ("securityContext", "automountServiceAccountToken", "terminationGracePeriodSeconds"):
+        assert pod[key] == plain["spec"][key]
+    assert {k: v for k, v in c.items() if k not in ("env", "volumeMounts")} == \
+        {k: v for k, v in plain["spec"]["containers"][0].items() if k not in ("env", "volumeMounts")}
+
+
+def test_reserved_names_are_what_the_builders_use():
+    """The CRD refuses overrides of these; they must be exactly the operator's own."""
+    from pdrollout.operator import models
+    for spec in (spec_of("examples/pdrollout.yaml"), spec_of("examples/pdrollout-2node.yaml")):
+        pod = builders.pod_template("r", "ns", spec)["spec"]
+        assert {v["name"] for v in pod["volumes"]} == set(models.RESERVED_VOLUMES)
+        assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} == set(models.RESERVED_MOUNTS)
+        for e in pod["containers"][0]["env"]:
+            assert e["name"] in models.RESERVED_ENV or e["name"].startswith(models.RESERVED_ENV_PREFIXES), e

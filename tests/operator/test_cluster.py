@@ -207,6 +207,40 @@ def test_spec_the_api_server_refuses_sets_invalid_spec(cluster, operator, namesp
                                            and r["status"].get("phase") != "Failed"), timeout=60)
 
 
+def test_pod_template_overrides_reach_the_pods(cluster, operator, namespace, wait):
+    """podTemplate, validated by the real API server as part of the StatefulSet: the pod carries the extra
+    env, volume, mount, annotation, pull secret, toleration and priority class, and the scheduler obeys the
+    nodeSelector (gpu-1 of the kwok nodes)."""
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "rollout-high"},
+        "value": 1000}))
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "placed"
+    doc["spec"]["podTemplate"] = {
+        "annotations": {"team": "rl"}, "nodeSelector": {"kubernetes.io/hostname": "gpu-1"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+        "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "rollout-high",
+        "env": [{"name": "HF_HOME", "value": "/cache"}],
+        "volumes": [{"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}],
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    pod = wait("pod Running", when(lambda: cluster.kubectl("get", "pod", f"{name}-0", "-n", namespace, "-o", "json",
+                                                           check=False),
+                                   lambda r: r.returncode == 0 and json.loads(r.stdout)["status"].get("phase")
+                                   == "Running"), timeout=60)
+    pod = json.loads(pod.stdout)
+    assert pod["spec"]["nodeName"] == "gpu-1"
+    assert pod["metadata"]["annotations"]["team"] == "rl" and pod["spec"]["priority"] == 1000
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"} in \
+        pod["spec"]["tolerations"]
+    c = pod["spec"]["containers"][0]
+    assert {"name": "HF_HOME", "value": "/cache"} in c["env"]
+    assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+    assert any(v["name"] == "cache" and v["emptyDir"] == {"sizeLimit": "1Gi"} for v in pod["spec"]["volumes"])
+    assert_converged(cluster, namespace, name)
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]
