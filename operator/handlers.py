@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -25,7 +24,6 @@ class OperatorConfig:
     poll_s: float = 10.0                 # status/health/group check period per rollout
     restart_backoff_s: float = 10.0      # group restart backoff base (doubles per restart)
     restart_backoff_max_s: float = 300.0
-    apply_pause_s: float = 0.0           # fault injection for tests: a slow API server between applies
     stop_poll_s: float = 1.0             # how often kopf re-checks a timer still running when its rollout is deleted
 
     @classmethod
@@ -34,7 +32,6 @@ class OperatorConfig:
             return float(os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default))
         return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
                    restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
-                   apply_pause_s=f("APPLY_PAUSE_S", cls.apply_pause_s),
                    stop_poll_s=f("STOP_POLL_S", cls.stop_poll_s))
 
 
@@ -158,15 +155,21 @@ def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logge
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> None:
+def reconcile(spec, name, namespace, body, meta, status, patch, logger, retry, **_) -> None:
+    try:
+        _reconcile(spec, name, namespace, body, meta, status, patch, logger)
+    except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
+        delay = kube.forbidden_delay(retry)
+        raise kopf.TemporaryError(f"{e}; retry {retry + 1} in {delay:.0f} s", delay=delay) from None
+
+
+def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None:
     s = _spec(spec)
     objs = builders.desired_objects(name, namespace, s, rollout_token(namespace, name, meta["uid"]),
                                     operator_namespace())
     kopf.adopt(objs, owner=body)
     conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
-    for i, obj in enumerate(objs):
-        if i and CFG.apply_pause_s:
-            time.sleep(CFG.apply_pause_s)
+    for obj in objs:
         try:
             kube.apply(obj)
         except kube.Refused as e:

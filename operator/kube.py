@@ -35,6 +35,20 @@ class Refused(kopf.PermanentError):
         self.message = message
 
 
+class Forbidden(kopf.TemporaryError):
+    """403: the operator's RBAC lacks a grant. Often fixed from outside (a Role created late, a namespace
+    added to the chart's watch list), so it is retried, with backoff, rather than given up."""
+
+
+FORBIDDEN_BACKOFF_S = (5.0, 300.0)   # first retry, cap
+
+
+def forbidden_delay(retry: int) -> float:
+    """Seconds before retry number `retry` (kopf counts from 0): doubling from 5 s, at most 5 min."""
+    first, cap = FORBIDDEN_BACKOFF_S
+    return min(cap, first * 2 ** min(retry, 16))
+
+
 def retry_semantics(e: ApiException, what: str) -> Exception:
     """Transient API trouble -> TemporaryError (kopf retries); a rejected object -> PermanentError."""
     message = _message(e)
@@ -44,7 +58,10 @@ def retry_semantics(e: ApiException, what: str) -> Exception:
         return Refused(what, message)
     if e.status in (409, 410, 429) or e.status >= 500:
         return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}; retrying", delay=3)
-    if e.status in (403, 404):
+    if e.status == 403:
+        return Forbidden(f"{what}: HTTP 403: {message} (the operator's RBAC lacks this grant)",
+                         delay=FORBIDDEN_BACKOFF_S[0])
+    if e.status == 404:
         return kopf.PermanentError(f"{what}: HTTP {e.status}: {_message(e)}")
     return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}", delay=10)
 

@@ -105,10 +105,12 @@ class Operator:
     log: Path
     proc: subprocess.Popen | None = None
 
-    def start(self, **extra_env: str) -> "Operator":
+    def start(self, script: Path | None = None, **extra_env: str) -> "Operator":
+        """`script`: a test wrapper of the operator's entry point (e.g. tests/slow_operator.py)."""
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
         self._fh = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdrollout.operator", "--verbose"],
+        cmd = [str(script)] if script else ["-m", "pdrollout.operator"]
+        self.proc = subprocess.Popen([sys.executable, *cmd, "--verbose"],
                                      env={**self.env, **extra_env}, stdout=self._fh, stderr=subprocess.STDOUT,
                                      cwd=ROOT)
         return self

@@ -241,6 +241,40 @@ def test_pod_template_overrides_reach_the_pods(cluster, operator, namespace, wai
     assert_converged(cluster, namespace, name)
 
 
+def test_forbidden_is_retried_with_backoff_until_rbac_is_fixed(cluster, installed, operator, namespace, wait):
+    """A 403 (the operator's RBAC lacks a grant) is retried with a doubling delay, not given up: once the
+    grant is back, the same rollout converges without any change to it."""
+    role_name = installed["serviceaccount"]
+    saved = cluster.get("clusterrole", role_name)
+    cut = {**saved, "rules": [r for r in saved["rules"] if "networkpolicies" not in r["resources"]]}
+    for k in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        cut["metadata"].pop(k, None)
+    assert len(cut["rules"]) == len(saved["rules"]) - 1
+    cluster.kubectl("replace", "-f", "-", input=json.dumps(cut))
+    try:
+        doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+        doc["metadata"]["name"] = name = "forbidden"
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+        def progress():
+            ann = rollout(cluster, namespace, name)["metadata"].get("annotations", {})
+            return json.loads(ann.get("pdrollout.io/reconcile", "{}"))
+
+        p = wait("two retries after 403", when(progress, lambda p: p.get("retries", 0) >= 2), timeout=60)
+        assert "HTTP 403" in p["message"] and "RBAC lacks this grant" in p["message"], p
+        assert "in 10 s" in p["message"] and not p.get("failure"), p   # 5 s, then doubled
+        assert cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode != 0
+    finally:
+        restored = {**saved, "metadata": {k: v for k, v in saved["metadata"].items()
+                                          if k not in ("resourceVersion", "uid", "creationTimestamp",
+                                                       "managedFields")}}
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(restored))
+    wait("the StatefulSet once the grant is back",
+         lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode == 0,
+         timeout=60)
+    assert_converged(cluster, namespace, name)
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]
@@ -308,8 +342,8 @@ def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, 
 def test_operator_killed_mid_reconcile_converges(cluster, operator, namespace, wait):
     operator.kill(signal.SIGTERM)
     try:
-        # A slow API server: 4 s between the applies of one reconcile, so the kill lands in the middle.
-        operator.start(PDROLLOUT_OPERATOR_APPLY_PAUSE_S="4")
+        # A slow API server: 4 s before each apply of one reconcile, so the kill lands in the middle.
+        operator.start(ROOT / "tests/slow_operator.py", PDROLLOUT_TEST_APPLY_PAUSE_S="4")
         doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
         doc["metadata"]["name"] = name = "crashy"
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
