@@ -28,6 +28,7 @@ ADMIN_TOKEN_FILE_ENV = "PDROLLOUT_ADMIN_TOKEN_FILE"   # read by `pdrollout serve
 OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
 # Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).
 METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
+TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
 ENGINE_UID = 65532   # non-root user for CPU engine pods (the images have no passwd entry: numeric only)
 
 
@@ -297,6 +298,19 @@ def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
 
 
 def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    """The pods' template, annotated with a hash of itself: the operator tells pods of an older template
+    by it (the StatefulSet uses OnDelete, so the operator decides when pods change)."""
+    tpl = _pod_template(name, namespace, spec)
+    digest = hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
+    tpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH] = digest
+    return tpl
+
+
+def template_hash(name: str, namespace: str, spec: PDRolloutSpec) -> str:
+    return pod_template(name, namespace, spec)["metadata"]["annotations"][TEMPLATE_HASH]
+
+
+def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     pod_security, container_security = _security(spec)
     return _merge_overrides({
         "metadata": {"labels": labels(name)},
@@ -348,6 +362,9 @@ def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
             "serviceName": service_name(name),
             # The group starts together; ordered start would deadlock rank 0 waiting for its peers.
             "podManagementPolicy": "Parallel",
+            # The operator replaces the pods of a changed template as one group (all ranks rendezvous
+            # together); a rolling update pod by pod would break the group once per pod.
+            "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": {LABEL_ROLLOUT: name}},
             "template": pod_template(name, namespace, spec),
         },

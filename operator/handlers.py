@@ -221,6 +221,36 @@ def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, names
     return d.reason
 
 
+def _group_update(name: str, namespace: str, s: PDRolloutSpec, pods: list[dict], status: dict, meta, memo,
+                  body, patch, logger) -> tuple[str | None, bool]:
+    """A changed pod template is an update, not a fault: recreate the whole group on it at once (the
+    StatefulSet is OnDelete), say so with a Normal event, and report progress until every pod on the
+    new template is ready. Returns (Progressing message or None, whether pods were deleted now)."""
+    if status.get("observedGeneration") != meta.get("generation"):
+        return None, False    # reconcile has not applied this generation's StatefulSet yet
+    want = builders.template_hash(name, namespace, s)
+    live = group.live(pods)
+    old = [p for p in live if (p["metadata"].get("annotations") or {}).get(builders.TEMPLATE_HASH) != want]
+    if old:
+        message = (f"pod template changed: recreating the group on it ({len(old)} of {len(live)} pod(s) "
+                   f"on the old template)")
+        if status.get("updatingTo") != want:   # first sight of this change
+            patch.status["groupUpdates"] = (status.get("groupUpdates") or 0) + 1
+            kopf.event(body, type="Normal", reason="GroupUpdate", message=message)
+            logger.info(message)
+        kube.delete_pods(namespace, live)      # together: the ranks rendezvous as one group
+        memo["group_pods"] = None
+        patch.status["groupPods"] = None
+        patch.status["updatingTo"] = want
+        return message, True
+    if status.get("updatingTo"):
+        ready = sum(1 for p in _running(pods) if _ready(p))
+        if ready < s.topology.nodes:
+            return f"group on the new pod template: {ready}/{s.topology.nodes} pods ready", False
+        patch.status["updatingTo"] = None
+    return None, False
+
+
 def _stall_exit(pods: list[dict], status: dict, patch, body) -> str | None:
     """An engine exit with the stall code not counted yet: count it, say so, return its message."""
     seen = group.stall_exit(pods)
@@ -248,11 +278,12 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         f"{' deleting' if p['metadata'].get('deletionTimestamp') else ''}{' ready' if _ready(p) else ''})"
         for p in pods))
     stall = _stall_exit(pods, status, patch, body)   # before a restart replaces the pods that say so
-    restarting = _group_restart(s, pods, status, memo, namespace, body, patch, logger)
-    ready = 0 if restarting else sum(1 for p in _running(pods) if _ready(p))
+    updating, replaced = _group_update(name, namespace, s, pods, status, meta, memo, body, patch, logger)
+    restarting = None if replaced else _group_restart(s, pods, status, memo, namespace, body, patch, logger)
+    ready = 0 if restarting or replaced else sum(1 for p in _running(pods) if _ready(p))
     health = metrics = version = None
     rank0 = _node0(name, pods)
-    if not restarting and ready == s.topology.nodes and rank0 is not None:
+    if not restarting and not updating and ready == s.topology.nodes and rank0 is not None:
         url = engine_client.base_url(rank0["status"]["podIP"], s.port)
         health = engine_client.health(url)
         if stopped:
@@ -272,7 +303,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
                          generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
-                         health=health, metrics=metrics, restarting=restarting, stall=stall,
+                         health=health, metrics=metrics, restarting=restarting, updating=updating, stall=stall,
                          previous_stalled=previous, weight_version=version)
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
@@ -280,7 +311,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     if phase is Phase.RUNNING and status.get("restartStreak"):
         patch.status["restartStreak"] = 0
     if phase.value != status.get("phase"):
-        ok = phase in (Phase.RUNNING, Phase.STARTING)
+        ok = phase in (Phase.RUNNING, Phase.STARTING, Phase.UPDATING)
         ready_cond = next(c for c in conds if c.type.value == "Ready")
         kopf.event(body, type="Normal" if ok else "Warning", reason=phase.value,
                    message=f"{status.get('phase') or 'None'} -> {phase.value}: {ready_cond.message or ready_cond.reason}")

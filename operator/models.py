@@ -257,6 +257,7 @@ class Phase(str, enum.Enum):
     DEGRADED = "Degraded"        # pods ready but the engine unhealthy or unreachable
     RESTARTING = "Restarting"    # the whole group is being recreated (or waits out its backoff)
     FAILED = "Failed"            # an object built from the spec was refused (InvalidSpec says why)
+    UPDATING = "Updating"        # the pod template changed: the group is recreated on the new one
 
 
 class ConditionType(str, enum.Enum):
@@ -288,6 +289,9 @@ class PDRolloutStatus(_Model):
     last_stall_exit: str | None = Field(default=None, description="The stall exit counted last (pod UID/restarts/"
                                                                   "finish time).")
     group_restarts: int | None = None
+    group_updates: int | None = Field(default=None, description="Group recreations for a pod template change.")
+    updating_to: str | None = Field(default=None, description="Template hash the group is being updated to; "
+                                                              "cleared once every pod on it is ready.")
     restart_streak: int | None = Field(default=None, description="Group restarts since last Running.")
     group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")
     last_group_restart_time: str | None = None

@@ -291,7 +291,9 @@ def test_pod_template_overrides_merge_with_the_operators_winning():
     spec = PDRolloutSpec.model_validate({**base.model_dump(by_alias=True), "podTemplate": OVERRIDES})
     tpl = builders.pod_template("r", "ns", spec)
     pod, c = tpl["spec"], tpl["spec"]["containers"][0]
-    assert tpl["metadata"] == {"labels": plain["metadata"]["labels"], "annotations": {"team": "rl"}}
+    assert tpl["metadata"]["labels"] == plain["metadata"]["labels"]
+    assert tpl["metadata"]["annotations"] == {"team": "rl", "pdrollout.io/template-hash":
+                                              builders.template_hash("r", "ns", spec)}
     assert pod["nodeSelector"] == {"pool": "h200"} and pod["priorityClassName"] == "rollout-high"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["tolerations"] == plain["spec"]["tolerations"] + OVERRIDES["tolerations"]
@@ -318,3 +320,17 @@ def test_reserved_names_are_what_the_builders_use():
         assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} == set(models.RESERVED_MOUNTS)
         for e in pod["containers"][0]["env"]:
             assert e["name"] in models.RESERVED_ENV or e["name"].startswith(models.RESERVED_ENV_PREFIXES), e
+
+
+def test_template_hash_tells_template_changes_and_only_those():
+    """Pods carry the hash of the template they were made from; the operator recreates the group when it
+    differs. Controls are not in the template, so they never change it; the image does."""
+    base = spec_of("examples/pdrollout.yaml")
+    sts = builders.statefulset("r", "ns", base)
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    h = builders.template_hash("r", "ns", base)
+    assert sts["spec"]["template"]["metadata"]["annotations"]["pdrollout.io/template-hash"] == h
+    controls = base.model_copy(update={"multiplexing": base.multiplexing.model_copy(update={"span": 3})})
+    assert builders.template_hash("r", "ns", controls) == h
+    assert builders.template_hash("r", "ns", base.model_copy(update={"image": "other:1"})) != h
+    assert builders.template_hash("r2", "ns", base) != h

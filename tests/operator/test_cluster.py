@@ -4,6 +4,7 @@ garbage collection. Engine-facing paths are in test_live_engine.py."""
 import base64
 import json
 import signal
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -275,6 +276,67 @@ def test_forbidden_is_retried_with_backoff_until_rbac_is_fixed(cluster, installe
     assert_converged(cluster, namespace, name)
 
 
+def test_template_change_is_one_group_update_not_a_restart(cluster, operator, namespace, wait):
+    """A change to the pod template (here the image) recreates both pods of a two-node group once, together,
+    on the new template: a Normal GroupUpdate event, Progressing=True (GroupUpdating) and phase Updating
+    while it lasts, and no GroupRestart warning (before, the StatefulSet's pod-by-pod rollout looked like
+    a pod recreated without its group). Every status the operator wrote is seen through a watch."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
+    name = doc["metadata"]["name"]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+    def pods():
+        live = [p for p in cluster.get("pods", "-n", namespace, "-l", f"pdrollout.io/rollout={name}")["items"]
+                if not p["metadata"].get("deletionTimestamp") and p["status"].get("phase") == "Running"]
+        return live if len(live) == 2 else None
+
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in wait("both pods Running", pods, timeout=60)}
+    wait("the group recorded", lambda: rollout(cluster, namespace, name)["status"].get("groupPods") == before,
+         timeout=30)
+    watch = subprocess.Popen([cluster.tools["kubectl"], "get", "pdrollout", name, "-n", namespace, "--watch",
+                              "-o", "json"], env=cluster.env, stdout=subprocess.PIPE, text=True)
+    try:
+        new_image = doc["spec"]["image"] + "-next"
+        cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge",
+                        "-p", json.dumps({"spec": {"image": new_image}}))
+
+        def updated():
+            p = pods()
+            return p if p and all(x["metadata"]["uid"] != before[x["metadata"]["name"]]
+                                  and x["spec"]["containers"][0]["image"] == new_image for x in p) else None
+
+        wait("both pods on the new image", updated, timeout=90)
+        pdr = wait("the update to finish", when(lambda: rollout(cluster, namespace, name),
+                                                lambda r: "updatingTo" not in r["status"]
+                                                and r["status"].get("phase") == "Degraded"), timeout=60)
+    finally:
+        watch.terminate()
+        out, _ = watch.communicate(timeout=30)
+    seen = [json.loads(doc) for doc in _json_stream(out)]
+    progressing = [cond(o, "Progressing") for o in seen]
+    assert any(c.get("status") == "True" and c.get("reason") == "GroupUpdating" for c in progressing), progressing
+    assert "Updating" in [o["status"].get("phase") for o in seen]
+    assert not [o for o in seen if o["status"].get("phase") == "Restarting"]
+    assert pdr["status"]["groupUpdates"] == 1 and not pdr["status"].get("groupRestarts")
+    events = cluster.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
+    reasons = [(e["type"], e["reason"]) for e in events]
+    assert ("Normal", "GroupUpdate") in reasons and not [r for r in reasons if r[1] == "GroupRestart"], reasons
+    assert_converged(cluster, namespace, name)
+
+
+def _json_stream(text: str) -> list[str]:
+    """The objects of `kubectl get -w -o json` (concatenated, pretty-printed JSON documents)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            break
+        obj, i = dec.raw_decode(text, i)
+        out.append(json.dumps(obj))
+    return out
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]
@@ -368,7 +430,6 @@ def test_operator_killed_mid_reconcile_converges(cluster, operator, namespace, w
 
 
 def test_api_server_restart_watch_recovers(cluster, operator, namespace, wait):
-    import subprocess
     r = subprocess.run(["bash", str(ROOT / "e2e/cluster/restart.sh"), str(cluster.dir), "kube-apiserver", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
