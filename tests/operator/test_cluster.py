@@ -337,6 +337,58 @@ def _json_stream(text: str) -> list[str]:
     return out
 
 
+def test_two_replicas_one_leader_and_failover(cluster, installed, operator, namespace, tmp_path, wait):
+    """Two operator processes with leader election (the chart's Lease RBAC, as its ServiceAccount): exactly
+    one reconciles; when it is killed (no release), the other takes over within the lease and reconciles
+    what comes next."""
+    Operator = type(operator)   # conftest's process wrapper
+    lease_s = 6.0
+    operator.kill(signal.SIGTERM)
+    replicas = {}
+    try:
+        for ident in ("op-a", "op-b"):
+            replicas[ident] = Operator(env={**operator.env, "POD_ID": ident, "PDROLLOUT_OPERATOR_LEADER_ELECT": "true",
+                                            "PDROLLOUT_OPERATOR_LEASE_S": str(lease_s)},
+                                       log=tmp_path / f"{ident}.log").start()
+
+        def holder():
+            r = cluster.kubectl("get", "lease", "pdrollout-operator", "-n", installed["namespace"], "-o", "json",
+                                check=False)
+            return r.returncode == 0 and json.loads(r.stdout)["spec"].get("holderIdentity")
+
+        leader = wait("a leader", holder, timeout=60)
+        standby = next(i for i in replicas if i != leader)
+        doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+        doc["metadata"]["name"] = "led-1"
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+        wait("led-1's StatefulSet", lambda: cluster.kubectl("get", "statefulset", "led-1", "-n", namespace,
+                                                            check=False).returncode == 0, timeout=60)
+        time.sleep(2 * lease_s / 7.5 + 1)   # a few renewals and standby attempts
+        assert "applied StatefulSet led-1" in replicas[leader].logs()
+        standby_log = replicas[standby].log.read_text()
+        assert "standby: Lease" in standby_log and "applied " not in standby_log, standby_log[-2000:]
+        assert holder() == leader
+
+        replicas[leader].kill(signal.SIGKILL)   # no release: the standby must wait the lease out
+        t0 = time.monotonic()
+        doc["metadata"]["name"] = "led-2"
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+        wait("led-2's StatefulSet from the new leader", lambda: cluster.kubectl(
+            "get", "statefulset", "led-2", "-n", namespace, check=False).returncode == 0, timeout=60)
+        took = time.monotonic() - t0
+        assert holder() == standby
+        # The lease, one standby retry, kopf's start and one reconcile.
+        assert lease_s <= took + 1 and took < lease_s + 10, f"failover took {took:.1f}s for a {lease_s}s lease"
+        assert "applied StatefulSet led-2" in replicas[standby].logs()
+        assert "applied StatefulSet led-2" not in replicas[leader].log.read_text()
+        lease = cluster.get("lease", "pdrollout-operator", "-n", installed["namespace"])
+        assert lease["spec"]["leaseTransitions"] >= 1
+    finally:
+        for r in replicas.values():
+            r.kill(signal.SIGKILL)
+        operator.start()
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]

@@ -41,7 +41,8 @@ def test_monitoring_objects_only_when_their_crds_exist(tools):
 
 def test_namespaced_rbac_when_watching_namespaces(tools):
     docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
-    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
+             and d["metadata"]["name"] == "pdr-pdrollout-operator"]   # not the leader-election Role
     assert sorted(roles) == [("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"),
                              ("RoleBinding", "team-b")]
     assert not [d for d in docs if d["kind"].startswith("Cluster")]
@@ -52,14 +53,16 @@ def test_namespaced_rbac_when_watching_namespaces(tools):
 def test_rbac_is_namespaced_by_default_cluster_wide_opt_in(tools):
     docs = render(tools)
     assert not [d for d in docs if d["kind"].startswith("Cluster")]
-    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
+             and d["metadata"]["name"] == "pdr-pdrollout-operator"]
     assert sorted(roles) == [("Role", "ops"), ("RoleBinding", "ops")]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert "--namespace=ops" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
     docs = render(tools, "--set", "rbac.clusterWide=true")
     assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and not d["metadata"]["name"].endswith(
+        "-leader-election")]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert not [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
 
@@ -84,8 +87,26 @@ def test_operator_gets_its_token_key_and_namespace(tools):
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == key["metadata"]["name"]
 
 
+def test_leader_election_by_default_and_replicas_need_it(tools):
+    docs = render(tools, "--set", "operator.replicas=2")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect" in args and "--lease-name=pdr-pdrollout-operator" in args
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election"))
+    assert role["metadata"]["namespace"] == "ops"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+    dep = next(d for d in render(tools, "--set", "operator.leaderElection=false") if d["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", "operator.replicas=2",
+            "--set", "operator.leaderElection=false")
+    assert r.returncode != 0 and "needs operator.leaderElection=true" in r.stderr, r.stderr
+
+
 def test_rbac_is_least_privilege(tools):
-    role = next(d for d in render(tools) if d["kind"] == "Role")
+    role = next(d for d in render(tools) if d["kind"] == "Role" and d["metadata"]["name"] == "pdr-pdrollout-operator")
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
     assert not any(r == "*" or v == "*" for _, r, v in grants)
