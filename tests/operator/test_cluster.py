@@ -364,7 +364,7 @@ def test_two_replicas_one_leader_and_failover(cluster, installed, operator, name
         wait("led-1's StatefulSet", lambda: cluster.kubectl("get", "statefulset", "led-1", "-n", namespace,
                                                             check=False).returncode == 0, timeout=60)
         time.sleep(2 * lease_s / 7.5 + 1)   # a few renewals and standby attempts
-        assert "applied StatefulSet led-1" in replicas[leader].logs()
+        assert "applied StatefulSet led-1" in replicas[leader].log.read_text()
         standby_log = replicas[standby].log.read_text()
         assert "standby: Lease" in standby_log and "applied " not in standby_log, standby_log[-2000:]
         assert holder() == leader
@@ -379,7 +379,7 @@ def test_two_replicas_one_leader_and_failover(cluster, installed, operator, name
         assert holder() == standby
         # The lease, one standby retry, kopf's start and one reconcile.
         assert lease_s <= took + 1 and took < lease_s + 10, f"failover took {took:.1f}s for a {lease_s}s lease"
-        assert "applied StatefulSet led-2" in replicas[standby].logs()
+        assert "applied StatefulSet led-2" in replicas[standby].log.read_text()
         assert "applied StatefulSet led-2" not in replicas[leader].log.read_text()
         lease = cluster.get("lease", "pdrollout-operator", "-n", installed["namespace"])
         assert lease["spec"]["leaseTransitions"] >= 1

@@ -95,7 +95,9 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     # One rollout of real requests, finished by the client: makespan and TTFT appear in status.
     for i in range(3):
         out = http(f"{engine.url}/generate", {"input_ids": [1 + i, 2, 3, 4, 5], "rollout_id": "step-1",
-                                              "sampling_params": {"max_new_tokens": 6}})
+                                              # ignore_eos: sampled at temperature 1, the tiny model
+                                              # sometimes ends at once (seen: output_ids == [1])
+                                              "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
         assert len(out["output_ids"]) == 6
     fin = http(f"{engine.url}/rollout/finish", {"rollout_id": "step-1"})
     st = wait("makespan in status", lambda: (s := status(cluster, ns, name)).get("makespanSeconds") and s,
