@@ -29,7 +29,15 @@ class OperatorConfig:
     @classmethod
     def from_env(cls) -> "OperatorConfig":
         def f(key: str, default: float) -> float:
-            return float(os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default))
+            raw = os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default)
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not value > 0 and not (key.startswith("RESTART_BACKOFF") and value == 0):
+                raise SystemExit(f"pdrollout-operator: PDROLLOUT_OPERATOR_{key}={raw!r} must be a positive "
+                                 f"number of seconds")
+            return value
         return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
                    restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
                    stop_poll_s=f("STOP_POLL_S", cls.stop_poll_s))

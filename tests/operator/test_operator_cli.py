@@ -26,3 +26,14 @@ def test_operator_needs_a_token_key(tmp_path, key, why):
         env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] = str(path)
     r = start(tmp_path, **env)
     assert r.returncode == 2 and why in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "nan"])
+def test_bad_poll_seconds_is_a_clear_error(tmp_path, value):
+    """What `--set operator.pollSeconds=abc` did before the chart's schema: now also refused by the
+    operator itself, with the variable named, instead of a traceback."""
+    (tmp_path / "key").write_bytes(b"k" * 32)
+    r = start(tmp_path, PDROLLOUT_OPERATOR_TOKEN_KEY_FILE=str(tmp_path / "key"), PDROLLOUT_OPERATOR_POLL_S=value)
+    assert r.returncode == 1 and f"PDROLLOUT_OPERATOR_POLL_S={value!r} must be a positive number" in r.stderr, \
+        r.stderr
+    assert "Traceback" not in r.stderr
