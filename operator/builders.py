@@ -28,6 +28,7 @@ ADMIN_TOKEN_FILE_ENV = "PDROLLOUT_ADMIN_TOKEN_FILE"   # read by `pdrollout serve
 OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
 # Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).
 METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"   # scheduler-plugins' coscheduling
 TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
 ENGINE_UID = 65532   # non-root user for CPU engine pods (the images have no passwd entry: numeric only)
 
@@ -244,6 +245,16 @@ def network_policy(name: str, namespace: str, spec: PDRolloutSpec, operator_name
     }
 
 
+def pod_group(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    """scheduler-plugins' PodGroup: no pod of the group binds until all `nodes` of them can."""
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"minMember": spec.topology.nodes, "scheduleTimeoutSeconds": spec.gang.schedule_timeout_seconds},
+    }
+
+
 def _security(spec: PDRolloutSpec) -> tuple[dict, dict]:
     """(pod, container) securityContext. CPU pods run as a non-root user with no capabilities. CUDA pods
     keep the image's root user with IPC_LOCK: NVSHMEM/IB pin memory, and a capability added for a
@@ -301,6 +312,9 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     """The pods' template, annotated with a hash of itself: the operator tells pods of an older template
     by it (the StatefulSet uses OnDelete, so the operator decides when pods change)."""
     tpl = _pod_template(name, namespace, spec)
+    if spec.gang:   # the PodGroup's scheduler places the pods, all or none
+        tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
+        tpl["spec"]["schedulerName"] = spec.gang.scheduler_name
     digest = hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
     tpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH] = digest
     return tpl
@@ -376,4 +390,4 @@ def desired_objects(name: str, namespace: str, spec: PDRolloutSpec, token: str,
     """In apply order: the token, the policy, the config and the Services exist before any pod needs them."""
     return [admin_secret(name, namespace, token), network_policy(name, namespace, spec, operator_namespace),
             configmap(name, namespace, spec), service(name, namespace, spec), api_service(name, namespace, spec),
-            statefulset(name, namespace, spec)]
+            *([pod_group(name, namespace, spec)] if spec.gang else []), statefulset(name, namespace, spec)]

@@ -73,10 +73,26 @@ def _message(e: ApiException) -> str:
         return str(e.reason)
 
 
+def _apply_custom(obj: dict, what: str) -> None:
+    group, version = obj["apiVersion"].split("/")
+    plural = obj["kind"].lower() + "s"
+    try:
+        client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+            group, version, obj["metadata"]["namespace"], plural, obj["metadata"]["name"], obj,
+            field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+    except ApiException as e:
+        if e.status == 404:   # the kind itself is not served: its CRD is missing
+            raise Refused(what, f"{obj['apiVersion']} {obj['kind']} is not served by this cluster (gang "
+                                f"scheduling needs scheduler-plugins' PodGroup CRD and coscheduling)") from None
+        raise retry_semantics(e, what) from None
+
+
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
     core, apps = _clients()
     kind, meta = obj["kind"], obj["metadata"]
+    if kind == "PodGroup":
+        return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
     fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
           "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
           "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]

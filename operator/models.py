@@ -206,6 +206,16 @@ class PodTemplate(_Model):
         return self
 
 
+class Gang(_Model):
+    """All-or-nothing scheduling through the coscheduling plugin of kubernetes-sigs/scheduler-plugins: a
+    PodGroup with minMember = nodes, the pods labelled into it and handed to that scheduler."""
+
+    scheduler_name: str = Field(default="scheduler-plugins-scheduler", min_length=1, max_length=253,
+                                description="The profile of a kube-scheduler that runs the Coscheduling plugin.")
+    schedule_timeout_seconds: int = Field(default=300, ge=1, description=(
+        "How long placed pods wait (unbound, holding nothing) for the rest of the group."))
+
+
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
 _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
@@ -235,6 +245,8 @@ class PDRolloutSpec(_Model):
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
+                                                        "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
     @model_validator(mode="after")
     def _runnable(self) -> "PDRolloutSpec":  # mirrors the CEL rules above

@@ -334,3 +334,21 @@ def test_template_hash_tells_template_changes_and_only_those():
     assert builders.template_hash("r", "ns", controls) == h
     assert builders.template_hash("r", "ns", base.model_copy(update={"image": "other:1"})) != h
     assert builders.template_hash("r2", "ns", base) != h
+
+
+def test_gang_makes_a_pod_group_and_hands_the_pods_to_its_scheduler():
+    base = spec_of("examples/pdrollout-2node.yaml")
+    assert "PodGroup" not in [o["kind"] for o in builders.desired_objects("r", "ns", base, "t", "ops")]
+    assert "schedulerName" not in builders.pod_template("r", "ns", base)["spec"]
+    spec = PDRolloutSpec.model_validate({**base.model_dump(by_alias=True, exclude_none=True),
+                                         "gang": {"schedulerName": "gang-sched", "scheduleTimeoutSeconds": 60}})
+    kinds = [o["kind"] for o in builders.desired_objects("r", "ns", spec, "t", "ops")]
+    assert kinds.index("PodGroup") < kinds.index("StatefulSet")   # the group exists before its pods
+    pg = builders.pod_group("r", "ns", spec)
+    assert pg["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert pg["spec"] == {"minMember": 2, "scheduleTimeoutSeconds": 60}
+    tpl = builders.pod_template("r", "ns", spec)
+    assert tpl["spec"]["schedulerName"] == "gang-sched"
+    assert tpl["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "r"
+    sts = builders.statefulset("r", "ns", spec)
+    assert sts["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
