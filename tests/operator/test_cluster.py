@@ -389,6 +389,20 @@ def test_two_replicas_one_leader_and_failover(cluster, installed, operator, name
         operator.start()
 
 
+def test_gang_without_its_crd_is_invalid_spec(cluster, operator, namespace, wait):
+    """spec.gang on a cluster without scheduler-plugins' PodGroup CRD: InvalidSpec naming what is missing,
+    not a rollout stuck in Starting with pods no scheduler will take."""
+    cluster.kubectl("delete", "crd", "podgroups.scheduling.x-k8s.io", "--ignore-not-found", "--wait=true")
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+    doc["metadata"]["name"] = name = "gang-no-crd"
+    doc["spec"]["gang"] = {"schedulerName": "nobody"}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    pdr = wait("InvalidSpec", when(lambda: rollout(cluster, namespace, name),
+                                   lambda r: cond(r, "InvalidSpec").get("status") == "True"), timeout=60)
+    assert "PodGroup is not served by this cluster" in cond(pdr, "InvalidSpec")["message"]
+    assert cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode != 0
+
+
 def test_failed_pod_recreates_whole_group_then_gc(cluster, operator, namespace, wait):
     doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())
     name = doc["metadata"]["name"]
