@@ -9,6 +9,7 @@ import json
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
+from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
@@ -23,7 +24,6 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 MANAGED_BY = "pdrollout-operator"
 ADMIN_DIR = "/var/run/secrets/pdrollout"   # the admin token Secret's mount (not under CONFIG_DIR)
 ADMIN_TOKEN_KEY = "token"
-ADMIN_TOKEN_FILE_ENV = "PDROLLOUT_ADMIN_TOKEN_FILE"   # read by `pdrollout serve` (engine/server/cli.py)
 # The operator's pods, as the NetworkPolicies name them (the chart sets this label on them).
 OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
 # Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-ADMIN_TOKEN_FILE_ENV = "PDROLLOUT_ADMIN_TOKEN_FILE"
+from ..protocol.auth import ADMIN_TOKEN_FILE_ENV
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
