@@ -2,12 +2,16 @@
 handlers adopt (owner references) and apply what these return."""
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
+from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
-from pdrollout.operator.models import PDRolloutSpec
+from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
 DIST_PORT = 29500                  # torch.distributed rendezvous on rank 0
@@ -18,6 +22,15 @@ CLUSTER_DOMAIN = "cluster.local"
 LABEL_ROLLOUT = "pdrollout.io/rollout"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller on each pod
 MANAGED_BY = "pdrollout-operator"
+ADMIN_DIR = "/var/run/secrets/pdrollout"   # the admin token Secret's mount (not under CONFIG_DIR)
+ADMIN_TOKEN_KEY = "token"
+# The operator's pods, as the NetworkPolicies name them (the chart sets this label on them).
+OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
+# Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).
+METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"   # scheduler-plugins' coscheduling
+TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
+ENGINE_UID = 65532   # non-root user for CPU engine pods (the images have no passwd entry: numeric only)
 
 
 def labels(name: str) -> dict[str, str]:
@@ -39,6 +52,39 @@ def api_service_name(name: str) -> str:
 
 def configmap_name(name: str) -> str:
     return f"{name}-engine"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin"
+
+
+def admin_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The engines' admin bearer token for one rollout, derived from the operator's key: the operator
+    never needs to read Secrets back (no `get secrets`), a restarted operator knows every token, and a
+    rollout recreated under the same name (new UID) gets a new one."""
+    return hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).hexdigest()
+
+
+DNS_LABEL_MAX = 63
+# The StatefulSet controller labels each pod `controller-revision-hash: <statefulset>-<hash>`; the hash
+# is up to 10 characters and a label value at most 63, so this suffix bounds the StatefulSet's name.
+REVISION_HASH_SUFFIX = "-" + "h" * 10
+
+
+def derived_names(name: str) -> list[str]:
+    """Every name built from the rollout's that must be a DNS-1035 label (Services) or fit one (the
+    pods' hostnames, the revision-hash label)."""
+    return [service_name(name), api_service_name(name), configmap_name(name), admin_secret_name(name),
+            name + REVISION_HASH_SUFFIX,
+            *(f"{name}-{i}" for i in range(MAX_NODES))]
+
+
+def max_name_length() -> int:
+    """The longest rollout name whose derived names all fit a DNS label (52)."""
+    return DNS_LABEL_MAX - max(len(n) for n in derived_names(""))
+
+
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"   # DNS-1035: a Service name must start with a letter
 
 
 def master_address(name: str, namespace: str) -> str:
@@ -85,6 +131,7 @@ def engine_env(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
         _field("POD_NAME", "metadata.name"),
         _field("POD_IP", "status.podIP"),
         _var(LAYOUT_FILE_ENV, f"{CONFIG_DIR}/{ROLLOUT_INFO_KEY}"),
+        _var(ADMIN_TOKEN_FILE_ENV, f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}"),
         *(_var(k, v) for k, v in network_env(spec).items()),
     ]
 
@@ -163,6 +210,65 @@ def api_service(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     }
 
 
+def admin_secret(name: str, namespace: str, token: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": admin_secret_name(name), "namespace": namespace, "labels": labels(name)},
+        "type": "Opaque",
+        "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def network_policy(name: str, namespace: str, spec: PDRolloutSpec, operator_namespace: str) -> dict:
+    """Ingress to the rollout's pods: anything from the rollout's own pods (torch.distributed and NCCL
+    use ephemeral ports besides `dist`), the HTTP port from the operator, from pods of this namespace and
+    from namespaces labelled for metrics access. Enforced only by a CNI that implements NetworkPolicy."""
+    http = [{"protocol": "TCP", "port": spec.port}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_ROLLOUT: name}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {LABEL_ROLLOUT: name}}}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {
+                              "kubernetes.io/metadata.name": operator_namespace}},
+                           "podSelector": {"matchLabels": OPERATOR_POD_LABELS}},
+                          {"podSelector": {}},
+                          {"namespaceSelector": {"matchLabels": {METRICS_ACCESS_LABEL: "true"}}}],
+                 "ports": http},
+            ],
+        },
+    }
+
+
+def pod_group(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    """scheduler-plugins' PodGroup: no pod of the group binds until all `nodes` of them can."""
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"minMember": spec.topology.nodes, "scheduleTimeoutSeconds": spec.gang.schedule_timeout_seconds},
+    }
+
+
+def _security(spec: PDRolloutSpec) -> tuple[dict, dict]:
+    """(pod, container) securityContext. CPU pods run as a non-root user with no capabilities. CUDA pods
+    keep the image's root user with IPC_LOCK: NVSHMEM/IB pin memory, and a capability added for a
+    non-root user is not effective (no ambient capabilities in Kubernetes)."""
+    pod = {"seccompProfile": {"type": "RuntimeDefault"}}
+    ctr = {"allowPrivilegeEscalation": False}
+    if spec.device == "cuda":
+        ctr["capabilities"] = {"add": ["IPC_LOCK"]}
+    else:
+        pod.update(runAsNonRoot=True, runAsUser=ENGINE_UID, runAsGroup=ENGINE_UID, fsGroup=ENGINE_UID)
+        ctr["capabilities"] = {"drop": ["ALL"]}
+    return pod, ctr
+
+
 def _resources(spec: PDRolloutSpec) -> dict:
     r = spec.resources
     amounts = {"cpu": r.cpu, "memory": r.memory}
@@ -173,10 +279,59 @@ def _resources(spec: PDRolloutSpec) -> dict:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
+    """spec.podTemplate into the built pod template. Only keys the user set appear (an empty podTemplate
+    changes nothing); the operator's own env, volumes and mounts cannot be replaced (the CRD refuses
+    reserved names) and its exclusive-placement term stays."""
+    o = spec.pod_template
+    pod, ctr = tpl["spec"], tpl["spec"]["containers"][0]
+    if o.annotations:
+        tpl["metadata"]["annotations"] = dict(o.annotations)
+    if o.node_selector:
+        pod["nodeSelector"] = dict(o.node_selector)
+    if o.affinity:
+        affinity = {k: v for k, v in o.affinity.items() if k != "podAntiAffinity"}
+        anti = dict(o.affinity.get("podAntiAffinity") or {})
+        ours = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        anti["requiredDuringSchedulingIgnoredDuringExecution"] = \
+            ours + list(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        pod["affinity"] = {**affinity, "podAntiAffinity": anti}
+    if o.tolerations:
+        pod["tolerations"] = pod.get("tolerations", []) + list(o.tolerations)
+    if o.image_pull_secrets:
+        pod["imagePullSecrets"] = [r.model_dump() for r in o.image_pull_secrets]
+    if o.priority_class_name:
+        pod["priorityClassName"] = o.priority_class_name
+    ctr["env"] += [e.model_dump(by_alias=True, exclude_none=True) for e in o.env]
+    pod["volumes"] += [v.model_dump(by_alias=True, exclude_none=True) for v in o.volumes]
+    ctr["volumeMounts"] += [m.model_dump(by_alias=True, exclude_none=True) for m in o.volume_mounts]
+    return tpl
+
+
 def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
-    return {
+    """The pods' template, annotated with a hash of itself: the operator tells pods of an older template
+    by it (the StatefulSet uses OnDelete, so the operator decides when pods change)."""
+    tpl = _pod_template(name, namespace, spec)
+    if spec.gang:   # the PodGroup's scheduler places the pods, all or none
+        tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
+        tpl["spec"]["schedulerName"] = spec.gang.scheduler_name
+    digest = hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
+    tpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH] = digest
+    return tpl
+
+
+def template_hash(name: str, namespace: str, spec: PDRolloutSpec) -> str:
+    return pod_template(name, namespace, spec)["metadata"]["annotations"][TEMPLATE_HASH]
+
+
+def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
+    pod_security, container_security = _security(spec)
+    return _merge_overrides({
         "metadata": {"labels": labels(name)},
         "spec": {
+            # The engine never calls the Kubernetes API: no token in the pod.
+            "automountServiceAccountToken": False,
+            "securityContext": pod_security,
             "containers": [{
                 "name": ENGINE_CONTAINER,
                 "image": spec.image,
@@ -188,14 +343,16 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                 "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                                    "periodSeconds": 5, "failureThreshold": 3},
                 "resources": _resources(spec),
-                **({"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}   # NVSHMEM/IB pin memory
-                   if spec.device == "cuda" else {}),
+                "securityContext": container_security,
                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
-                                 {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                                 {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                 {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}],
             }],
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory}},
                 {"name": "config", "configMap": {"name": configmap_name(name)}},
+                # 0440 + fsGroup: readable by the engine's group only.
+                {"name": "admin", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
             ],
             # Exclusive placement: never two PDRollout pods (of any rollout) on one node.
             "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
@@ -206,7 +363,7 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                if spec.device == "cuda" else {}),
             "terminationGracePeriodSeconds": 30,
         },
-    }
+    }, spec)
 
 
 def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
@@ -219,13 +376,18 @@ def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
             "serviceName": service_name(name),
             # The group starts together; ordered start would deadlock rank 0 waiting for its peers.
             "podManagementPolicy": "Parallel",
+            # The operator replaces the pods of a changed template as one group (all ranks rendezvous
+            # together); a rolling update pod by pod would break the group once per pod.
+            "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": {LABEL_ROLLOUT: name}},
             "template": pod_template(name, namespace, spec),
         },
     }
 
 
-def desired_objects(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
-    """In apply order: the config and the Service exist before any pod needs them."""
-    return [configmap(name, namespace, spec), service(name, namespace, spec), api_service(name, namespace, spec),
-            statefulset(name, namespace, spec)]
+def desired_objects(name: str, namespace: str, spec: PDRolloutSpec, token: str,
+                    operator_namespace: str) -> list[dict]:
+    """In apply order: the token, the policy, the config and the Services exist before any pod needs them."""
+    return [admin_secret(name, namespace, token), network_policy(name, namespace, spec, operator_namespace),
+            configmap(name, namespace, spec), service(name, namespace, spec), api_service(name, namespace, spec),
+            *([pod_group(name, namespace, spec)] if spec.gang else []), statefulset(name, namespace, spec)]

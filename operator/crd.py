@@ -7,10 +7,12 @@ subset. `structural()` translates the few shapes the models use and rejects anyt
 """
 from __future__ import annotations
 
+import copy
 import sys
 
 import yaml
 
+from pdrollout.operator import builders
 from pdrollout.operator.models import GROUP, KIND, PLURAL, VERSION, PDRolloutSpec, PDRolloutStatus
 
 _KEEP = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength",
@@ -78,7 +80,8 @@ def structural(node: dict, defs: dict) -> dict:
 
 def _filled(node: dict) -> dict:
     """The value an omitted object takes: each child's default."""
-    return {k: v["default"] for k, v in node.get("properties", {}).items() if "default" in v}
+    # Copies: a shared object would be written as a YAML anchor/alias.
+    return {k: copy.deepcopy(v["default"]) for k, v in node.get("properties", {}).items() if "default" in v}
 
 
 def model_schema(model) -> dict:
@@ -97,6 +100,7 @@ def openapi_schema() -> dict:
     return {
         "type": "object",
         "required": ["spec"],
+        "x-kubernetes-validations": name_rules(),
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
@@ -105,6 +109,20 @@ def openapi_schema() -> dict:
             "status": status,
         },
     }
+
+
+def name_rules() -> list[dict]:
+    """The rollout's name becomes Service, StatefulSet and pod host names (builders.derived_names): refuse
+    at admission a name any of them would reject, instead of accepting it and failing later."""
+    limit = builders.max_name_length()
+    return [
+        {"rule": f"self.metadata.name.matches('{builders.NAME_PATTERN}')",
+         "message": "metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+                    "with a letter, ending with a letter or digit): it names the rollout's Services"},
+        {"rule": f"size(self.metadata.name) <= {limit}",
+         "message": f"metadata.name must be at most {limit} characters: the StatefulSet's pods carry "
+                    f"'<name>-<revision hash>' in a 63-character label"},
+    ]
 
 
 PRINTER_COLUMNS = [

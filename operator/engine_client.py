@@ -18,10 +18,13 @@ class EngineError(Exception):
     """The engine could not be reached or answered outside its contract."""
 
 
-def _request(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, bytes]:
+def _request(url: str, method: str = "GET", body: dict | None = None, token: str | None = None
+             ) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
             return resp.status, resp.read()
@@ -61,8 +64,9 @@ def get_control(url: str) -> dict:
     return json.loads(raw)
 
 
-def put_control(url: str, control: dict) -> dict:
-    code, raw = _request(f"{url}/control", "PUT", control)
+def put_control(url: str, control: dict, token: str | None = None) -> dict:
+    """PUT /control, an admin route: `token` is the rollout's admin bearer token."""
+    code, raw = _request(f"{url}/control", "PUT", control, token)
     if code != 200:
         raise EngineError(f"PUT {url}/control: HTTP {code}: {raw[:200]!r}")
     return json.loads(raw)

@@ -3,9 +3,9 @@ group (pods, rank 0's /health and /metrics), enforces group restarts, converges 
 writes status. Decisions live in the pure modules; this file only wires them to the API."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -14,7 +14,9 @@ from pydantic import ValidationError
 
 from pdrollout.operator import builders, engine_client, group, kube
 from pdrollout.operator import status as st
-from pdrollout.operator.models import GROUP, PLURAL, VERSION, PDRolloutSpec, Phase
+from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
+
+INVALID_SPEC = ConditionType.INVALID_SPEC.value
 
 
 @dataclass(frozen=True)
@@ -22,20 +24,65 @@ class OperatorConfig:
     poll_s: float = 10.0                 # status/health/group check period per rollout
     restart_backoff_s: float = 10.0      # group restart backoff base (doubles per restart)
     restart_backoff_max_s: float = 300.0
-    apply_pause_s: float = 0.0           # fault injection for tests: a slow API server between applies
     stop_poll_s: float = 1.0             # how often kopf re-checks a timer still running when its rollout is deleted
 
     @classmethod
     def from_env(cls) -> "OperatorConfig":
         def f(key: str, default: float) -> float:
-            return float(os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default))
+            raw = os.environ.get(f"PDROLLOUT_OPERATOR_{key}", default)
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not value > 0 and not (key.startswith("RESTART_BACKOFF") and value == 0):
+                raise SystemExit(f"pdrollout-operator: PDROLLOUT_OPERATOR_{key}={raw!r} must be a positive "
+                                 f"number of seconds")
+            return value
         return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
                    restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
-                   apply_pause_s=f("APPLY_PAUSE_S", cls.apply_pause_s),
                    stop_poll_s=f("STOP_POLL_S", cls.stop_poll_s))
 
 
 CFG = OperatorConfig.from_env()
+TOKEN_KEY_FILE_ENV = "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"
+NAMESPACE_ENV = "PDROLLOUT_OPERATOR_NAMESPACE"
+MIN_KEY_BYTES = 32
+
+
+class SetupError(Exception):
+    """The operator is missing what it needs to run (said before kopf starts)."""
+
+
+@functools.cache
+def token_key() -> bytes:
+    """The key every rollout's admin token derives from (a Secret the chart keeps across upgrades)."""
+    path = os.environ.get(TOKEN_KEY_FILE_ENV)
+    if not path:
+        raise SetupError(f"${TOKEN_KEY_FILE_ENV} (or --token-key-file) is required: the key the engines' "
+                         f"admin tokens derive from")
+    try:
+        key = open(path, "rb").read().strip()
+    except OSError as e:
+        raise SetupError(f"token key file {path}: {e.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise SetupError(f"token key file {path} holds {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
+    return key
+
+
+@functools.cache
+def operator_namespace() -> str:
+    """Where the operator's pods run (the engines' NetworkPolicy admits them from there)."""
+    ns = os.environ.get(NAMESPACE_ENV)
+    if not ns:
+        try:
+            ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read().strip()
+        except OSError:
+            raise SetupError(f"${NAMESPACE_ENV} is required outside a pod: the operator's namespace") from None
+    return ns
+
+
+def rollout_token(namespace: str, name: str, uid: str) -> str:
+    return builders.admin_token(token_key(), namespace, name, uid)
 
 
 def _now() -> datetime:
@@ -93,7 +140,8 @@ def _node0(name: str, pods: list[dict]) -> dict | None:
     return next((p for p in _running(pods) if p["metadata"]["name"] == f"{name}-0"), None)
 
 
-def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: list[dict] | None = None) -> bool:
+def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logger,
+                 pods: list[dict] | None = None) -> bool:
     """Bring the engine's /control to spec.multiplexing. Node 0 takes it for every rank of every node
     (the control travels in its step plans). True when node 0 agrees."""
     want = spec.multiplexing.control().model_dump()
@@ -104,7 +152,7 @@ def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: l
     try:
         have = engine_client.get_control(url)
         if {k: have.get(k) for k in want} != want:
-            engine_client.put_control(url, want)
+            engine_client.put_control(url, want, rollout_token(namespace, name, uid))
             logger.info(f"pushed control {want} to {pod['metadata']['name']}")
         return True
     except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
@@ -115,16 +163,39 @@ def push_control(namespace: str, name: str, spec: PDRolloutSpec, logger, pods: l
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile(spec, name, namespace, body, meta, status, patch, logger, **_) -> None:
+def reconcile(spec, name, namespace, body, meta, status, patch, logger, retry, **_) -> None:
+    try:
+        _reconcile(spec, name, namespace, body, meta, status, patch, logger)
+    except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
+        delay = kube.forbidden_delay(retry)
+        raise kopf.TemporaryError(f"{e}; retry {retry + 1} in {delay:.0f} s", delay=delay) from None
+
+
+def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None:
     s = _spec(spec)
-    objs = builders.desired_objects(name, namespace, s)
+    objs = builders.desired_objects(name, namespace, s, rollout_token(namespace, name, meta["uid"]),
+                                    operator_namespace())
     kopf.adopt(objs, owner=body)
-    for i, obj in enumerate(objs):
-        if i and CFG.apply_pause_s:
-            time.sleep(CFG.apply_pause_s)
-        kube.apply(obj)
+    conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
+    for obj in objs:
+        try:
+            kube.apply(obj)
+        except kube.Refused as e:
+            # Retrying cannot help; say why where users look, and wait for a spec change (an update).
+            message = f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {e.message}"
+            patch.status["conditions"] = conditions + [{
+                "type": INVALID_SPEC, "status": "True", "reason": "ObjectRefused", "message": message[:1000],
+                "lastTransitionTime": _iso(_now())}]
+            patch.status["phase"] = Phase.FAILED.value
+            patch.status["observedGeneration"] = meta.get("generation")
+            kopf.warn(body, reason=INVALID_SPEC, message=message)
+            logger.error(message)
+            return
         logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
-    if push_control(namespace, name, s, logger):
+    if len(conditions) != len((status or {}).get("conditions") or []):
+        patch.status["conditions"] = conditions       # the spec is runnable again
+        patch.status["phase"] = Phase.STARTING.value
+    if push_control(namespace, name, meta["uid"], s, logger):
         patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     patch.status["observedGeneration"] = meta.get("generation")
     if not (status or {}).get("phase"):
@@ -158,6 +229,36 @@ def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, names
     return d.reason
 
 
+def _group_update(name: str, namespace: str, s: PDRolloutSpec, pods: list[dict], status: dict, meta, memo,
+                  body, patch, logger) -> tuple[str | None, bool]:
+    """A changed pod template is an update, not a fault: recreate the whole group on it at once (the
+    StatefulSet is OnDelete), say so with a Normal event, and report progress until every pod on the
+    new template is ready. Returns (Progressing message or None, whether pods were deleted now)."""
+    if status.get("observedGeneration") != meta.get("generation"):
+        return None, False    # reconcile has not applied this generation's StatefulSet yet
+    want = builders.template_hash(name, namespace, s)
+    live = group.live(pods)
+    old = [p for p in live if (p["metadata"].get("annotations") or {}).get(builders.TEMPLATE_HASH) != want]
+    if old:
+        message = (f"pod template changed: recreating the group on it ({len(old)} of {len(live)} pod(s) "
+                   f"on the old template)")
+        if status.get("updatingTo") != want:   # first sight of this change
+            patch.status["groupUpdates"] = (status.get("groupUpdates") or 0) + 1
+            kopf.event(body, type="Normal", reason="GroupUpdate", message=message)
+            logger.info(message)
+        kube.delete_pods(namespace, live)      # together: the ranks rendezvous as one group
+        memo["group_pods"] = None
+        patch.status["groupPods"] = None
+        patch.status["updatingTo"] = want
+        return message, True
+    if status.get("updatingTo"):
+        ready = sum(1 for p in _running(pods) if _ready(p))
+        if ready < s.topology.nodes:
+            return f"group on the new pod template: {ready}/{s.topology.nodes} pods ready", False
+        patch.status["updatingTo"] = None
+    return None, False
+
+
 def _stall_exit(pods: list[dict], status: dict, patch, body) -> str | None:
     """An engine exit with the stall code not counted yet: count it, say so, return its message."""
     seen = group.stall_exit(pods)
@@ -177,17 +278,20 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         return
     s = _spec(spec)
     status = dict(status or {})
+    if any(c.get("type") == INVALID_SPEC and c.get("status") == "True" for c in status.get("conditions") or []):
+        return  # nothing runs until the spec changes (reconcile clears the condition)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(
         f"{p['metadata']['name']}({p['metadata']['uid'][:8]} {(p.get('status') or {}).get('phase')}"
         f"{' deleting' if p['metadata'].get('deletionTimestamp') else ''}{' ready' if _ready(p) else ''})"
         for p in pods))
     stall = _stall_exit(pods, status, patch, body)   # before a restart replaces the pods that say so
-    restarting = _group_restart(s, pods, status, memo, namespace, body, patch, logger)
-    ready = 0 if restarting else sum(1 for p in _running(pods) if _ready(p))
+    updating, replaced = _group_update(name, namespace, s, pods, status, meta, memo, body, patch, logger)
+    restarting = None if replaced else _group_restart(s, pods, status, memo, namespace, body, patch, logger)
+    ready = 0 if restarting or replaced else sum(1 for p in _running(pods) if _ready(p))
     health = metrics = version = None
     rank0 = _node0(name, pods)
-    if not restarting and ready == s.topology.nodes and rank0 is not None:
+    if not restarting and not updating and ready == s.topology.nodes and rank0 is not None:
         url = engine_client.base_url(rank0["status"]["podIP"], s.port)
         health = engine_client.health(url)
         if stopped:
@@ -202,12 +306,12 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
                 version = engine_client.weight_version(url)
             except engine_client.EngineError as e:
                 logger.warning(f"weight version unavailable: {e}")
-        if health.ok and push_control(namespace, name, s, logger, pods):
+        if health.ok and push_control(namespace, name, meta["uid"], s, logger, pods):
             patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
                          generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
-                         health=health, metrics=metrics, restarting=restarting, stall=stall,
+                         health=health, metrics=metrics, restarting=restarting, updating=updating, stall=stall,
                          previous_stalled=previous, weight_version=version)
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
@@ -215,7 +319,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     if phase is Phase.RUNNING and status.get("restartStreak"):
         patch.status["restartStreak"] = 0
     if phase.value != status.get("phase"):
-        ok = phase in (Phase.RUNNING, Phase.STARTING)
+        ok = phase in (Phase.RUNNING, Phase.STARTING, Phase.UPDATING)
         ready_cond = next(c for c in conds if c.type.value == "Ready")
         kopf.event(body, type="Normal" if ok else "Warning", reason=phase.value,
                    message=f"{status.get('phase') or 'None'} -> {phase.value}: {ready_cond.message or ready_cond.reason}")

@@ -14,20 +14,54 @@ _APPLY = "application/apply-patch+yaml"
 
 
 @functools.cache
-def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
+def _api() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.ApiClient()
-    return client.CoreV1Api(api), client.AppsV1Api(api)
+    return client.ApiClient()
+
+
+def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
+    return client.CoreV1Api(_api()), client.AppsV1Api(_api())
+
+
+class Refused(kopf.PermanentError):
+    """The API server refused an object built from the spec (400/422): no retry helps until the spec
+    changes. `message` is the API server's own."""
+
+    def __init__(self, what: str, message: str):
+        super().__init__(f"{what}: {message}")
+        self.message = message
+
+
+class Forbidden(kopf.TemporaryError):
+    """403: the operator's RBAC lacks a grant. Often fixed from outside (a Role created late, a namespace
+    added to the chart's watch list), so it is retried, with backoff, rather than given up."""
+
+
+FORBIDDEN_BACKOFF_S = (5.0, 300.0)   # first retry, cap
+
+
+def forbidden_delay(retry: int) -> float:
+    """Seconds before retry number `retry` (kopf counts from 0): doubling from 5 s, at most 5 min."""
+    first, cap = FORBIDDEN_BACKOFF_S
+    return min(cap, first * 2 ** min(retry, 16))
 
 
 def retry_semantics(e: ApiException, what: str) -> Exception:
     """Transient API trouble -> TemporaryError (kopf retries); a rejected object -> PermanentError."""
+    message = _message(e)
+    # Server-side apply reports a field it cannot decode (e.g. a bad quantity) as a 500 "failed to
+    # convert"; it is as final as a 422.
+    if e.status in (400, 422) or (e.status == 500 and message.startswith("failed to convert new object")):
+        return Refused(what, message)
     if e.status in (409, 410, 429) or e.status >= 500:
-        return kopf.TemporaryError(f"{what}: HTTP {e.status} {e.reason}; retrying", delay=3)
-    if e.status in (400, 403, 404, 422):
+        return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}; retrying", delay=3)
+    if e.status == 403:
+        return Forbidden(f"{what}: HTTP 403: {message} (the operator's RBAC lacks this grant)",
+                         delay=FORBIDDEN_BACKOFF_S[0])
+    if e.status == 404:
         return kopf.PermanentError(f"{what}: HTTP {e.status}: {_message(e)}")
     return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}", delay=10)
 
@@ -39,12 +73,29 @@ def _message(e: ApiException) -> str:
         return str(e.reason)
 
 
+def _apply_custom(obj: dict, what: str) -> None:
+    group, version = obj["apiVersion"].split("/")
+    plural = obj["kind"].lower() + "s"
+    try:
+        client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+            group, version, obj["metadata"]["namespace"], plural, obj["metadata"]["name"], obj,
+            field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+    except ApiException as e:
+        if e.status == 404:   # the kind itself is not served: its CRD is missing
+            raise Refused(what, f"{obj['apiVersion']} {obj['kind']} is not served by this cluster (gang "
+                                f"scheduling needs scheduler-plugins' PodGroup CRD and coscheduling)") from None
+        raise retry_semantics(e, what) from None
+
+
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
     core, apps = _clients()
     kind, meta = obj["kind"], obj["metadata"]
+    if kind == "PodGroup":
+        return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
     fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-          "StatefulSet": apps.patch_namespaced_stateful_set}[kind]
+          "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
+          "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]
     try:
         fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
     except ApiException as e:

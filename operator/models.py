@@ -3,7 +3,7 @@ operator's view of a resource. Field names are the CRD's camelCase; Python attri
 from __future__ import annotations
 
 import enum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -22,6 +22,7 @@ Dtype = Literal[get_args(EngineConfig.model_fields["dtype"].annotation)]  # the 
 RestartPolicy = Literal["RecreateGroupOnPodRestart", "None"]
 Device = Literal[DEVICES]                     # the engine's own lists
 ExpertBackend = Literal[EXPERT_BACKENDS]
+MAX_NODES = 2
 QPDepth = Literal[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
@@ -47,7 +48,7 @@ class Topology(_Model):
          "attentionDataParallel must divide the world size nodes × gpusPerNode"),
     ))
 
-    nodes: int = Field(default=1, ge=1, le=2, description="Nodes in the group (1 or 2), one pod each.")
+    nodes: int = Field(default=1, ge=1, le=MAX_NODES, description="Nodes in the group (1 or 2), one pod each.")
     gpus_per_node: int = Field(default=8, ge=1, le=8)
     expert_parallel: int = Field(default=8, ge=1, le=16, description="EP width e; ETP = world/e.")
     attention_data_parallel: int = Field(default=1, ge=1, le=16, description="ADP width d; ATP = world/d.")
@@ -115,12 +116,104 @@ class Network(_Model):
     nvshmem: Nvshmem = Field(default_factory=Nvshmem)
 
 
+# Kubernetes' quantity syntax (the API server's own message quotes it): checked at admission, since a
+# bad quantity in a built StatefulSet is only refused later, as an HTTP 500 on apply.
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
 class Resources(_Model):
-    cpu: str = Field(default="16", min_length=1)
-    memory: str = Field(default="128Gi", min_length=1)
-    shared_memory: str = Field(default="32Gi", min_length=1, description="Size of the /dev/shm tmpfs.")
+    cpu: str = Field(default="16", min_length=1, pattern=QUANTITY)
+    memory: str = Field(default="128Gi", min_length=1, pattern=QUANTITY)
+    shared_memory: str = Field(default="32Gi", min_length=1, pattern=QUANTITY,
+                               description="Size of the /dev/shm tmpfs.")
     rdma_resource: str = Field(default="rdma/ib", min_length=1)
     rdma_per_node: int = Field(default=1, ge=0, description="0: request no RDMA device.")
+
+
+# What the operator itself sets in the pod; podTemplate may not set these (the operator's win).
+RESERVED_ENV = ("POD_NAME", "POD_IP")
+RESERVED_ENV_PREFIXES = ("PDROLLOUT_", "NCCL_", "NVSHMEM_")
+RESERVED_VOLUMES = ("dshm", "config", "admin")
+RESERVED_MOUNTS = ("/dev/shm", "/etc/pdrollout", "/var/run/secrets/pdrollout")
+_ENV_MSG = ("podTemplate.env may not set " + ", ".join(RESERVED_ENV) + " or "
+            + ", ".join(p + "*" for p in RESERVED_ENV_PREFIXES) + " (the operator sets them)")
+_VOL_MSG = "podTemplate.volumes may not use the names " + ", ".join(RESERVED_VOLUMES) + " (the operator's)"
+_MOUNT_MSG = "podTemplate.volumeMounts may not mount at " + ", ".join(RESERVED_MOUNTS) + " (the operator's)"
+_PASS = {"x-kubernetes-preserve-unknown-fields": True}   # a Kubernetes object, checked by the API server
+MAX_ITEMS = 64
+
+
+def _cel_list(values) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+class _Open(BaseModel):
+    """A Kubernetes object passed through into the pod: `name` checked here, the rest by the API server
+    when the StatefulSet is applied."""
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow",
+                              json_schema_extra=_PASS)
+    name: str = Field(min_length=1, max_length=253)
+
+
+class EnvVar(_Open):
+    pass
+
+
+class Volume(_Open):
+    pass
+
+
+class VolumeMount(_Model):
+    name: str = Field(min_length=1, max_length=253)
+    mount_path: str = Field(min_length=1, max_length=4096)
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=4096)
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
+class PodTemplate(_Model):
+    """Pod settings a platform needs (placement, pulls, extra env and volumes), merged into the pods the
+    operator builds; the operator's own fields win (reserved names are refused)."""
+
+    annotations: dict[str, str] = Field(default={}, description="Added to the pods' annotations.")
+    node_selector: dict[str, str] = Field(default={})
+    affinity: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS, description=(
+        "nodeAffinity/podAffinity as written; podAntiAffinity terms are added to the operator's exclusive "
+        "placement term."))
+    tolerations: list[dict[str, Any]] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra={
+        "items": {"type": "object", **_PASS}}, description="Added to the operator's (the GPU taint's).")
+    image_pull_secrets: list[LocalObjectReference] = Field(default=[], max_length=MAX_ITEMS)
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    env: list[EnvVar] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(e, !(e.name in {_cel_list(RESERVED_ENV)}) && "
+         + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")", _ENV_MSG)))
+    volumes: list[Volume] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}))", _VOL_MSG)))
+    volume_mounts: list[VolumeMount] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
+        (f"self.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNTS)}))", _MOUNT_MSG)))
+
+    @model_validator(mode="after")
+    def _reserved(self) -> "PodTemplate":  # mirrors the CEL rules above
+        if any(e.name in RESERVED_ENV or e.name.startswith(RESERVED_ENV_PREFIXES) for e in self.env):
+            raise ValueError(_ENV_MSG)
+        if any(v.name in RESERVED_VOLUMES for v in self.volumes):
+            raise ValueError(_VOL_MSG)
+        if any(m.mount_path in RESERVED_MOUNTS for m in self.volume_mounts):
+            raise ValueError(_MOUNT_MSG)
+        return self
+
+
+class Gang(_Model):
+    """All-or-nothing scheduling through the coscheduling plugin of kubernetes-sigs/scheduler-plugins: a
+    PodGroup with minMember = nodes, the pods labelled into it and handed to that scheduler."""
+
+    scheduler_name: str = Field(default="scheduler-plugins-scheduler", min_length=1, max_length=253,
+                                description="The profile of a kube-scheduler that runs the Coscheduling plugin.")
+    schedule_timeout_seconds: int = Field(default=300, ge=1, description=(
+        "How long placed pods wait (unbound, holding nothing) for the rest of the group."))
 
 
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
@@ -151,6 +244,9 @@ class PDRolloutSpec(_Model):
     resources: Resources = Field(default_factory=Resources)
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
+    pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
+                                                        "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
     @model_validator(mode="after")
     def _runnable(self) -> "PDRolloutSpec":  # mirrors the CEL rules above
@@ -172,6 +268,8 @@ class Phase(str, enum.Enum):
     RUNNING = "Running"          # every pod ready and rank 0 healthy
     DEGRADED = "Degraded"        # pods ready but the engine unhealthy or unreachable
     RESTARTING = "Restarting"    # the whole group is being recreated (or waits out its backoff)
+    FAILED = "Failed"            # an object built from the spec was refused (InvalidSpec says why)
+    UPDATING = "Updating"        # the pod template changed: the group is recreated on the new one
 
 
 class ConditionType(str, enum.Enum):
@@ -179,6 +277,7 @@ class ConditionType(str, enum.Enum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     STALLED = "Stalled"
+    INVALID_SPEC = "InvalidSpec"  # the API server refused an object built from the spec
 
 
 class Condition(_Model):
@@ -202,6 +301,9 @@ class PDRolloutStatus(_Model):
     last_stall_exit: str | None = Field(default=None, description="The stall exit counted last (pod UID/restarts/"
                                                                   "finish time).")
     group_restarts: int | None = None
+    group_updates: int | None = Field(default=None, description="Group recreations for a pod template change.")
+    updating_to: str | None = Field(default=None, description="Template hash the group is being updated to; "
+                                                              "cleared once every pod on it is ready.")
     restart_streak: int | None = Field(default=None, description="Group restarts since last Running.")
     group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")
     last_group_restart_time: str | None = None

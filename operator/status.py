@@ -16,6 +16,7 @@ class Observation:
     health: Health | None = None          # None: not polled (pods not all ready)
     metrics: EngineMetrics | None = None
     restarting: str | None = None         # why the group is being recreated, if it is
+    updating: str | None = None           # the group is being recreated on a new pod template
     stall: str | None = None              # an engine exited with the stall code (seen this pass)
     previous_stalled: dict | None = None  # the Stalled condition as status had it
     weight_version: str | None = None     # node 0's engine's, when it answered
@@ -36,6 +37,11 @@ def decide(o: Observation) -> tuple[Phase, list[Condition]]:
         conds = [_cond(ConditionType.READY, False, "GroupRestarting", o.restarting),
                  _cond(ConditionType.PROGRESSING, True, "GroupRestarting", o.restarting),
                  _cond(ConditionType.DEGRADED, True, "GroupRestarting", o.restarting)]
+    elif o.updating:   # a planned change, not a fault: not Degraded
+        phase = Phase.UPDATING
+        conds = [_cond(ConditionType.READY, False, "GroupUpdating", o.updating),
+                 _cond(ConditionType.PROGRESSING, True, "GroupUpdating", o.updating),
+                 _cond(ConditionType.DEGRADED, False, "GroupUpdating", o.updating)]
     elif o.ready_nodes < o.desired_nodes:
         phase = Phase.STARTING
         conds = [_cond(ConditionType.READY, False, "PodsNotReady", pods),

@@ -52,6 +52,15 @@ def write_config(configmap: dict, into: Path, master_ip: str, master_port: int) 
     return into
 
 
+def write_secret(secret: dict, into: Path) -> Path:
+    """The Secret's keys as files, where the pod mounts it (the kubelet decodes `data`)."""
+    import base64
+    into.mkdir(parents=True, exist_ok=True)
+    for key, b64 in secret["data"].items():
+        (into / key).write_bytes(base64.b64decode(b64))
+    return into
+
+
 @dataclass
 class PodProcess:
     name: str
@@ -81,8 +90,17 @@ class PodProcess:
 
 
 def launch(container: dict, *, pod_name: str, node_rank: int, pod_ip: str, config_dir: Path,
-           log: Path) -> PodProcess:
-    """Start the container's command as the pod would (its own session, so the tree dies together)."""
+           log: Path, secret_dir: Path | None = None) -> PodProcess:
+    """Start the container's command as the pod would (its own session, so the tree dies together).
+    `secret_dir` holds the admin Secret's files (write_secret) where the pod mounts builders.ADMIN_DIR."""
+    mounts = {builders.CONFIG_DIR: str(config_dir)}
+    if secret_dir is not None:
+        mounts[builders.ADMIN_DIR] = str(secret_dir)
+
+    def local(text: str) -> str:
+        for where, here in mounts.items():
+            text = text.replace(where, here)
+        return text
     values = {"metadata.name": pod_name, "status.podIP": pod_ip,
               f"metadata.labels['{builders.POD_INDEX_LABEL}']": str(node_rank)}
     env: dict[str, str] = {}
@@ -90,8 +108,8 @@ def launch(container: dict, *, pod_name: str, node_rank: int, pod_ip: str, confi
         if "valueFrom" in e:
             env[e["name"]] = values[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
-            env[e["name"]] = e["value"].replace(builders.CONFIG_DIR, str(config_dir))
-    argv = [expand(a, env).replace(builders.CONFIG_DIR, str(config_dir)) for a in container["args"]]
+            env[e["name"]] = local(e["value"])
+    argv = [local(expand(a, env)) for a in container["args"]]
     command = [shutil.which(container["command"][0]) or container["command"][0], *container["command"][1:]]
     base = {k: v for k, v in os.environ.items() if not _SCRUB.match(k)}
     proc = subprocess.Popen([*command, *argv], env={**base, **env}, stdout=open(log, "wb"),

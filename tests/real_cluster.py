@@ -140,6 +140,8 @@ def helm_install_operator(c: RealCluster, *extra: str) -> dict:
     """`helm install` of the chart with the operator image built here (never pulled), --wait: returns once
     the Deployment is available, i.e. its pod passed the readiness probe."""
     repo, tag = c.info["OPERATOR_IMAGE"].rsplit(":", 1)
+    if not any("watchNamespaces" in e for e in extra):   # the tests use namespaces of their own
+        extra = ("--set", "rbac.clusterWide=true", *extra)
     c.helm("install", REAL_RELEASE, str(ROOT / "charts" / "pdrollout-operator"), "--namespace", REAL_SYSTEM_NS,
            "--create-namespace", "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
            "--set", "image.pullPolicy=Never", "--set", "operator.pollSeconds=2", *extra,

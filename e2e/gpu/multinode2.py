@@ -45,7 +45,7 @@ def main(out: Path) -> int:
     from pdrollout.operator import builders
     from pdrollout.operator.models import PDRolloutSpec
     from hf_reference import MARGIN, hf_greedy
-    from pod_launch import free_port, get_text, http, launch, metric, wait_health, write_config
+    from pod_launch import free_port, get_text, http, launch, metric, wait_health, write_config, write_secret
 
     device = os.environ.get("DEVICE", "cuda")
     work = Path("/tmp/pdrollout-multinode2")
@@ -63,12 +63,13 @@ def main(out: Path) -> int:
     container = builders.statefulset(name, ns, spec)["spec"]["template"]["spec"]["containers"][0]
     ips = ["127.0.0.2", "127.0.0.3"]
     config = write_config(builders.configmap(name, ns, spec), work / "config", ips[0], free_port())
+    secret = write_secret(builders.admin_secret(name, ns, "t" * 64), work / "admin")   # the pods mount it
     pods = []
     for node in (1, 0):
         if device == "cuda":
             os.environ["CUDA_VISIBLE_DEVICES"] = str(node)   # the pod's own GPU
         pods.append(launch(container, pod_name=f"{name}-{node}", node_rank=node, pod_ip=ips[node],
-                           config_dir=config, log=out / f"node{node}.log"))
+                           config_dir=config, log=out / f"node{node}.log", secret_dir=secret))
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     node1, node0 = pods
     urls = [f"http://{ip}:{spec.port}" for ip in ips]

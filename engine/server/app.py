@@ -4,6 +4,7 @@ OpenAI routes live in `routes_native` and `routes_openai`."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ class ServerSettings:
     rollout_idle_s: float = 5.0
     incremental_streaming_output: bool = False   # SGLang's default: cumulative chunks
     health_generate_timeout_s: float = 20.0
+    admin_token: Optional[str] = None   # required (Bearer) on the admin routes; None: they are open
 
     @property
     def model_name(self) -> str:
@@ -255,6 +257,31 @@ async def read_json(request: web.Request, model: Optional[type[BaseModel]] = Non
     return parse(model, body) if model else body
 
 
+def admin(handler):
+    """Marks a route that changes the engine for everyone (controls, pause, weights, memory, aborts):
+    with an admin token configured it needs `Authorization: Bearer <token>`."""
+    handler.admin = True
+    return handler
+
+
+def is_admin(handler) -> bool:
+    return getattr(handler, "admin", False)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    token = server_of(request).settings.admin_token
+    if token is not None and is_admin(request.match_info.handler):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            why = "missing bearer token" if not given else "wrong bearer token"
+            resp = error_response(f"{request.method} {request.path} is an admin route: {why} "
+                                  f"(Authorization: Bearer <admin token>)", 401)
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="pdrollout-admin"'
+            return resp
+    return await handler(request)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     try:
@@ -295,6 +322,7 @@ async def get_control(request: web.Request) -> web.Response:
     return json_response(control.model_dump())
 
 
+@admin
 async def put_control(request: web.Request) -> web.Response:
     changes = await read_json(request)
     server = server_of(request)
@@ -331,7 +359,7 @@ async def rollouts(request: web.Request) -> web.Response:
 def build_app(server: Server) -> web.Application:
     from . import routes_chat, routes_native, routes_openai, routes_rl
     # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
-    app = web.Application(middlewares=[errors_middleware], client_max_size=server.settings.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=server.settings.max_body_bytes)
     app[SERVER_KEY] = server
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

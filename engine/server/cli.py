@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..protocol.auth import ADMIN_TOKEN_FILE_ENV
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over HTTP (SGLang native + OpenAI API)",
@@ -30,6 +32,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a rollout with no request in flight for this long is finished")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream only new tokens per chunk (SGLang's flag; default: cumulative)")
+    p.add_argument("--admin-token-file", default=os.environ.get(ADMIN_TOKEN_FILE_ENV) or None,
+                   help="file holding the bearer token the admin routes (PUT /control, pause/continue, "
+                        f"weights, memory, flush, abort) require; default ${ADMIN_TOKEN_FILE_ENV}; "
+                        "unset: those routes are open")
     p.add_argument("--log-level", default="info")
     from ..runtime.options import add_layout_args, add_rank_args
     add_layout_args(p)
@@ -60,6 +66,14 @@ def run_serve(args: argparse.Namespace) -> int:
                               **engine_overrides(args.engine_config))
     except (LayoutError, ValueError) as e:   # pydantic's ValidationError is a ValueError
         return _fail(str(e), EXIT_CONFIG)
+    admin_token = None
+    if args.admin_token_file:
+        try:
+            admin_token = Path(args.admin_token_file).read_text().strip()
+        except OSError as e:
+            return _fail(f"--admin-token-file: {e.strerror}: {args.admin_token_file}", EXIT_CONFIG)
+        if not admin_token:
+            return _fail(f"--admin-token-file {args.admin_token_file} is empty", EXIT_CONFIG)
     options = None
     if layout.world > 1:
         from ..runtime.launcher import prepare, run_worker_node
@@ -75,7 +89,11 @@ def run_serve(args: argparse.Namespace) -> int:
                               port=args.port, mode=args.mode, device=layout.device,
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
                               rollout_idle_s=args.rollout_idle,
-                              incremental_streaming_output=args.incremental_streaming_output)
+                              incremental_streaming_output=args.incremental_streaming_output,
+                              admin_token=admin_token)
+    if admin_token is None:
+        logging.getLogger("pdrollout.server").warning(
+            "no --admin-token-file: the admin routes (controls, weights, memory, pause, abort) are open")
     tokenizer = find_tokenizer(args.model, args.tokenizer)
     made: list = []
 

@@ -13,7 +13,7 @@ from importlib import metadata
 
 from aiohttp import web
 
-from .app import Server, json_response, read_json, server_of
+from .app import Server, admin, json_response, read_json, server_of
 from .bridge import Tracked
 from .protocol import (AbortRequest, BadRequest, ContinueRequest, GenerateItem, GenerateRequest, PauseRequest,
                        generate_response, version_meta)
@@ -97,6 +97,7 @@ async def _stream(request, server: Server, tracked: list[Tracked], queue: asynci
     return resp
 
 
+@admin
 async def abort_request(request: web.Request) -> web.Response:
     req = await read_json(request, AbortRequest)
     server = server_of(request)
@@ -107,6 +108,7 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"success": True, "aborted": n})
 
 
+@admin
 async def pause_generation(request: web.Request) -> web.Response:
     """SGLang's modes. abort: in-flight requests end with finish_reason abort (their partial
     output answered before this returns); in_place: no steps, running requests keep their KV;
@@ -126,6 +128,7 @@ async def pause_generation(request: web.Request) -> web.Response:
                           "mode": req.mode, "aborted": n, "retracted": retracted})
 
 
+@admin
 async def continue_generation(request: web.Request) -> web.Response:
     await read_json(request, ContinueRequest, allow_empty=True)
     server = server_of(request)
@@ -134,6 +137,7 @@ async def continue_generation(request: web.Request) -> web.Response:
     return json_response({"message": "Generation continued successfully.", "status": "ok", "success": True})
 
 
+@admin
 async def flush_cache(request: web.Request) -> web.Response:
     await read_json(request, allow_empty=True)
     server = server_of(request)

@@ -12,7 +12,7 @@ import logging
 from aiohttp import web
 
 from ..runtime.engine_ops import OpError, OpFailed
-from .app import json_response, read_json, server_of
+from .app import admin, json_response, read_json, server_of
 from .protocol import (BadRequest, DestroyGroupRequest, InitGroupRequest, MemoryRequest, UpdateFromDiskRequest,
                        UpdateFromDistributedRequest, UpdateWeightVersionRequest)
 
@@ -31,6 +31,7 @@ async def _op(request: web.Request, fn, *, abort_all: bool = False, **extra) -> 
     return json_response({"success": True, "message": message, **extra})
 
 
+@admin
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     req = await read_json(request, UpdateFromDiskRequest)
     return await _op(request, lambda e: e.update_weights_from_disk(req.model_path, req.weight_version,
@@ -38,6 +39,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                      abort_all=req.abort_all_requests, num_paused_requests=0)
 
 
+@admin
 async def init_weights_update_group(request: web.Request) -> web.Response:
     req = await read_json(request, InitGroupRequest)
     # no exclusive wait: forming a group changes no weight (the trainer waits for it to form)
@@ -50,6 +52,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": message})
 
 
+@admin
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     req = await read_json(request, UpdateFromDistributedRequest)
     return await _op(request, lambda e: e.update_weights_from_distributed(
@@ -57,6 +60,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         abort_all=req.abort_all_requests)
 
 
+@admin
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     req = await read_json(request, DestroyGroupRequest, allow_empty=True)
     server = server_of(request)
@@ -67,6 +71,7 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": message})
 
 
+@admin
 async def update_weight_version(request: web.Request) -> web.Response:
     req = await read_json(request, UpdateWeightVersionRequest)
 
@@ -100,10 +105,12 @@ async def _memory(request: web.Request, release: bool) -> web.Response:
     return json_response(None)   # SGLang answers 200 with no content (null)
 
 
+@admin
 async def release_memory_occupation(request: web.Request) -> web.Response:
     return await _memory(request, release=True)
 
 
+@admin
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     return await _memory(request, release=False)
 

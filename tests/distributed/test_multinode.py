@@ -20,7 +20,7 @@ from pdrollout.engine.protocol.exits import EXIT_PEER_LOST
 from pdrollout.engine.runtime.worker import RankOptions
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
-from pod_launch import free_port, get_text, health, http, launch, metric, wait_health, write_config
+from pod_launch import free_port, get_text, health, http, launch, metric, wait_health, write_config, write_secret
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(3 + 9 * i)] for i in range(4)]
@@ -40,11 +40,12 @@ def group(tiny_model, tmp_path):
     ips = [f"{net}.2", f"{net}.3"]
     container = builders.statefulset(name, ns, spec)["spec"]["template"]["spec"]["containers"][0]
     config = write_config(builders.configmap(name, ns, spec), tmp_path / "config", ips[0], free_port())
+    secret = write_secret(builders.admin_secret(name, ns, "t" * 64), tmp_path / "admin")
     pods: dict[int, object] = {}
 
     def start(node: int):
         pods[node] = launch(container, pod_name=f"{name}-{node}", node_rank=node, pod_ip=ips[node],
-                            config_dir=config, log=tmp_path / f"{name}-{node}.log")
+                            config_dir=config, log=tmp_path / f"{name}-{node}.log", secret_dir=secret)
         return pods[node]
     urls = [f"http://{ip}:{spec.port}" for ip in ips]
     yield spec, config, start, urls, pods

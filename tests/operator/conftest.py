@@ -105,10 +105,12 @@ class Operator:
     log: Path
     proc: subprocess.Popen | None = None
 
-    def start(self, **extra_env: str) -> "Operator":
+    def start(self, script: Path | None = None, **extra_env: str) -> "Operator":
+        """`script`: a test wrapper of the operator's entry point (e.g. tests/slow_operator.py)."""
         assert self.proc is None or self.proc.poll() is not None, "operator already running"
         self._fh = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdrollout.operator", "--verbose"],
+        cmd = [str(script)] if script else ["-m", "pdrollout.operator"]
+        self.proc = subprocess.Popen([sys.executable, *cmd, "--verbose"],
                                      env={**self.env, **extra_env}, stdout=self._fh, stderr=subprocess.STDOUT,
                                      cwd=ROOT)
         return self
@@ -154,15 +156,15 @@ def pytest_runtest_makereport(item, call):
     return rep
 
 
-RELEASE, SYSTEM_NS = "pdr", "pdrollout-system"
-OPERATOR_SA = "pdr-pdrollout-operator"
+from chart_install import OPERATOR_SA, RELEASE, SYSTEM_NS, token_key  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def installed(cluster) -> dict:
     """`helm install` of the chart (CRD, RBAC, operator Deployment, dashboard) into pdrollout-system."""
+    # Cluster-wide (opt-in): every test makes its own namespace.
     cluster.helm("install", RELEASE, str(ROOT / "charts" / "pdrollout-operator"), "--namespace", SYSTEM_NS,
-                 "--create-namespace", "--wait", "--timeout", "120s")
+                 "--create-namespace", "--set", "rbac.clusterWide=true", "--wait", "--timeout", "120s")
     cluster.kubectl("wait", "--for=condition=Established", "crd/pdrollouts.pdrollout.io", "--timeout=60s")
     return {"release": RELEASE, "namespace": SYSTEM_NS, "serviceaccount": OPERATOR_SA}
 
@@ -173,8 +175,11 @@ def operator(cluster, installed, tmp_path_factory) -> Operator:
     every second. Tests that kill it must leave it running again."""
     d = tmp_path_factory.mktemp("operator")
     kc = sa_kubeconfig(cluster, SYSTEM_NS, OPERATOR_SA, d / "kubeconfig")
+    # The chart's token key, as its Deployment mounts it.
+    (d / "token-key").write_bytes(token_key(cluster))
     env = {**cluster.env, "KUBECONFIG": str(kc), "PDROLLOUT_OPERATOR_POLL_S": "1",
-           "PDROLLOUT_OPERATOR_RESTART_BACKOFF_S": "15"}
+           "PDROLLOUT_OPERATOR_RESTART_BACKOFF_S": "15", "PDROLLOUT_OPERATOR_NAMESPACE": SYSTEM_NS,
+           "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE": str(d / "token-key")}
     op = Operator(env=env, log=d / "operator.log").start()
     yield op
     op.kill(signal.SIGTERM)

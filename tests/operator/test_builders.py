@@ -28,6 +28,7 @@ FIELD_ENV = {
     "POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
     "POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
     "PDROLLOUT_ROLLOUT_INFO": "/etc/pdrollout/rollout.json",
+    "PDROLLOUT_ADMIN_TOKEN_FILE": "/var/run/secrets/pdrollout/token",
 }
 
 
@@ -169,7 +170,53 @@ def test_cpu_pods_request_no_gpu_no_rdma_no_capabilities():
     pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout-cpu.yaml"))["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
-    assert "securityContext" not in c and "tolerations" not in pod
+    assert "tolerations" not in pod
+    # Non-root, no capabilities, no privilege escalation, no API token.
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True,
+                                      "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_cuda_pods_keep_only_ipc_lock_and_no_api_token():
+    pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout.yaml"))["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                        "capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_admin_token_secret_is_mounted_where_the_engine_reads_it():
+    import base64
+    sec = builders.admin_secret("r", "ns", "tok")
+    assert sec["metadata"]["name"] == "r-admin" and base64.b64decode(sec["data"]["token"]) == b"tok"
+    pod = builders.statefulset("r", "ns", spec_of("examples/pdrollout.yaml"))["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "admin")
+    assert vol["secret"] == {"secretName": "r-admin", "defaultMode": 0o440}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "admin"]
+    token_file = env_map(pod["containers"][0]["env"])["PDROLLOUT_ADMIN_TOKEN_FILE"]
+    assert token_file == f"{mount['mountPath']}/token" and mount["readOnly"]
+
+
+def test_admin_tokens_are_per_rollout_and_stable():
+    key = b"k" * 32
+    t = builders.admin_token(key, "ns", "r", "uid-1")
+    assert t == builders.admin_token(key, "ns", "r", "uid-1") and len(t) == 64
+    assert len({t, builders.admin_token(key, "ns", "r", "uid-2"), builders.admin_token(key, "ns2", "r", "uid-1"),
+                builders.admin_token(b"j" * 32, "ns", "r", "uid-1")}) == 4
+
+
+def test_network_policy_admits_the_group_the_operator_and_the_namespace():
+    spec = spec_of("examples/pdrollout.yaml")
+    np = builders.network_policy("r", "ns", spec, "ops")
+    assert np["spec"]["podSelector"] == {"matchLabels": {"pdrollout.io/rollout": "r"}}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    group, http = np["spec"]["ingress"]
+    assert group == {"from": [{"podSelector": {"matchLabels": {"pdrollout.io/rollout": "r"}}}]}  # every port
+    assert http["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"pdrollout.io/component": "operator"}}} in http["from"]
+    assert {"podSelector": {}} in http["from"]   # this namespace's clients
 
 
 def test_multiplexing_is_not_in_the_pod_template():
@@ -211,10 +258,97 @@ def test_client_service_selects_node_0_alone():
 def test_adopt_sets_controller_owner_reference():
     owner = {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout",
              "metadata": {"name": "r", "namespace": "ns", "uid": "1234", "labels": {}}}
-    objs = builders.desired_objects("r", "ns", spec_of("examples/pdrollout.yaml"))
+    objs = builders.desired_objects("r", "ns", spec_of("examples/pdrollout.yaml"), "tok", "ops")
     kopf.adopt(objs, owner=owner)
     for o in objs:
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "pdrollout.io/v1alpha1", "kind": "PDRollout", "name": "r", "uid": "1234",
                        "controller": True, "blockOwnerDeletion": True}
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Service", "StatefulSet"]
+    assert [o["kind"] for o in objs] == ["Secret", "NetworkPolicy", "ConfigMap", "Service", "Service",
+                                         "StatefulSet"]
+
+
+OVERRIDES = {
+    "annotations": {"team": "rl"},
+    "nodeSelector": {"pool": "h200"},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}},
+                 "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                     {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "zone"}]}},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+    "imagePullSecrets": [{"name": "regcred"}],
+    "priorityClassName": "rollout-high",
+    "env": [{"name": "HF_HOME", "value": "/cache"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+}
+
+
+def test_pod_template_overrides_merge_with_the_operators_winning():
+    base = spec_of("examples/pdrollout.yaml")
+    plain = builders.pod_template("r", "ns", base)
+    spec = PDRolloutSpec.model_validate({**base.model_dump(by_alias=True), "podTemplate": OVERRIDES})
+    tpl = builders.pod_template("r", "ns", spec)
+    pod, c = tpl["spec"], tpl["spec"]["containers"][0]
+    assert tpl["metadata"]["labels"] == plain["metadata"]["labels"]
+    assert tpl["metadata"]["annotations"] == {"team": "rl", "pdrollout.io/template-hash":
+                                              builders.template_hash("r", "ns", spec)}
+    assert pod["nodeSelector"] == {"pool": "h200"} and pod["priorityClassName"] == "rollout-high"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["tolerations"] == plain["spec"]["tolerations"] + OVERRIDES["tolerations"]
+    assert pod["affinity"]["nodeAffinity"] == OVERRIDES["affinity"]["nodeAffinity"]
+    ours = plain["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == \
+        ours + OVERRIDES["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert c["env"] == plain["spec"]["containers"][0]["env"] + OVERRIDES["env"]
+    assert pod["volumes"] == plain["spec"]["volumes"] + OVERRIDES["volumes"]
+    assert c["volumeMounts"] == plain["spec"]["containers"][0]["volumeMounts"] + OVERRIDES["volumeMounts"]
+    # Everything else is the operator's, unchanged.
+    for key in ("securityContext", "automountServiceAccountToken", "terminationGracePeriodSeconds"):
+        assert pod[key] == plain["spec"][key]
+    assert {k: v for k, v in c.items() if k not in ("env", "volumeMounts")} == \
+        {k: v for k, v in plain["spec"]["containers"][0].items() if k not in ("env", "volumeMounts")}
+
+
+def test_reserved_names_are_what_the_builders_use():
+    """The CRD refuses overrides of these; they must be exactly the operator's own."""
+    from pdrollout.operator import models
+    for spec in (spec_of("examples/pdrollout.yaml"), spec_of("examples/pdrollout-2node.yaml")):
+        pod = builders.pod_template("r", "ns", spec)["spec"]
+        assert {v["name"] for v in pod["volumes"]} == set(models.RESERVED_VOLUMES)
+        assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} == set(models.RESERVED_MOUNTS)
+        for e in pod["containers"][0]["env"]:
+            assert e["name"] in models.RESERVED_ENV or e["name"].startswith(models.RESERVED_ENV_PREFIXES), e
+
+
+def test_template_hash_tells_template_changes_and_only_those():
+    """Pods carry the hash of the template they were made from; the operator recreates the group when it
+    differs. Controls are not in the template, so they never change it; the image does."""
+    base = spec_of("examples/pdrollout.yaml")
+    sts = builders.statefulset("r", "ns", base)
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    h = builders.template_hash("r", "ns", base)
+    assert sts["spec"]["template"]["metadata"]["annotations"]["pdrollout.io/template-hash"] == h
+    controls = base.model_copy(update={"multiplexing": base.multiplexing.model_copy(update={"span": 3})})
+    assert builders.template_hash("r", "ns", controls) == h
+    assert builders.template_hash("r", "ns", base.model_copy(update={"image": "other:1"})) != h
+    assert builders.template_hash("r2", "ns", base) != h
+
+
+def test_gang_makes_a_pod_group_and_hands_the_pods_to_its_scheduler():
+    base = spec_of("examples/pdrollout-2node.yaml")
+    assert "PodGroup" not in [o["kind"] for o in builders.desired_objects("r", "ns", base, "t", "ops")]
+    assert "schedulerName" not in builders.pod_template("r", "ns", base)["spec"]
+    spec = PDRolloutSpec.model_validate({**base.model_dump(by_alias=True, exclude_none=True),
+                                         "gang": {"schedulerName": "gang-sched", "scheduleTimeoutSeconds": 60}})
+    kinds = [o["kind"] for o in builders.desired_objects("r", "ns", spec, "t", "ops")]
+    assert kinds.index("PodGroup") < kinds.index("StatefulSet")   # the group exists before its pods
+    pg = builders.pod_group("r", "ns", spec)
+    assert pg["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert pg["spec"] == {"minMember": 2, "scheduleTimeoutSeconds": 60}
+    tpl = builders.pod_template("r", "ns", spec)
+    assert tpl["spec"]["schedulerName"] == "gang-sched"
+    assert tpl["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "r"
+    sts = builders.statefulset("r", "ns", spec)
+    assert sts["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()

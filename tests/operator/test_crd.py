@@ -64,13 +64,18 @@ def _check_defaults(node: dict, value, at: str) -> int:
         assert value == node["default"], at
         checked += 1
     for key, sub in (node.get("properties") or {}).items():
+        if key not in value:   # an optional without a default: absent on both sides
+            assert "default" not in sub, f"{at}.{key}"
+            continue
         checked += _check_defaults(sub, value[key], f"{at}.{key}")
     return checked
 
 
 def test_defaults_match_model_defaults():
     spec_schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    minimal = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}}).model_dump(by_alias=True)
+    # An unset optional (None) is absent from the object, as in the schema.
+    minimal = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}}).model_dump(by_alias=True,
+                                                                                        exclude_none=True)
     assert _check_defaults(spec_schema, minimal, "spec") >= 20
 
 
@@ -90,3 +95,13 @@ def test_examples_are_valid(path):
     doc = yaml.safe_load((ROOT / path).read_text())
     assert doc["apiVersion"] == "pdrollout.io/v1alpha1" and doc["kind"] == "PDRollout"
     PDRolloutSpec.model_validate(doc["spec"])
+
+
+def test_name_limit_comes_from_the_derived_names():
+    from pdrollout.operator import builders
+    limit = builders.max_name_length()
+    assert limit == 52, "63 minus the longest suffix the builders or the StatefulSet controller add"
+    assert all(len(n) <= 63 for n in builders.derived_names("a" * limit))
+    assert any(len(n) > 63 for n in builders.derived_names("a" * (limit + 1)))
+    rules = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert {"rule": f"size(self.metadata.name) <= {limit}"} .items() <= rules[1].items()

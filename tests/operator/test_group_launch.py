@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdrollout.engine.protocol.exits import EXIT_PEER_LOST, EXIT_STALL
-from pod_launch import free_port, http, launch, wait_health, write_config
+from pod_launch import free_port, http, launch, wait_health, write_config, write_secret
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,9 +62,11 @@ def test_two_pod_group_through_the_operator(cluster, operator, namespace, tiny_m
     ips = [p["status"]["podIP"] for p in pods]
     config = write_config(cluster.get("configmap", f"{name}-engine", "-n", ns), tmp_path / "config", ips[0],
                           free_port())
+    secret = write_secret(cluster.get("secret", f"{name}-admin", "-n", ns), tmp_path / "admin")
     procs = [launch(p["spec"]["containers"][0], pod_name=p["metadata"]["name"],
                     node_rank=int(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"]), pod_ip=p["status"]["podIP"],
-                    config_dir=config, log=tmp_path / f"{p['metadata']['name']}.log") for p in pods]
+                    config_dir=config, log=tmp_path / f"{p['metadata']['name']}.log", secret_dir=secret)
+             for p in pods]
     urls = [f"http://{ip}:{port}" for ip in ips]
     try:
         wait_health(procs[0], urls[0], 200, timeout=240)

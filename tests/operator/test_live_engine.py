@@ -1,32 +1,35 @@
 """The engine-facing paths with a real engine process (`pdrollout serve`, CPU, tiny model) bound to the
 rank-0 pod's loopback IP: health and metrics into status, live /control pushes without restarts,
 drift correction, and Degraded when the engine dies."""
+import base64
 import importlib
 import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+from chart_install import admin_token
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def http(url: str, body: dict | None = None, method: str | None = None) -> dict:
+def http(url: str, body: dict | None = None, method: str | None = None, token: str | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"), headers=headers)
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
 
 class Engine:
-    def __init__(self, model: Path, host: str, port: int, log: Path):
+    def __init__(self, model: Path, host: str, port: int, log: Path, token_file: Path):
         try:
             importlib.import_module("pdrollout.engine.server.serve")
         except ImportError as e:
@@ -35,7 +38,7 @@ class Engine:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdrollout.engine.cli", "serve", "--model", str(model), "--host", host,
-             "--port", str(port), "--mode", "pd", "--rollout-idle", "60"],
+             "--port", str(port), "--mode", "pd", "--rollout-idle", "60", "--admin-token-file", str(token_file)],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout=120):
@@ -70,7 +73,10 @@ def live(cluster, operator, namespace, port, tiny_model, tmp_path, wait):
     ip = pod["status"]["podIP"]
     assert ip.startswith("127."), f"pod IP {ip} is not loopback"
     declared = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
-    engine = Engine(tiny_model, ip, declared, tmp_path / "engine.log")
+    # The token the pod mounts: the rollout's Secret, which only the operator wrote.
+    secret = cluster.get("secret", f"{name}-admin", "-n", namespace)
+    (tmp_path / "token").write_bytes(base64.b64decode(secret["data"]["token"]))
+    engine = Engine(tiny_model, ip, declared, tmp_path / "engine.log", tmp_path / "token")
     engine.wait_healthy()
     yield {"name": name, "ns": namespace, "engine": engine, "pod": pod}
     engine.kill()
@@ -89,7 +95,9 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     # One rollout of real requests, finished by the client: makespan and TTFT appear in status.
     for i in range(3):
         out = http(f"{engine.url}/generate", {"input_ids": [1 + i, 2, 3, 4, 5], "rollout_id": "step-1",
-                                              "sampling_params": {"max_new_tokens": 6}})
+                                              # ignore_eos: sampled at temperature 1, the tiny model
+                                              # sometimes ends at once (seen: output_ids == [1])
+                                              "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}})
         assert len(out["output_ids"]) == 6
     fin = http(f"{engine.url}/rollout/finish", {"rollout_id": "step-1"})
     st = wait("makespan in status", lambda: (s := status(cluster, ns, name)).get("makespanSeconds") and s,
@@ -100,7 +108,8 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     assert table[1:4] == ["Running", "1", "1"] and float(table[4]) == pytest.approx(fin["makespan_s"], rel=1e-3)
 
     # A trainer's weight update sets the engine's version: status shows it.
-    assert http(f"{engine.url}/update_weight_version", {"new_version": "step-2"})["success"]
+    assert http(f"{engine.url}/update_weight_version", {"new_version": "step-2"},
+                token=admin_token(cluster, live["ns"], name))["success"]
     wait("weightVersion in status", lambda: status(cluster, ns, name).get("weightVersion") == "step-2", timeout=30)
 
     # The engine dies: the rollout turns Degraded, with a Warning event.
@@ -133,6 +142,17 @@ def test_multiplexing_change_reaches_engine_without_restart(cluster, live, wait)
     assert json.loads(cm["data"]["engine-config.json"])["control"] == want
     wait("status.control", lambda: status(cluster, ns, name).get("control", {}).get("span") == 2, timeout=20)
 
-    # Someone changes the engine behind the operator's back: the timer puts the spec back.
-    http(f"{engine.url}/control", {"activation": "off"}, method="PUT")
+    # Without the rollout's admin token nobody else can change it: 401, nothing changes.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http(f"{engine.url}/control", {"activation": "off"}, method="PUT")
+    assert e.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http(f"{engine.url}/pause_generation", {}, token="not-the-token")
+    assert e.value.code == 401
+    assert http(f"{engine.url}/control") == want
+
+    # A holder of the token (a trainer given the Secret) changes it behind the operator's back: applied,
+    # then the timer puts the spec back.
+    token = admin_token(cluster, ns, name)
+    assert http(f"{engine.url}/control", {"activation": "off"}, method="PUT", token=token)["activation"] == "off"
     wait("drift corrected", lambda: http(f"{engine.url}/control") == want, timeout=20, interval=0.2)

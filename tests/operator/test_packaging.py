@@ -1,5 +1,6 @@
 """Helm chart (lint, capability-gated monitoring objects, RBAC), alert rules (promtool check + unit
 tests), Dockerfiles (hadolint). No cluster needed; helm comes from e2e/cluster/build.sh."""
+import base64
 import json
 import subprocess
 from pathlib import Path
@@ -33,14 +34,15 @@ def test_helm_lint_clean(tools):
 def test_monitoring_objects_only_when_their_crds_exist(tools):
     kinds = [d["kind"] for d in render(tools)]
     assert "PodMonitor" not in kinds and "PrometheusRule" not in kinds
-    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ConfigMap"} <= set(kinds)
+    assert {"ServiceAccount", "Role", "RoleBinding", "Deployment", "ConfigMap", "Secret"} <= set(kinds)
     kinds = [d["kind"] for d in render(tools, *MONITORING)]
     assert "PodMonitor" in kinds and "PrometheusRule" in kinds
 
 
 def test_namespaced_rbac_when_watching_namespaces(tools):
     docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
-    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
+             and d["metadata"]["name"] == "pdr-pdrollout-operator"]   # not the leader-election Role
     assert sorted(roles) == [("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"),
                              ("RoleBinding", "team-b")]
     assert not [d for d in docs if d["kind"].startswith("Cluster")]
@@ -48,13 +50,115 @@ def test_namespaced_rbac_when_watching_namespaces(tools):
     assert "--namespace=team-a" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def test_rbac_is_namespaced_by_default_cluster_wide_opt_in(tools):
+    docs = render(tools)
+    assert not [d for d in docs if d["kind"].startswith("Cluster")]
+    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
+             and d["metadata"]["name"] == "pdr-pdrollout-operator"]
+    assert sorted(roles) == [("Role", "ops"), ("RoleBinding", "ops")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert "--namespace=ops" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    docs = render(tools, "--set", "rbac.clusterWide=true")
+    assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and not d["metadata"]["name"].endswith(
+        "-leader-election")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert not [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
+
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", "rbac.clusterWide=true",
+            "--set", "watchNamespaces={a}")
+    assert r.returncode != 0 and "leave watchNamespaces empty" in r.stderr, r.stderr
+
+
+def test_operator_gets_its_token_key_and_namespace(tools):
+    docs = render(tools)
+    (key,) = [d for d in docs if d["kind"] == "Secret"]
+    assert key["metadata"]["name"] == "pdr-pdrollout-operator-token-key"
+    assert key["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(key["data"]["key"])) == 64
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    assert pod["metadata"]["labels"]["pdrollout.io/component"] == "operator"   # the NetworkPolicies admit it
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["PDROLLOUT_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    (mount,) = c["volumeMounts"]
+    assert env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] == mount["mountPath"] + "/key"
+    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == key["metadata"]["name"]
+
+
+def test_leader_election_by_default_and_replicas_need_it(tools):
+    docs = render(tools, "--set", "operator.replicas=2")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect" in args and "--lease-name=pdr-pdrollout-operator" in args
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election"))
+    assert role["metadata"]["namespace"] == "ops"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+    dep = next(d for d in render(tools, "--set", "operator.leaderElection=false") if d["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", "operator.replicas=2",
+            "--set", "operator.leaderElection=false")
+    assert r.returncode != 0 and "needs operator.leaderElection=true" in r.stderr, r.stderr
+
+
 def test_rbac_is_least_privilege(tools):
-    role = next(d for d in render(tools) if d["kind"] == "ClusterRole")
+    role = next(d for d in render(tools) if d["kind"] == "Role" and d["metadata"]["name"] == "pdr-pdrollout-operator")
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
-    assert ("", "secrets", "get") not in grants and not any(r == "*" or v == "*" for _, r, v in grants)
+    assert not any(r == "*" or v == "*" for _, r, v in grants)
+    # The admin-token Secrets and the NetworkPolicies are written, never read.
+    assert {v for g, r, v in grants if r == "secrets"} == {"create", "patch"}
+    assert {v for g, r, v in grants if r == "networkpolicies"} == {"create", "patch"}
     assert ("apps", "statefulsets", "delete") not in grants, "deletion is the garbage collector's job"
     assert ("", "pods", "delete") in grants and ("pdrollout.io", "pdrollouts/status", "patch") in grants
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("operator.pollSeconds=abc", "at '/operator/pollSeconds': got string, want number"),
+    ("operator.pollSeconds=0", "at '/operator/pollSeconds': exclusiveMinimum"),
+    ("operator.restartBackoffSeconds=-1", "at '/operator/restartBackoffSeconds': minimum"),
+    ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of"),
+    ("operator.pollSecond=3", "additional properties 'pollSecond' not allowed"),
+    ("watchNamespaces={Team_A}", "at '/watchNamespaces/0'"),
+    ("fullnameOverride=Bad.Name", "at '/fullnameOverride'"),
+    ("monitoring.podMonitor.interval=15", "at '/monitoring/podMonitor/interval'"),
+])
+def test_schema_refuses_bad_values(tools, setting, error):
+    """values.schema.json: a bad value fails `helm template` (and so install/upgrade) with the path,
+    instead of rendering and crashing the operator at start."""
+    r = run(tools["helm"], "template", "pdr", CHART, "--kube-version", "1.34.0", "--set", setting)
+    assert r.returncode != 0, f"{setting} rendered:\n{r.stdout[:500]}"
+    assert "values don't meet the specifications of the schema" in r.stderr and error in r.stderr, r.stderr
+
+
+def test_schema_accepts_the_defaults_and_documented_overrides(tools):
+    # helm --set reads 2.5 as a string (the schema says so); --set-json keeps the number.
+    docs = render(tools, "--set-json", "operator.pollSeconds=2.5", "--set", "fullnameOverride=pdo",
+                  "--set", "imagePullSecrets[0].name=regcred", "--set", "image.pullPolicy=Never")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["metadata"]["name"] == "pdo"
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "pdo" and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["PDROLLOUT_OPERATOR_POLL_S"] == "2.5"
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo"}
+
+
+def test_helm_test_hook_pod_renders(tools):
+    (pod,) = [d for d in render(tools, "--set", "watchNamespaces={team-a,team-b}")
+              if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["serviceAccountName"] == "pdr-pdrollout-operator"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == "ghcr.io/pdrollout/operator:0.1.0" and c["args"][1:] == ["team-a", "team-b"]
+    # The script is valid Python (a template typo would only show at `helm test` time otherwise).
+    compile(c["args"][0], "helm-test", "exec")
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
 def test_dashboard_configmap_is_valid_grafana_json(tools):

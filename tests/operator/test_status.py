@@ -76,6 +76,16 @@ def test_restarting_wins():
     assert phase is Phase.RESTARTING and conds(c)["Degraded"] == ("True", "GroupRestarting")
 
 
+def test_a_template_update_is_progress_not_degradation():
+    phase, c = st.decide(obs(ready_nodes=0, updating="pod template changed"))
+    assert phase is Phase.UPDATING
+    assert conds(c) == {"Ready": ("False", "GroupUpdating"), "Progressing": ("True", "GroupUpdating"),
+                        "Degraded": ("False", "GroupUpdating"), "Stalled": ("False", "NoStall")}
+    # A fault during the update is still a fault.
+    phase, c = st.decide(obs(updating="pod template changed", restarting="pod r-1 failed"))
+    assert phase is Phase.RESTARTING
+
+
 def test_condition_transition_time_kept_while_status_unchanged():
     _, c1 = st.decide(obs(ready_nodes=1))
     first = st.merge_conditions([], c1, "T1")

@@ -1,13 +1,22 @@
 {{- define "pdrollout.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "pdrollout.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdrollout.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
 {{- define "pdrollout.labels" -}}
@@ -21,4 +30,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "pdrollout.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "pdrollout.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+
+{{- /* The namespaces the operator watches, as JSON: none (all) when cluster-wide, else watchNamespaces
+or the release's own. */ -}}
+{{- define "pdrollout.watchNamespaces" -}}
+{{- if .Values.rbac.clusterWide -}}
+{{- list | toJson -}}
+{{- else -}}
+{{- .Values.watchNamespaces | default (list .Release.Namespace) | toJson -}}
+{{- end -}}
 {{- end -}}
