@@ -271,3 +271,41 @@ def test_weight_updates_into_fp8_model_are_refused(fp8_pair):
     from pdrollout.engine.runtime.engine_ops import OpError
     with pytest.raises(OpError, match="FP8 model"):
         eng.update_weights_from_disk(str(fp8_pair[0]))
+
+
+def test_fp8_head_slices_must_fill_scale_blocks(fp8_pair):
+    """tiny's head_dim 16: two attention-TP ranks would split a 128-row scale block."""
+    from pdrollout.engine.model.qwen3_moe import Shard
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight_scale_inv.*slice \[32, 64\) is not aligned"):
+        load_model(fp8_pair[0], shard=Shard(atp_rank=1, atp_size=2))
+
+
+def test_fp8_on_two_ranks_equals_one(tmp_path):
+    """The release-shaped checkpoint on ATP2 x EP2 rank processes (head slices and expert shards
+    of the FP8 weights and their scales) generates one rank's tokens."""
+    import subprocess
+    import sys
+    src = write_release_like(tmp_path / "release")
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"input_ids": p, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}) + "\n" for p in PROMPTS))
+    p = subprocess.run([sys.executable, "-m", "pdrollout.engine.cli", "generate", "--model", str(src), "--requests",
+                        str(reqs), "--nproc", "2", "--ep", "2"], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = [json.loads(line)["output_ids"] for line in p.stdout.splitlines()]
+    one = greedy(src)
+    assert two == [one["r0"], one["r1"]]
+
+
+def test_random_fp8_model_for_benchmarks():
+    """random_weights on an FP8 config (a benchmark shape, no checkpoint): e4m3 weights of unit
+    scale times the fan-in std, finite logits."""
+    from pdrollout.engine.model.checkpoint import random_model
+    cfg = ModelConfig.from_dict(RELEASE)
+    model = random_model(cfg, torch.device("cpu"), torch.bfloat16, seed=2)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.down_proj.dtype == torch.float8_e4m3fn
+    assert torch.all(experts.down_proj_scale_inv == torch.tensor(192 ** -0.5))
+    w = fp8.dequantize(experts.down_proj[0], experts.down_proj_scale_inv[0], (128, 128))
+    assert 0.5 < float(w.std() * 192 ** 0.5) < 1.5
+    assert torch.isfinite(prompt_logits(model, PROMPTS[1])).all()
