@@ -7,7 +7,9 @@ one 128x128 block (the last row/column of blocks may be partial). The weights st
 time, so no full-precision copy of the model is ever held.
 
   CPU and default CUDA   dequantize (fp32 product, cast to the activations' dtype), then matmul:
-                         the reference path, equal to a checkpoint holding the dequantized values
+                         the reference path, equal to a checkpoint holding the dequantized values;
+                         experts: one routed expert at a time on CPU, a layer's experts at once
+                         into the grouped GEMM on CUDA (qwen3_moe.MoEBlock; graph-capturable)
   Hopper, opt-in         `linear_scaled_mm`: torch._scaled_mm per 128-wide slice of the reduction
                          with per-row dynamic activation scales (PDROLLOUT_FP8_SCALED_MM=1);
                          UNTESTED on a GPU, see docs/ARCHITECTURE.md "FP8 checkpoints"
@@ -34,10 +36,11 @@ def scale_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in] weights of `dtype`: the product is formed in fp32 (as a dequantized checkpoint is
-    written), then cast once."""
-    rows, cols = weight.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    """[..., out, in] weights of `dtype` (leading dims: experts): the product is formed in fp32
+    (as a dequantized checkpoint is written), then cast once."""
+    rows, cols = weight.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], -2)[..., :rows, :]
+    s = s.repeat_interleave(block[1], -1)[..., :cols]
     return (weight.float() * s).to(dtype)
 
 
@@ -111,14 +114,15 @@ def make_linear(in_features: int, out_features: int, block: tuple[int, int] | No
         Fp8Linear(in_features, out_features, block, bias)
 
 
-def expert_weights(experts, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert e's (gate_up [2I, H], down [H, I]) in `dtype`. Gate and up are quantized
-    separately in the checkpoint (their blocks restart at row I), so each half has its own
-    block rows of the fused scale."""
+def expert_weights(experts, e: int | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local expert e's (gate_up [2I, H], down [H, I]) in `dtype` (a slice of experts: [E, ...]).
+    Gate and up are quantized separately in the checkpoint (their blocks restart at row I), so
+    each half has its own block rows of the fused scale."""
     i, b = experts.inter, experts.block
     nb = _ceil(i, b[0])
     gu, s = experts.gate_up_proj[e], experts.gate_up_proj_scale_inv[e]
-    gate_up = torch.cat([dequantize(gu[:i], s[:nb], b, dtype), dequantize(gu[i:], s[nb:], b, dtype)])
+    gate_up = torch.cat([dequantize(gu[..., :i, :], s[..., :nb, :], b, dtype),
+                         dequantize(gu[..., i:, :], s[..., nb:, :], b, dtype)], dim=-2)
     return gate_up, dequantize(experts.down_proj[e], experts.down_proj_scale_inv[e], b, dtype)
 
 

@@ -169,17 +169,25 @@ class MoEBlock(nn.Module):
 
     def local_experts(self, x, topk_ids, topk_weights):
         """This shard's experts for rows routed by global expert id (foreign experts add nothing)."""
-        if self.experts.block is not None:   # FP8: dequantized per routed expert (fp8.py)
+        if self.experts.block is not None and not x.is_cuda:   # FP8: dequantized per routed expert (fp8.py)
             return fp8.experts_forward(x, topk_ids, topk_weights, self.experts, self.expert_offset)
-        return self.backends.experts(x, topk_ids, topk_weights, self.experts.gate_up_proj,
-                                     self.experts.down_proj, self.expert_offset)
+        gate_up, down = self._expert_tensors(x.dtype)
+        return self.backends.experts(x, topk_ids, topk_weights, gate_up, down, self.expert_offset)
+
+    def _expert_tensors(self, dtype):
+        """The expert backend's weights. FP8 on CUDA: the layer's local experts dequantized for this
+        forward (transient; shapes fixed, no host read, so decode graphs can hold it), then the
+        usual grouped GEMM; fp8.experts_forward's per-expert loop reads the host."""
+        if self.experts.block is None:
+            return self.experts.gate_up_proj, self.experts.down_proj
+        return fp8.expert_weights(self.experts, slice(None), dtype)
 
     def routed_experts(self, rows, local_ids):
         """Each row through its one local expert (-1: empty, output 0): what an all-to-all delivers."""
-        if self.experts.block is not None:
+        if self.experts.block is not None and not rows.is_cuda:
             ones = torch.ones(local_ids.shape[0], 1, dtype=rows.dtype, device=rows.device)
             return fp8.experts_forward(rows, local_ids[:, None], ones, self.experts)
-        return self.backends.experts.routed(rows, local_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
     def forward(self, x, batch, collectives: Collectives):
         weights, ids = ops.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)

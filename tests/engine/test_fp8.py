@@ -309,3 +309,19 @@ def test_random_fp8_model_for_benchmarks():
     w = fp8.dequantize(experts.down_proj[0], experts.down_proj_scale_inv[0], (128, 128))
     assert 0.5 < float(w.std() * 192 ** 0.5) < 1.5
     assert torch.isfinite(prompt_logits(model, PROMPTS[1])).all()
+
+
+def test_all_experts_dequantized_at_once_equal_per_expert(tmp_path):
+    """CUDA's FP8 experts (the layer's experts dequantized together for the grouped GEMM, no host
+    read) use the same weights as the per-expert CPU loop: checked here on CPU, through the
+    reference expert op."""
+    from pdrollout.engine.model import ops
+    model = load_model(write_release_like(tmp_path / "release"), dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=g)
+    ids = torch.randint(0, 8, (6, 2), generator=g)
+    w = torch.rand(6, 2, generator=g)
+    gate_up, down = fp8.expert_weights(experts, slice(None), torch.float32)
+    assert gate_up.shape == (8, 384, 256) and down.shape == (8, 256, 192)
+    assert torch.equal(fp8.experts_forward(x, ids, w, experts), ops.experts_reference(x, ids, w, gate_up, down))
