@@ -10,9 +10,9 @@ time, so no full-precision copy of the model is ever held.
                          the reference path, equal to a checkpoint holding the dequantized values;
                          experts: one routed expert at a time on CPU, a layer's experts at once
                          into the grouped GEMM on CUDA (qwen3_moe.MoEBlock; graph-capturable)
-  Hopper, opt-in         `linear_scaled_mm`: torch._scaled_mm per 128-wide slice of the reduction
-                         with per-row dynamic activation scales (PDROLLOUT_FP8_SCALED_MM=1);
-                         UNTESTED on a GPU, see docs/ARCHITECTURE.md "FP8 checkpoints"
+  Hopper, opt-in         `linear_scaled_mm`: torch._scaled_mm per 128x128 weight block with dynamic
+                         activation scales (PDROLLOUT_FP8_SCALED_MM=1); checked on CPU, UNTESTED
+                         on a GPU, see docs/ARCHITECTURE.md "FP8 checkpoints"
 """
 from __future__ import annotations
 
@@ -72,23 +72,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
 
 def linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Hopper path (UNTESTED on a GPU): for each 128-wide slice of the reduction dimension,
-    the activations are quantized per row (dynamic: amax/448) and multiplied by the weight slice
-    with torch._scaled_mm's row-wise scales (activation scale per row, weight scale per output
-    column, i.e. the column's block row); the fp32 partial products are summed. One GEMM per
-    slice: correct by construction, not a measured fast path (a grouped Triton kernel is the
-    follow-up)."""
+    """e4m3 x e4m3 through torch._scaled_mm (the Hopper path; UNTESTED on a GPU, checked on CPU).
+    For each 128-wide slice of the reduction dimension the activations are quantized (dynamic:
+    the slice's amax over all rows / 448), and each 128-row block of the weight is one GEMM with
+    two per-tensor scales (activation slice, weight block): the one scaling mode every backend of
+    torch._scaled_mm takes, CPU included. fp32 sums. One GEMM per block: correct by
+    construction, not fast (a grouped Triton kernel is the follow-up)."""
     rows, cols = weight.shape
     out = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    w_col_scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows]          # [out, in/128]
+    scale = scale_inv.float()
     for j in range(_ceil(cols, block[1])):
         lo, hi = j * block[1], min(cols, (j + 1) * block[1])
         xs = x[:, lo:hi].float()
-        a_scale = (xs.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        a_scale = (xs.abs().amax() / FP8_MAX).clamp(min=1e-12)
         xq = (xs / a_scale).to(FP8)
-        # row-wise scaling takes a bf16 output; the sum over slices is fp32
-        out += torch._scaled_mm(xq, weight[:, lo:hi].t(), scale_a=a_scale,
-                                scale_b=w_col_scale[:, j].contiguous()[None, :], out_dtype=torch.bfloat16).float()
+        for i in range(_ceil(rows, block[0])):
+            r0, r1 = i * block[0], min(rows, (i + 1) * block[0])
+            out[:, r0:r1] += torch._scaled_mm(xq, weight[r0:r1, lo:hi].t(), scale_a=a_scale,
+                                              scale_b=scale[i, j], out_dtype=torch.float32)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
