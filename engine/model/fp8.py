@@ -58,14 +58,16 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q.to(FP8).contiguous(), scale.float().contiguous()
 
 
-def _scaled_mm_wanted(x: torch.Tensor) -> bool:
+def _scaled_mm_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # cuBLASLt's FP8 GEMMs want dimensions divisible by 16 (so every partial block must be too)
     return (x.is_cuda and os.environ.get("PDROLLOUT_FP8_SCALED_MM") == "1"
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and all(d % 16 == 0 for d in weight.shape))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _scaled_mm_wanted(x):
+    if _scaled_mm_wanted(x, weight):
         return linear_scaled_mm(x, weight, scale_inv, block, bias)
     return F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
 
