@@ -9,10 +9,15 @@ from .runtime.options import add_layout_args, add_rank_args
 
 
 def _cmd_checkpoint(a) -> int:
-    from .model.checkpoint import write_checkpoint
+    from .model.checkpoint import write_checkpoint, write_dequantized
     from .protocol.config import load_preset
+    if a.dequantized_twin and a.dtype != "fp8":
+        print("pdrollout checkpoint: --dequantized-twin needs --dtype fp8", file=sys.stderr)
+        return 2
     out = write_checkpoint(load_preset(a.config), a.out, seed=a.seed, dtype=a.dtype, layout=a.layout)
     print(f"wrote {out}", file=sys.stderr)
+    if a.dequantized_twin:
+        print(f"wrote {write_dequantized(out, a.dequantized_twin)}", file=sys.stderr)
     return 0
 
 
@@ -58,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", required=True, help="preset name (tiny, qwen3-30b-a3b) or config.json path")
     c.add_argument("--out", required=True)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "fp8"], default="float32",
+                   help="fp8: the block-FP8 layout of Hugging Face FP8 releases (e4m3 + 128x128 block scales)")
+    c.add_argument("--dequantized-twin", metavar="DIR",
+                   help="with --dtype fp8: also write the same model dequantized to float32 (an ordinary checkpoint)")
     c.add_argument("--layout", choices=["per-expert", "fused"], default="per-expert")
     c.set_defaults(func=_cmd_checkpoint)
 

@@ -1,11 +1,16 @@
 """Random-weight Qwen3-MoE checkpoints in Hugging Face format (config.json + safetensors).
 
+`dtype="fp8"` writes the block-FP8 layout of Hugging Face FP8 releases (fp8.py; config.json gets
+`quantization_config`), and `write_dequantized` the same model with every FP8 weight dequantized:
+its twin, for comparisons.
+
 Weights are scaled so activations stay O(1) through depth and logits are well separated, which
 keeps greedy decoding stable enough to compare token-for-token with a reference implementation.
 """
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Iterator, Literal
@@ -13,10 +18,15 @@ from typing import Iterator, Literal
 import torch
 from safetensors.torch import save_file
 
-from ..protocol.config import ModelConfig
+from ..protocol.config import FP8_BLOCK, ModelConfig
+from . import fp8
 
 Layout = Literal["per-expert", "fused"]
 SHARD_BYTES = 4 << 30
+# The linears an FP8 release quantizes; embeddings, norms, the router (mlp.gate) and lm_head stay bf16.
+FP8_KEYS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(FP8_BLOCK)}
 
 
 def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype,
@@ -70,16 +80,12 @@ def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype,
         yield "lm_head.weight", normal(cfg.vocab_size, h, std=2.0 * h ** -0.5)
 
 
-def write_checkpoint(config: dict, out: str | Path, *, seed: int = 0, dtype: str = "float32",
-                     layout: Layout = "per-expert") -> Path:
-    """Writes config.json and safetensors shards (with an index when there is more than one)."""
-    cfg = ModelConfig.from_dict(config)
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    out = Path(out)
+def _save(tensors, config: dict, out: Path, torch_dtype: str) -> Path:
+    """config.json and safetensors shards (with an index when there is more than one)."""
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for key, t in random_tensors(cfg, seed, tdtype, layout):
+    for key, t in tensors:
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append({})
@@ -87,18 +93,70 @@ def write_checkpoint(config: dict, out: str | Path, *, seed: int = 0, dtype: str
         shards[-1][key] = t.contiguous()
         size += nbytes
     weight_map = {}
-    for n, tensors in enumerate(shards):
+    for n, part in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
+        save_file(part, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     full = dict(config)
     full.setdefault("model_type", "qwen3_moe")
     full.setdefault("architectures", ["Qwen3MoeForCausalLM"])
-    full["torch_dtype"] = dtype
+    full["torch_dtype"] = torch_dtype
     (out / "config.json").write_text(json.dumps(full, indent=2))
     return out
+
+
+def quantized_tensors(tensors, block: tuple[int, int] = FP8_BLOCK, rest: torch.dtype = torch.bfloat16):
+    """An FP8 release's tensors from full-precision ones: each quantized linear's weight as e4m3
+    plus its `weight_scale_inv`, everything else in `rest`."""
+    for key, t in tensors:
+        if FP8_KEYS.match(key):
+            q, scale = fp8.quantize(t, block)
+            yield key, q
+            yield key + "_scale_inv", scale
+        else:
+            yield key, t.to(rest)
+
+
+def write_checkpoint(config: dict, out: str | Path, *, seed: int = 0, dtype: str = "float32",
+                     layout: Layout = "per-expert") -> Path:
+    """Writes config.json and safetensors shards. dtype "fp8": the block-FP8 layout (per-expert
+    keys, as FP8 releases have), unquantized tensors in bf16."""
+    cfg = ModelConfig.from_dict(config)
+    if dtype == "fp8":
+        if layout != "per-expert":
+            raise ValueError("an FP8 checkpoint is written with per-expert keys (the layout of FP8 releases)")
+        full = {**config, "quantization_config": dict(FP8_CONFIG)}
+        return _save(quantized_tensors(random_tensors(cfg, seed, torch.float32)), full, Path(out), "bfloat16")
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return _save(random_tensors(cfg, seed, tdtype, layout), config, Path(out), dtype)
+
+
+def write_dequantized(src: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """The twin of an FP8 checkpoint: the same keys minus the scales, every FP8 weight replaced by
+    its dequantized value (formed in fp32, as the engine's FP8 path forms it, then cast to `dtype`),
+    and config.json without quantization_config: an ordinary checkpoint any loader reads."""
+    from .loader import _files, _Reader
+    src = Path(src)
+    config = json.loads((src / "config.json").read_text())
+    block = ModelConfig.from_dict(config).fp8_block
+    if block is None:
+        raise ValueError(f"{src}/config.json declares no FP8 quantization_config: nothing to dequantize")
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    reader = _Reader(_files(src))
+
+    def tensors():
+        for key in reader.files:
+            if key.endswith("_scale_inv"):
+                continue
+            t = reader.get(key)
+            if t.dtype == fp8.FP8:
+                yield key, fp8.dequantize(t, reader.get(key + "_scale_inv"), block, tdtype)
+            else:
+                yield key, t.to(tdtype)
+    config.pop("quantization_config")
+    return _save(tensors(), config, Path(out), dtype)
 
 
 def _init_std(name: str, shape) -> float:
@@ -138,6 +196,12 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
         gen.manual_seed(seed ^ zlib.crc32(key.encode()))
         if name.endswith("norm.weight"):
             p.normal_(1.0, 0.1, generator=gen)
+        elif name.endswith("scale_inv"):   # FP8: unit normal e4m3 values times the fan-in std
+            owner = name.removesuffix("_scale_inv").removesuffix(".weight")
+            weight = owner + ".weight" if owner + ".weight" in full else owner
+            p.fill_(_init_std(weight, full[weight]))
+        elif p.dtype == fp8.FP8:
+            p.copy_(torch.empty(p.shape, device=device).normal_(0.0, 1.0, generator=gen))
         else:
             p.normal_(0.0, _init_std(name, p.shape), generator=gen)
     model.tie_weights_if_needed()

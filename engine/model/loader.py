@@ -1,7 +1,12 @@
 """Loads Hugging Face safetensors into `Qwen3MoeModel`, in either expert layout:
 per-expert keys (`mlp.experts.{i}.{gate,up,down}_proj.weight`, as on the Hub) or fused
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
-Only this rank's shard of attention heads and experts is materialized."""
+Only this rank's shard of attention heads and experts is materialized.
+
+A config with an FP8 `quantization_config` (see fp8.py) loads e4m3 weights and their
+`weight_scale_inv` block scales as they are (no dequantization at load): the quantized linears
+are attention q/k/v/o, dense MLP and expert gate/up/down; embeddings, norms, the router and
+lm_head are plain tensors of the load dtype."""
 from __future__ import annotations
 
 import json
@@ -12,10 +17,11 @@ import torch
 from safetensors import safe_open
 
 from ..protocol.config import ModelConfig
+from . import fp8
 from .backends import REFERENCE, Backends
 from .qwen3_moe import Qwen3MoeModel, Shard
 
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 
 
 class CheckpointError(ValueError):
@@ -67,6 +73,16 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES.get(cfg.raw.get("torch_dtype") or cfg.raw.get("dtype"), torch.float32)
 
 
+def _scale_part(name: str, part: slice, full: int, block: int) -> slice:
+    """The block scales covering rows (or columns) `part` of a weight of `full` rows: a shard's
+    slice must start on a block, else its first block's scale would be shared with another rank."""
+    if part.start % block or (part.stop % block and part.stop != full):
+        raise CheckpointError(f"FP8 tensor {name!r}: this shard's slice [{part.start}, {part.stop}) is not aligned "
+                              f"to the {block}-wide scale blocks (fewer attention-TP ranks, or a head_dim "
+                              f"whose head slices fill whole blocks)")
+    return slice(part.start // block, -(-part.stop // block))
+
+
 def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
                shard: Shard = Shard(), collectives=None, backends: Backends = REFERENCE) -> Qwen3MoeModel:
     model_dir = Path(model_dir)
@@ -79,62 +95,78 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
         dtype = resolve_dtype("auto", cfg)
 
     # Group per-expert keys by their fused destination.
-    per_expert: dict[str, dict[int, dict[str, str]]] = {}
+    per_expert: dict[str, dict[int, dict[tuple[str, str], str]]] = {}
     direct = set()
     for key in files:
         m = _PER_EXPERT.match(key)
         if m:
-            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = key
+            per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[(m.group(3), m.group(4))] = key
         else:
             direct.add(key)
 
     d = cfg.head_dim
-    sliced_rows = {"q_proj.weight": cfg.num_attention_heads, "q_proj.bias": cfg.num_attention_heads,
-                   "k_proj.weight": cfg.num_key_value_heads, "k_proj.bias": cfg.num_key_value_heads,
-                   "v_proj.weight": cfg.num_key_value_heads, "v_proj.bias": cfg.num_key_value_heads}
+    block = cfg.fp8_block
+    sliced_rows = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads,
+                   "v_proj": cfg.num_key_value_heads}
     params = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for name, p in params.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings and name not in files:
             continue
         tail = name.split("self_attn.")[-1]
+        proj, _, kind = tail.partition(".")          # e.g. ("q_proj", "weight_scale_inv")
         if ".mlp.experts." in name:
             prefix, which = name.rsplit(".", 1)
+            suffix = "weight_scale_inv" if which.endswith("_scale_inv") else "weight"
+            which = which.removesuffix("_scale_inv")
             lo = shard.ep_rank * p.shape[0]
             experts = range(lo, lo + p.shape[0])
             if name in direct:
                 t = reader.get(name, rows=slice(lo, lo + p.shape[0]))
             elif prefix in per_expert:
                 got = per_expert[prefix]
-                try:
-                    if which == "gate_up_proj":
-                        t = torch.stack([torch.cat([reader.get(got[e]["gate"]), reader.get(got[e]["up"])]) for e in experts])
-                    else:
-                        t = torch.stack([reader.get(got[e]["down"]) for e in experts])
-                except KeyError as err:
-                    missing = err.args[0]
-                    raise CheckpointError(f"checkpoint is missing {prefix}.<expert>.{missing}_proj.weight "
-                                          f"for some expert of {prefix}") from None
+                parts = ("gate", "up") if which == "gate_up_proj" else ("down",)
+                for e in experts:
+                    for w in parts:
+                        if (w, suffix) not in got.get(e, {}):
+                            raise CheckpointError(f"checkpoint is missing {prefix}.{e}.{w}_proj.{suffix}")
+                t = torch.stack([torch.cat([reader.get(got[e][(w, suffix)]) for w in parts]) for e in experts])
             else:
                 raise CheckpointError(f"checkpoint is missing tensor {name!r} (or its per-expert keys)")
         elif name not in files:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
-        elif "self_attn." in name and tail in sliced_rows:
-            t = reader.get(name, rows=_head_rows(sliced_rows[tail], d, shard))
-        elif name.endswith("self_attn.o_proj.weight"):
-            t = reader.get(name, cols=_head_rows(cfg.num_attention_heads, d, shard))
+        elif "self_attn." in name and proj in sliced_rows:
+            rows = _head_rows(sliced_rows[proj], d, shard)
+            if kind == "weight_scale_inv":
+                full = sliced_rows[proj] * d
+                rows = _scale_part(name, rows, full, block[0])
+            t = reader.get(name, rows=rows)
+        elif "self_attn." in name and proj == "o_proj":
+            cols = _head_rows(cfg.num_attention_heads, d, shard)
+            if kind == "weight_scale_inv":
+                cols = _scale_part(name, cols, cfg.num_attention_heads * d, block[1])
+            t = reader.get(name, cols=cols)
         else:
             t = reader.get(name)
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
-        loaded[name] = t.to(device=device, dtype=dtype)
+        if p.dtype == fp8.FP8:   # kept as stored: the FP8 bytes are the point
+            if t.dtype != fp8.FP8:
+                raise CheckpointError(f"tensor {name!r} is {t.dtype}, but the config's quantization_config "
+                                      f"declares it float8_e4m3fn (with a {name}_scale_inv)")
+            loaded[name] = t.to(device=device)
+        elif name.endswith("scale_inv"):
+            loaded[name] = t.to(device=device, dtype=torch.float32)
+        else:
+            loaded[name] = t.to(device=device, dtype=dtype)
 
-    known = set(params) | {f"{pre}.{e}.{w}_proj.weight" for pre in per_expert
-                           for e in per_expert[pre] for w in per_expert[pre][e]}
+    known = set(params) | {got for pre in per_expert for e in per_expert[pre] for got in per_expert[pre][e].values()}
     for key in files:
         if key not in known:
+            hint = " (an FP8 scale, but config.json declares no quantization_config)" \
+                if key.endswith("weight_scale_inv") and block is None else ""
             raise CheckpointError(f"unexpected tensor {key!r} in checkpoint (not part of a Qwen3-MoE "
-                                  f"model with this config)")
+                                  f"model with this config){hint}")
     model = model.to_empty(device=device)
     model.load_state_dict(loaded, strict=False, assign=True)
     model.tie_weights_if_needed()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from . import fp8, ops
 from ..protocol.config import ModelConfig
 from ..protocol.plan import Phase
 from .backends import REFERENCE, Backends
@@ -80,11 +80,11 @@ class Attention(nn.Module):
         self.kv_heads = cfg.num_key_value_heads // shard.atp_size
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        h, d, blk = cfg.hidden_size, cfg.head_dim, cfg.fp8_block
+        self.q_proj = fp8.make_linear(h, self.heads * d, blk, bias=cfg.attention_bias)
+        self.k_proj = fp8.make_linear(h, self.kv_heads * d, blk, bias=cfg.attention_bias)
+        self.v_proj = fp8.make_linear(h, self.kv_heads * d, blk, bias=cfg.attention_bias)
+        self.o_proj = fp8.make_linear(self.heads * d, h, blk, bias=False)
         self.q_norm = RMSNorm(d, self.eps)
         self.k_norm = RMSNorm(d, self.eps)
 
@@ -111,21 +111,41 @@ class RMSNorm(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = fp8.make_linear(hidden, inter, block)
+        self.up_proj = fp8.make_linear(hidden, inter, block)
+        self.down_proj = fp8.make_linear(inter, hidden, block)
 
     def forward(self, x, batch, collectives):
-        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    def __init__(self, num_local: int, hidden: int, inter: int):
+    """A shard's experts, fused: gate_up [E, 2I, H], down [E, H, I]. With an FP8 block they are
+    e4m3 with float32 scales per block (`*_scale_inv`; gate_up's scale holds gate's block rows,
+    then up's, as the checkpoint quantizes them separately)."""
+
+    def __init__(self, num_local: int, hidden: int, inter: int, block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_up_proj = _param(num_local, 2 * inter, hidden)
-        self.down_proj = _param(num_local, hidden, inter)
+        self.inter, self.block = inter, block
+        if block is None:
+            self.gate_up_proj = _param(num_local, 2 * inter, hidden)
+            self.down_proj = _param(num_local, hidden, inter)
+            return
+        ni, nh = fp8.scale_shape(inter, hidden, block)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden, dtype=fp8.FP8), requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(num_local, 2 * ni, nh, dtype=torch.float32),
+                                                   requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, inter, dtype=fp8.FP8), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(num_local, nh, ni, dtype=torch.float32),
+                                                requires_grad=False)
+
+    def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert e's (gate_up, down) for a matmul in `dtype` (dequantized when FP8)."""
+        if self.block is None:
+            return self.gate_up_proj[e], self.down_proj[e]
+        return fp8.expert_weights(self, e, dtype)
 
 
 class Router(nn.Module):
@@ -145,16 +165,29 @@ class MoEBlock(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(self.num_local, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(self.num_local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.fp8_block)
 
     def local_experts(self, x, topk_ids, topk_weights):
         """This shard's experts for rows routed by global expert id (foreign experts add nothing)."""
-        return self.backends.experts(x, topk_ids, topk_weights, self.experts.gate_up_proj,
-                                     self.experts.down_proj, self.expert_offset)
+        if self.experts.block is not None and not x.is_cuda:   # FP8: dequantized per routed expert (fp8.py)
+            return fp8.experts_forward(x, topk_ids, topk_weights, self.experts, self.expert_offset)
+        gate_up, down = self._expert_tensors(x.dtype)
+        return self.backends.experts(x, topk_ids, topk_weights, gate_up, down, self.expert_offset)
+
+    def _expert_tensors(self, dtype):
+        """The expert backend's weights. FP8 on CUDA: the layer's local experts dequantized for this
+        forward (transient; shapes fixed, no host read, so decode graphs can hold it), then the
+        usual grouped GEMM; fp8.experts_forward's per-expert loop reads the host."""
+        if self.experts.block is None:
+            return self.experts.gate_up_proj, self.experts.down_proj
+        return fp8.expert_weights(self.experts, slice(None), dtype)
 
     def routed_experts(self, rows, local_ids):
         """Each row through its one local expert (-1: empty, output 0): what an all-to-all delivers."""
-        return self.backends.experts.routed(rows, local_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.experts.block is not None and not rows.is_cuda:
+            ones = torch.ones(local_ids.shape[0], 1, dtype=rows.dtype, device=rows.device)
+            return fp8.experts_forward(rows, local_ids[:, None], ones, self.experts)
+        return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
     def forward(self, x, batch, collectives: Collectives):
         weights, ids = ops.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
@@ -170,7 +203,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard, backends)
         self.is_moe = cfg.is_moe_layer(idx)
-        self.mlp = MoEBlock(cfg, shard, backends) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoEBlock(cfg, shard, backends) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                                     cfg.fp8_block)
 
 
 class Backbone(nn.Module):

@@ -43,6 +43,13 @@ class WeightMap:
         if cfg.tie_word_embeddings:
             self.full.pop("lm_head.weight", None)
 
+    def _refuse_fp8(self) -> None:
+        # A trainer's bf16 tensors would need quantizing into the e4m3 weights and their scales;
+        # copying them in would silently corrupt the model.
+        if self.cfg.fp8_block is not None:
+            raise CheckpointError("weight updates of an FP8 model (quantization_config) are not supported yet: "
+                                  "restart the engine on the new checkpoint")
+
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
@@ -64,6 +71,7 @@ class WeightMap:
 
     def check(self, shapes: dict[str, tuple]) -> None:
         """Every name known and every shape the full one."""
+        self._refuse_fp8()
         for name, shape in shapes.items():
             want = self.full_shape(name)
             if tuple(shape) != want:
@@ -119,6 +127,7 @@ class WeightMap:
     @torch.no_grad()
     def write(self, name: str, full: torch.Tensor, params: dict | None = None) -> bool:
         """This shard's part of a full tensor, copied in place. True when something was written."""
+        self._refuse_fp8()
         params = params or self.params()
         pl = self.place(name, params)
         if pl is None:
@@ -135,6 +144,7 @@ class WeightMap:
     def load_dir(self, model_dir: str | Path) -> int:
         """Every key of a checkpoint directory, reading only this shard's slices; returns how many
         tensors were written on this rank."""
+        self._refuse_fp8()
         reader = _Reader(_files(Path(model_dir)))
         params = self.params()
         n = 0

@@ -39,6 +39,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # Block-wise FP8 weights (HF `quantization_config`, quant_method "fp8"): the [out, in] block of
+    # one scale; None for an unquantized checkpoint.
+    fp8_block: tuple[int, int] | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -59,6 +62,7 @@ class ModelConfig:
         if rope_type != "default":
             raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))
+        fp8_block = parse_quantization(d.get("quantization_config"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         try:
@@ -83,6 +87,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
                 eos_token_ids=eos_ids,
+                fp8_block=fp8_block,
                 raw=dict(d),
             )
         except KeyError as e:
@@ -94,6 +99,34 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{path} not found: a model directory needs config.json + *.safetensors")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+FP8_BLOCK = (128, 128)   # the block of Qwen3 and DeepSeek FP8 releases; the only one the loader runs
+
+
+def parse_quantization(q: dict | None) -> tuple[int, int] | None:
+    """The FP8 block of a config's `quantization_config` (None: not quantized). Anything but the
+    block-wise, dynamic-activation e4m3 layout of Qwen3/DeepSeek FP8 releases is refused, naming
+    the field, rather than loaded wrongly."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme {scheme!r} is not supported "
+                          f"(only 'dynamic': static activation scales are not read)")
+    block = q.get("weight_block_size")
+    if block is None or list(block) != list(FP8_BLOCK):
+        raise ConfigError(f"quantization_config.weight_block_size {block!r} is not supported "
+                          f"(only {list(FP8_BLOCK)}: per-tensor and other block sizes are not implemented)")
+    return FP8_BLOCK
 
 
 def load_preset(name_or_path: str) -> dict:

@@ -232,11 +232,13 @@ class RankCollectives(Collectives):
         through its own per-expert loop."""
         if meta.layout in ("rows", "slots"):
             return layer.routed_experts(recv, meta.expert_ids)
-        gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+        ex = layer.experts
+        dtype = recv.dtype if ex.block is not None else ex.gate_up_proj.dtype
 
         def fn(e: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(rows.to(gu.dtype), gu[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, dn[e])
+            gu, dn = ex.weights(e, dtype)   # dequantized per expert when FP8
+            gate, up = F.linear(rows.to(dtype), gu).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, dn)
         return self.comm.apply_experts(recv, meta, fn)
 
     def _p_experts(self, layer, x, ids, w) -> torch.Tensor:
