@@ -107,6 +107,8 @@ def load_preset(name_or_path: str) -> dict:
     return json.loads(p.read_text())
 
 
+SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
+
 Activation = Literal["on", "off", "auto"]
 Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
 Mode = Literal["normal", "mixed", "pd"]
@@ -154,3 +156,20 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
+    # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
+    speculative: Literal["ngram", "draft", "mtp"] | None = None
+    speculative_k: int = 4                                # draft tokens proposed per decode row
+
+    @field_validator("speculative_k")
+    @classmethod
+    def _spec_k(cls, v):
+        if not 1 <= v <= SPEC_K_MAX:
+            raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
+        return v
+
+    @field_validator("speculative")
+    @classmethod
+    def _spec(cls, v):
+        if v in ("draft", "mtp"):   # selectable names of the issue; only the n-gram proposer runs here
+            raise ValueError(f"speculative={v!r} is not implemented on this engine yet (use 'ngram')")
+        return v

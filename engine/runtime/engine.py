@@ -19,6 +19,11 @@ from ..scheduler.scheduler import Scheduler
 from .engine_ops import EngineOps
 
 
+def _spec_counts(launched) -> dict:
+    v, p, a = (sum(x.spec[i] for x in launched if x is not None) for i in range(3))
+    return {"spec_verify": v, "spec_proposed": p, "spec_accepted": a}
+
+
 class Engine(EngineOps):
     def __init__(self, config: EngineConfig, worker=None) -> None:
         """`worker`: this rank's Worker (a multi-rank group's rank 0); None builds a world of one."""
@@ -135,7 +140,7 @@ class Engine(EngineOps):
             multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
             span=max((x.plan.span for x in launched if x), default=1), rendezvous_s=tuple(mine.rendezvous_s),
             turnstile_rounds=mine.rounds, turnstile_wait_s=tuple(mine.turnstile_wait_s), ordering=mine.ordering,
-            graph=mine.graph))
+            graph=mine.graph, **_spec_counts(launched)))
 
     def _first_step(self) -> None:
         """Step 0: one warm-up row per path and replica, writing only the KV cache's null slot. On

@@ -1,0 +1,25 @@
+"""Draft proposers of speculative decoding (planner side, no tensors).
+
+The n-gram (prompt-lookup) proposer: the longest suffix of a request's tokens (up to `max_n`
+tokens) that occurred earlier in them proposes the tokens that followed its latest earlier
+occurrence. It runs on rank 0 in the planner, so the drafts travel in the rank-shared plan and
+every rank verifies the same ones. Agentic rollouts repeat their context (tool output, code)
+often, which is where this pays off.
+"""
+from __future__ import annotations
+
+
+def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k draft tokens continuing `tokens`; [] when no suffix recurs."""
+    if k <= 0:
+        return []
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = tokens[size - n:]
+        # the latest earlier occurrence: recent context predicts best
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
