@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PRESETS_DIR = Path(__file__).parent.parent / "presets"   # engine/presets (package data)
 
@@ -159,6 +159,7 @@ class EngineConfig(BaseModel):
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
     speculative: Literal["ngram", "draft", "mtp"] | None = None
     speculative_k: int = 4                                # draft tokens proposed per decode row
+    draft_model: str | None = None                        # checkpoint of speculative="draft"
 
     @field_validator("speculative_k")
     @classmethod
@@ -170,6 +171,20 @@ class EngineConfig(BaseModel):
     @field_validator("speculative")
     @classmethod
     def _spec(cls, v):
-        if v in ("draft", "mtp"):   # selectable names of the issue; only the n-gram proposer runs here
-            raise ValueError(f"speculative={v!r} is not implemented on this engine yet (use 'ngram')")
+        if v == "mtp":   # a selectable name of the issue; no checkpoint here has an MTP head
+            raise ValueError(f"speculative={v!r} is not implemented on this engine yet (use 'ngram' or 'draft')")
         return v
+
+    @model_validator(mode="after")
+    def _draft(self):
+        if self.speculative != "draft":
+            if self.draft_model is not None:
+                raise ValueError("draft_model is only used by speculative='draft'")
+            return self
+        if not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a checkpoint with the target's vocabulary)")
+        draft, target = ModelConfig.load(self.draft_model), ModelConfig.load(self.model)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft_model {self.draft_model}: a vocabulary of {draft.vocab_size} tokens, the "
+                             f"target's has {target.vocab_size} (a draft must share the tokenizer)")
+        return self

@@ -32,7 +32,13 @@ class Engine(EngineOps):
             worker = Worker.single(config)
         self.config, self.worker, self.topo = config, worker, worker.topo
         self.model_config = worker.cfg
-        self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks) for _ in range(self.topo.adp)]
+        proposers = [None] * self.topo.adp
+        if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan
+            from .draft import DraftProposer
+            spare = config.max_running * -(-config.speculative_k // config.block_size)
+            proposers = [DraftProposer(config, worker.device, worker.num_blocks + spare).propose
+                         for _ in range(self.topo.adp)]
+        self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self.control = config.control
         self._pending_control: ControlSettings | None = None
@@ -211,4 +217,6 @@ class Engine(EngineOps):
                 "num_experts": c.num_experts, "num_layers": c.num_hidden_layers,
                 "dtype": str(self.worker.dtype).removeprefix("torch."), "device": self.config.device,
                 "mode": self.config.mode, "is_generation": True, "nproc": self.topo.world, "adp": self.topo.adp,
-                "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name}
+                "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name,
+                "speculative": self.config.speculative,
+                "speculative_k": self.config.speculative_k if self.config.speculative else 0}

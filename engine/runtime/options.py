@@ -64,7 +64,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (docs/ARCHITECTURE.md, 'Speculation')")
     g.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                    help="propose draft tokens per decode row and verify them in the same D iteration "
-                        "(ngram: prompt lookup, no model; draft and mtp: not implemented yet)")
+                        "(ngram: prompt lookup, no model; draft: --draft-model on rank 0; mtp: not implemented yet)")
     g.add_argument("--speculative-k", type=int, default=None, metavar="K",
                    help="draft tokens per decode row (1..8, default 4)")
     g.add_argument("--draft-model", default=None, metavar="DIR", help="draft checkpoint of --speculative draft")
@@ -81,7 +81,8 @@ def spec_fields(a) -> dict:
         raise ValueError("--speculative draft needs --draft-model DIR (a checkpoint with the target's vocabulary)")
     if draft and spec != "draft":
         raise ValueError(f"--draft-model is only used by --speculative draft, not {spec}")
-    return {"speculative": spec, **({"speculative_k": k} if k is not None else {})}
+    return {"speculative": spec, **({"speculative_k": k} if k is not None else {}),
+            **({"draft_model": draft} if draft else {})}
 
 
 def add_rank_args(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,8 @@ class Launched:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None) -> None:
+        """`proposer`: a draft model's `propose(wants, alive)` (runtime/draft.py); None: n-gram."""
         self.config, self.model_config = config, model_config
         self.pool = BlockPool(num_blocks, config.block_size)
         self.reservations = Reservations(self.pool)
@@ -56,6 +57,7 @@ class Scheduler:
         self.weight_version = "default"     # tags every token this replica emits from now on
         self.spec_k = config.speculative_k if config.speculative else 0
         self._drafts: dict[str, list[int]] = {}   # this step's proposals, by decode rid (with KV for them)
+        self.proposer = proposer
 
     # --- requests ---------------------------------------------------------------------------
     def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -224,17 +226,22 @@ class Scheduler:
                     raise RuntimeError("planner scheduled a decode row the KV pool cannot extend")
                 r.reservation.blocks += got
         if self.spec_k:
-            for rid in plan.decode:
-                self._propose(self.reqs[rid])
+            wants = []
+            for rid in plan.decode:   # at most max_new_tokens - 1 more than the row's token
+                r = self.reqs[rid]
+                k = min(self.spec_k, r.sampling.max_new_tokens - len(r.output) - 1)
+                if k > 0 and r.routes_from is None:   # routing is reported per computed position
+                    wants.append((rid, r.tokens, k))
+            if self.proposer is not None:
+                found = self.proposer(wants, set(self.reqs))
+            else:
+                found = {rid: propose_ngram(toks, k) for rid, toks, k in wants}
+            for rid, drafts in found.items():
+                self._take(self.reqs[rid], drafts)
 
-    def _propose(self, r: Req) -> None:
-        """Drafts for a decode row, with KV slots for them from what the plan left free: drafts never
-        retract or delay anyone (they shrink to the free blocks). At most max_new_tokens - 1 more
-        than the row's token, so a fully accepted verify never emits past max_new_tokens."""
-        k = min(self.spec_k, r.sampling.max_new_tokens - len(r.output) - 1)
-        if k <= 0 or r.routes_from is not None:   # routing is reported per computed position
-            return
-        drafts = propose_ngram(r.tokens, k)
+    def _take(self, r: Req, drafts: list[int]) -> None:
+        """KV slots for a decode row's drafts from what the plan left free: drafts never retract or
+        delay anyone (they shrink to the free blocks)."""
         res, bs = r.reservation, self.pool.block_size
         room = (len(res.blocks) + self.pool.num_available()) * bs - len(r.tokens)
         drafts = drafts[:max(0, room)]
