@@ -26,26 +26,29 @@ def setup(tmp_path_factory):
     reqs = d / "reqs.jsonl"
     reqs.write_text("".join(json.dumps({"rid": f"r{i}", "input_ids": p, "sampling_params": {
         "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
-    return str(model), str(reqs)
+    draft = write_checkpoint(tiny_config(vocab_size=VOCAB, num_hidden_layers=1), d / "draft", seed=5)
+    return str(model), str(reqs), str(draft)
 
 
 def _generate(setup, mode, control, extra=(), timeout=240):
-    model, reqs = setup
+    model, reqs, _ = setup
     return _run(["generate", "--model", model, "--requests", reqs, "--mode", mode, "--engine-config",
                  json.dumps(ENGINE), "--control", json.dumps({**BUDGET, **control}), *extra], timeout)
 
 
-CASES = [("pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
-         ("normal", {}, 4, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
-         ("mixed", {}, 1, ["--nproc", "4", "--adp", "4", "--ep", "4"]),
-         ("pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "4", "--ep", "4"])]
+CASES = [("ngram", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
+         ("ngram", "normal", {}, 4, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
+         ("ngram", "mixed", {}, 1, ["--nproc", "4", "--adp", "4", "--ep", "4"]),
+         ("draft", "pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"])]
 
 
-@pytest.mark.parametrize("mode,control,k,ranks", CASES, ids=[f"{c[0]}-k{c[2]}-adp{c[3][3]}" for c in CASES])
-def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, mode, control, k, ranks):
+@pytest.mark.parametrize("proposer,mode,control,k,ranks", CASES,
+                         ids=[f"{c[0]}-{c[1]}-k{c[3]}-adp{c[4][3]}" for c in CASES])
+def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, proposer, mode, control, k, ranks):
     res = _generate(setup, mode, control)
     ref = _outputs(res)
-    got_res = _generate(setup, mode, control, ["--speculative", "ngram", "--speculative-k", str(k), *ranks])
+    draft = ["--draft-model", setup[2]] if proposer == "draft" else []
+    got_res = _generate(setup, mode, control, ["--speculative", proposer, "--speculative-k", str(k), *draft, *ranks])
     assert _outputs(got_res) == ref
     metas = [json.loads(line)["meta_info"] for line in got_res.stdout.splitlines()]
     assert sum(m["spec_accepted_drafts"] for m in metas) > 0
@@ -61,7 +64,7 @@ def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, mode,
     (["--speculative", "mtp"], "speculative='mtp' is not implemented")])
 def test_bad_speculation_flags_are_a_clear_error_before_any_rank(setup, capsys, flags, message):
     """In process: the flags are checked before a rank (or the model) is touched."""
-    model, reqs = setup
+    model, reqs, _ = setup
     rc = main(["generate", "--model", model, "--requests", reqs, *flags, "--nproc", "4", "--adp", "2", "--ep", "4"])
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
