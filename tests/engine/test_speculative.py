@@ -64,6 +64,8 @@ def test_ngram_proposer():
     assert propose_ngram([1, 2, 3], 4) == []                    # nothing recurs
     assert propose_ngram([8, 8], 4) == [8]                      # capped by what follows
     assert propose_ngram([1, 2, 1, 2], 0) == []
+    far = [4, 5] + list(range(10, 20)) + [4]
+    assert propose_ngram(far, 1) == [5] and propose_ngram(far, 1, window=5) == []   # the lookback bound
 
 
 _BASE: dict[str, dict] = {}
