@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .runtime.options import add_layout_args, add_rank_args
+from .runtime.options import add_layout_args, add_rank_args, add_spec_args
 
 
 def _cmd_checkpoint(a) -> int:
@@ -27,7 +27,7 @@ def _cmd_generate(a) -> int:
     from .protocol.layout import LayoutError
     from .runtime.offline import read_requests, run_requests
     from .runtime.engine import Engine
-    from .runtime.options import engine_overrides, layout_from_args, single_worker
+    from .runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
     try:
         layout = layout_from_args(a)
         fields = {"kv_cache_bytes": 256 << 20, **engine_overrides(a.engine_config)}
@@ -36,6 +36,7 @@ def _cmd_generate(a) -> int:
             control = {**control, **json.loads(a.control)}
         flags = {"dtype": a.dtype, "kv_cache_bytes": a.kv_cache_mb << 20 if a.kv_cache_mb is not None else None}
         fields.update({k: v for k, v in flags.items() if v is not None})
+        fields.update(spec_fields(a))
         cfg = EngineConfig(model=a.model, device=layout.device, mode=a.mode,
                            control=ControlSettings.model_validate(control), **fields)
     except (LayoutError, ValueError) as e:   # pydantic's ValidationError and bad JSON are ValueErrors
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "e.g. '{\"block_size\": 4}' (flags win over it)")
     add_layout_args(g)
     add_rank_args(g)
+    add_spec_args(g)
     g.set_defaults(func=_cmd_generate)
 
     # Subcommands owned by other modules register themselves here.

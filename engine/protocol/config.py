@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PRESETS_DIR = Path(__file__).parent.parent / "presets"   # engine/presets (package data)
 
@@ -140,6 +140,8 @@ def load_preset(name_or_path: str) -> dict:
     return json.loads(p.read_text())
 
 
+SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
+
 Activation = Literal["on", "off", "auto"]
 Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
 Mode = Literal["normal", "mixed", "pd"]
@@ -187,3 +189,35 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
+    # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
+    speculative: Literal["ngram", "draft", "mtp"] | None = None
+    speculative_k: int = 4                                # draft tokens proposed per decode row
+    draft_model: str | None = None                        # checkpoint of speculative="draft"
+
+    @field_validator("speculative_k")
+    @classmethod
+    def _spec_k(cls, v):
+        if not 1 <= v <= SPEC_K_MAX:
+            raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
+        return v
+
+    @field_validator("speculative")
+    @classmethod
+    def _spec(cls, v):
+        if v == "mtp":   # a selectable name of the issue; no checkpoint here has an MTP head
+            raise ValueError(f"speculative={v!r} is not implemented on this engine yet (use 'ngram' or 'draft')")
+        return v
+
+    @model_validator(mode="after")
+    def _draft(self):
+        if self.speculative != "draft":
+            if self.draft_model is not None:
+                raise ValueError("draft_model is only used by speculative='draft'")
+            return self
+        if not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a checkpoint with the target's vocabulary)")
+        draft, target = ModelConfig.load(self.draft_model), ModelConfig.load(self.model)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft_model {self.draft_model}: a vocabulary of {draft.vocab_size} tokens, the "
+                             f"target's has {target.vocab_size} (a draft must share the tokenizer)")
+        return self

@@ -13,6 +13,9 @@ ROUNDS = PREFIX + "turnstile_rounds"                          # counter
 STALLS = PREFIX + "stalls"                                    # counter
 ROLLOUT_MAKESPAN = PREFIX + "rollout_makespan_seconds"        # gauge
 ROLLOUTS_FINISHED = PREFIX + "rollouts_finished"              # counter
+SPEC_VERIFY = PREFIX + "spec_verify"                          # counter: decode rows under speculation
+SPEC_PROPOSED = PREFIX + "spec_proposed_drafts"               # counter
+SPEC_ACCEPTED = PREFIX + "spec_accepted_drafts"               # counter
 
 
 def total(counter: str) -> str:

@@ -34,10 +34,16 @@ class RowSpec:
     samples: bool           # produces a token (a decode row, or a prefill segment that completes)
     logprob: bool = False
     routes: bool = False    # report each input token's top-k expert ids per layer (routing replay)
+    draft: int = 0          # a verify row: the last `draft` tokens are proposals the target checks
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def logit_rows(self) -> int:
+        """Positions whose logits this row needs: every position of a verify row, else the last."""
+        return self.draft + 1 if self.draft else 1
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,11 @@ class StepPlan:
         return any(w.prefill for w in self.replicas)
 
     @property
+    def spec_any(self) -> bool:
+        """A decode row verifies drafts: D runs eagerly this step (a graph is one token per row)."""
+        return any(r.draft for w in self.replicas for r in w.decode)
+
+    @property
     def routes_any(self) -> bool:
         """A row wants its routing: every rank runs this step eagerly (no graph holds the ids)."""
         return any(r.routes for w in self.replicas for r in w.decode + w.prefill)
@@ -99,7 +110,8 @@ class StepReport:
     """What one rank sends back: the sampled tokens (replica leaders only) and turnstile counts."""
     rank: int
     step: int
-    tokens: dict = field(default_factory=dict)      # rid -> (token, logprob | None)
+    tokens: dict = field(default_factory=dict)      # rid -> (token, logprob | None); a verify row:
+    #                                                 (tuple of emitted tokens, tuple of logprobs | None)
     rounds: int = 0                                 # turnstile rounds that ran a rendezvous
     rendezvous_s: list = field(default_factory=list)
     turnstile_wait_s: list = field(default_factory=list)   # per round with D: round called -> D enqueued

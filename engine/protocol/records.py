@@ -21,3 +21,6 @@ class StepRecord:
     turnstile_wait_s: tuple[float, ...] = ()   # per round with D: round called -> D enqueued
     ordering: str = ""
     graph: bool = False                        # D ran as a CUDA graph replay
+    spec_verify: int = 0                       # speculation: decode rows of this D iteration
+    spec_proposed: int = 0                     # draft tokens they carried
+    spec_accepted: int = 0                     # draft tokens the target accepted

@@ -14,6 +14,15 @@ from ..model.qwen3_moe import ForwardBatch, SeqSlice
 from ..protocol.plan import Phase, RowSpec
 
 
+def forward_order(rows: list[RowSpec]) -> list[RowSpec]:
+    """The batch's row order (and so the logits' order): one-token decode rows (read through block
+    tables on a GPU), then verify rows (k + 1 positions over the paged KV, the prefill path's
+    attention), then prefill segments."""
+    plain = [r for r in rows if r.kind == Phase.DECODE and not r.draft]
+    verify = [r for r in rows if r.kind == Phase.DECODE and r.draft]
+    return plain + verify + [r for r in rows if r.kind != Phase.DECODE]
+
+
 def slots_of(blocks, start: int, end: int, block_size: int) -> torch.Tensor:
     """Cache slot of each context position start..end-1 of a sequence with block table `blocks`."""
     pos = torch.arange(start, end)
@@ -28,8 +37,8 @@ class BatchBuilder:
         self._stage: dict[Phase, torch.Tensor] = {}
 
     def build(self, rows: list[RowSpec], phase: Phase) -> ForwardBatch:
-        rows = [r for r in rows if r.kind == Phase.DECODE] + [r for r in rows if r.kind != Phase.DECODE]
-        nd = sum(1 for r in rows if r.kind == Phase.DECODE)
+        rows = forward_order(rows)
+        nd = sum(1 for r in rows if r.kind == Phase.DECODE and not r.draft)
         bs = self.block_size
         # With block tables the attention backend reads decode rows' context through the tables:
         # their new token's slot is all they need (computed here, not gathered per row).
@@ -46,7 +55,7 @@ class BatchBuilder:
                 ctx = None
             seqs.append(SeqSlice(t, r.length, r.start + r.length, ctx))
             if r.samples:
-                logit_rows.append(t + r.length - 1)
+                logit_rows.extend(range(t + r.length - r.logit_rows, t + r.length))
             t += r.length
         long = lambda xs: torch.tensor(xs, dtype=torch.long)
         slot_map[0] = long(slot_map[0])

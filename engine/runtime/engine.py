@@ -19,6 +19,11 @@ from ..scheduler.scheduler import Scheduler
 from .engine_ops import EngineOps
 
 
+def _spec_counts(launched) -> dict:
+    v, p, a = (sum(x.spec[i] for x in launched if x is not None) for i in range(3))
+    return {"spec_verify": v, "spec_proposed": p, "spec_accepted": a}
+
+
 class Engine(EngineOps):
     def __init__(self, config: EngineConfig, worker=None) -> None:
         """`worker`: this rank's Worker (a multi-rank group's rank 0); None builds a world of one."""
@@ -27,7 +32,13 @@ class Engine(EngineOps):
             worker = Worker.single(config)
         self.config, self.worker, self.topo = config, worker, worker.topo
         self.model_config = worker.cfg
-        self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks) for _ in range(self.topo.adp)]
+        proposers = [None] * self.topo.adp
+        if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan
+            from .draft import DraftProposer
+            spare = config.max_running * -(-config.speculative_k // config.block_size)
+            proposers = [DraftProposer(config, worker.device, worker.num_blocks + spare).propose
+                         for _ in range(self.topo.adp)]
+        self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self.control = config.control
         self._pending_control: ControlSettings | None = None
@@ -135,7 +146,7 @@ class Engine(EngineOps):
             multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
             span=max((x.plan.span for x in launched if x), default=1), rendezvous_s=tuple(mine.rendezvous_s),
             turnstile_rounds=mine.rounds, turnstile_wait_s=tuple(mine.turnstile_wait_s), ordering=mine.ordering,
-            graph=mine.graph))
+            graph=mine.graph, **_spec_counts(launched)))
 
     def _first_step(self) -> None:
         """Step 0: one warm-up row per path and replica, writing only the KV cache's null slot. On
@@ -210,4 +221,6 @@ class Engine(EngineOps):
                 "num_experts": c.num_experts, "num_layers": c.num_hidden_layers,
                 "dtype": str(self.worker.dtype).removeprefix("torch."), "device": self.config.device,
                 "mode": self.config.mode, "is_generation": True, "nproc": self.topo.world, "adp": self.topo.adp,
-                "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name}
+                "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name,
+                "speculative": self.config.speculative,
+                "speculative_k": self.config.speculative_k if self.config.speculative else 0}

@@ -46,7 +46,9 @@ class GroupMember:
         self.dev = StreamDevice(progress, self._on_enqueue) if cuda else \
             CpuDevice(opt.slots, on_progress=progress, on_enqueue=self._on_enqueue)
         cfg, config = w.cfg, w.config
-        p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + config.max_running, 4096)
+        # a verify row carries k + 1 tokens through D's (or a fused forward's) collectives
+        d_tokens = config.max_running * (1 + (config.speculative_k if config.speculative else 0))
+        p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + d_tokens, 4096)
         # the expert all-to-alls' NCCL kernels are pinned like the registered pair's (--nccl-ctas):
         # they cross between P and D too, so the residency a crossed order needs is known
         extra = {"pg_backend": "nccl" if cuda else None, "pg_options": nccl_options(opt.nccl_ctas) if cuda else None}
@@ -55,7 +57,7 @@ class GroupMember:
         self.comm = comm = make_expert_comm(
             opt.expert_backend, ep_ranks=[list(g) for g in topo.ep_groups], rank=w.rank,
             num_experts=cfg.num_experts, hidden=cfg.hidden_size, max_tokens=p_rows, topk=cfg.num_experts_per_tok,
-            dtype=w.dtype, d_max_tokens=config.max_running, device=w.device, **extra)
+            dtype=w.dtype, d_max_tokens=d_tokens, device=w.device, **extra)
         self.col = RankCollectives(topo, w.rank, groups, comm, self.dev, self.wd.check, cfg.hidden_size,
                                    cfg.num_experts_per_tok, p_rows)
         w.model.collectives = self.col
@@ -74,7 +76,7 @@ class GroupMember:
                                        p_pending=lambda: self.dev.pending("p"))
         w.pd = self.pd = TurnstileStep(w)
         if cuda:
-            rows = max(p_rows, config.max_running)
+            rows = max(p_rows, d_tokens)
             slots = comm.ep * comm.cap if comm.fixed_slots else 0
             warm_kernels(w.model, w.streams["d"], rows, topo.ep, slots, w.device, w.rank)
         if config.mode == "pd":

@@ -34,7 +34,7 @@ def _result(outs: list, index: int, rid: str) -> dict:
     ids = [t for o in outs for t in o.new_token_ids]
     last = outs[-1]
     meta = {"id": rid, "finish_reason": last.finish_reason, "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens}
+            "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens, **last.spec_meta()}
     if last.new_logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for o in outs for lp, t in zip(o.new_logprobs, o.new_token_ids)]
     return {"index": index, "output_ids": ids, "meta_info": meta}

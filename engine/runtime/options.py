@@ -59,6 +59,32 @@ def layout_from_args(a: argparse.Namespace):
                     "master_port": a.master_port, "join_timeout_s": a.join_timeout})
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding inside D (off by default)."""
+    g = p.add_argument_group("speculative decoding (docs/ARCHITECTURE.md, 'Speculation')")
+    g.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
+                   help="propose draft tokens per decode row and verify them in the same D iteration "
+                        "(ngram: prompt lookup, no model; draft: --draft-model on rank 0; mtp: not implemented yet)")
+    g.add_argument("--speculative-k", type=int, default=None, metavar="K",
+                   help="draft tokens per decode row (1..8, default 4)")
+    g.add_argument("--draft-model", default=None, metavar="DIR", help="draft checkpoint of --speculative draft")
+
+
+def spec_fields(a) -> dict:
+    """EngineConfig fields from the speculation flags; ValueError on a combination that means nothing."""
+    spec, k, draft = getattr(a, "speculative", None), getattr(a, "speculative_k", None), getattr(a, "draft_model", None)
+    if spec is None:
+        if k is not None or draft is not None:
+            raise ValueError("--speculative-k and --draft-model need --speculative")
+        return {}
+    if spec == "draft" and not draft:
+        raise ValueError("--speculative draft needs --draft-model DIR (a checkpoint with the target's vocabulary)")
+    if draft and spec != "draft":
+        raise ValueError(f"--draft-model is only used by --speculative draft, not {spec}")
+    return {"speculative": spec, **({"speculative_k": k} if k is not None else {}),
+            **({"draft_model": draft} if draft else {})}
+
+
 def add_rank_args(p: argparse.ArgumentParser) -> None:
     """Knobs of the multi-rank engine's device model and watchdog (--nproc > 1)."""
     p.add_argument("--slots", type=int, default=2, help="CPU device execution slots per rank (1 = full SM residency)")

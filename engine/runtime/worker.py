@@ -26,8 +26,8 @@ from ..model.qwen3_moe import Shard
 from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
-from .batch import BatchBuilder
-from .sampler import make_generator, request_seed, sample
+from .batch import BatchBuilder, forward_order
+from .sampler import make_generator, request_seed, sample, verify
 
 
 class StepLogError(RuntimeError):
@@ -253,7 +253,7 @@ class Worker:
         full = torch.full((t, cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=torch.int32)
         if moe:
             full[:, moe] = torch.stack([ids.to("cpu", torch.int32) for ids in batch.routes], dim=1)
-        ordered = [r for r in rows if r.kind == Phase.DECODE] + [r for r in rows if r.kind != Phase.DECODE]
+        ordered = forward_order(rows)
         t0 = 0
         for r in ordered:
             if r.routes:
@@ -264,7 +264,8 @@ class Worker:
         """The D iteration: a graph replay for the rank-shared bucket when one is captured (every
         rank replays it, rows or not: its collectives need every rank), else an eager forward."""
         n = max(w.decode_rows for w in plan.replicas)
-        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any:   # a graph keeps no ids
+        # a graph keeps no ids, and holds one token per row (verify rows run eagerly: not captured yet)
+        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or plan.spec_any:
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
         with torch.cuda.stream(s):
@@ -281,13 +282,37 @@ class Worker:
         return logits
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
-        rows = [r for r in rows if r.samples]
+        rows = forward_order([r for r in rows if r.samples])   # the logits' order (batch.py)
         if not rows:
             return
+        if any(r.draft for r in rows):
+            logits = self._verify(rows, logits, report)
+            rows = [r for r in rows if not r.draft]
+            if not rows:
+                return
         want = any(r.logprob for r in rows)
         toks, lps = sample(logits, [self.sampling[r.rid] for r in rows], [self.gens[r.rid] for r in rows], want)
         for i, r in enumerate(rows):
             report.tokens[r.rid] = (toks[i], lps[i] if lps is not None else None)
+
+    def _verify(self, rows: list[RowSpec], logits: torch.Tensor, report: StepReport) -> torch.Tensor:
+        """Verify rows' results into the report; returns the logits of the other rows (in order)."""
+        keep, i = [], 0
+        for r in rows:
+            n = r.logit_rows
+            if not r.draft:
+                keep.append(i)
+                i += 1
+                continue
+            part = logits[i:i + n]
+            toks = verify(part, list(r.tokens[1:]), self.sampling[r.rid], self.gens[r.rid])
+            lps = None
+            if r.logprob:   # of the unscaled distribution at each emitted position
+                lp = torch.log_softmax(part[:len(toks)].float(), dim=-1)
+                lps = tuple(lp[torch.arange(len(toks)), torch.tensor(toks)].tolist())
+            report.tokens[r.rid] = (tuple(toks), lps)
+            i += n
+        return logits[keep]
 
     # ---- a group's failure ---------------------------------------------------------------
     def check(self) -> None:

@@ -140,6 +140,9 @@ class Req:
     routes_from: int | None = None     # report routing of positions [routes_from, len(tokens) - 1)
     route_parts: list[bytes] = field(default_factory=list)   # per computed position, in order
     retractions: int = 0
+    spec_verify_ct: int = 0            # D iterations under speculation (each emits >= 1 token)
+    spec_proposed: int = 0             # draft tokens proposed
+    spec_accepted: int = 0             # draft tokens the target accepted
 
     @property
     def tokens(self) -> list[int]:
@@ -167,3 +170,13 @@ class RequestOutput:
     rollout_id: str | None = None
     weight_version: str = "default"    # the weights that produced new_token_ids
     routed_experts: bytes | None = None   # on the finished output of a routed request: int32 [pos, layers, k]
+    spec: tuple[int, int, int] | None = None   # speculation on: (D iterations, drafts proposed, accepted) so far
+
+    def spec_meta(self) -> dict:
+        """SGLang's speculative meta_info keys; accept length = tokens per D iteration (bonus included)."""
+        if self.spec is None:
+            return {}
+        verify, proposed, accepted = self.spec
+        return {"spec_verify_ct": verify, "spec_accepted_drafts": accepted, "spec_proposed_drafts": proposed,
+                "spec_accept_rate": accepted / proposed if proposed else 0.0,
+                "spec_accept_length": (verify + accepted) / verify if verify else 0.0}

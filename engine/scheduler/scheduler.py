@@ -17,6 +17,7 @@ from ..protocol.plan import Phase, ReplicaWork, RowSpec
 from .kv_pool import BlockPool, Reservation, Reservations
 from .policy import Plan, Snapshot, make_policy
 from .request import Req, RequestError, RequestOutput, SamplingParams, Status
+from .spec import propose_ngram
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Row:
     kind: Phase          # DECODE | PREFILL
     length: int          # tokens computed by this row
     samples: bool        # produces a token
+    draft: int = 0       # a verify row: draft tokens after the row's token
 
 
 @dataclass
@@ -37,10 +39,12 @@ class Launched:
     work: ReplicaWork    # the same rows in the rank-shared plan's form
     t0: float
     decode_waits: list[float]
+    spec: list = None    # [verify rows, drafts proposed, drafts accepted] of this step (apply_result)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None) -> None:
+        """`proposer`: a draft model's `propose(wants, alive)` (runtime/draft.py); None: n-gram."""
         self.config, self.model_config = config, model_config
         self.pool = BlockPool(num_blocks, config.block_size)
         self.reservations = Reservations(self.pool)
@@ -51,6 +55,9 @@ class Scheduler:
         self.step_id = 0
         self._outbox: list[RequestOutput] = []
         self.weight_version = "default"     # tags every token this replica emits from now on
+        self.spec_k = config.speculative_k if config.speculative else 0
+        self._drafts: dict[str, list[int]] = {}   # this step's proposals, by decode rid (with KV for them)
+        self.proposer = proposer
 
     # --- requests ---------------------------------------------------------------------------
     def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -135,15 +142,20 @@ class Scheduler:
         rows, decode, prefill = [], [], []
         for rid in plan.decode:
             r = self.reqs[rid]
-            rows.append(Row(r, r.reservation, r.lifetime, Phase.DECODE, 1, True))
-            decode.append(self._spec(r, Phase.DECODE, len(r.tokens) - 1, 1, True))
+            drafts = self._drafts.pop(rid, [])
+            rows.append(Row(r, r.reservation, r.lifetime, Phase.DECODE, 1, True, len(drafts)))
+            spec = self._spec(r, Phase.DECODE, len(r.tokens) - 1, 1, True)
+            if drafts:   # one D row over k + 1 positions: the row's token, then the drafts
+                spec = RowSpec(spec.rid, spec.kind, spec.start, spec.tokens + tuple(drafts), spec.blocks,
+                               True, spec.logprob, False, len(drafts))
+            decode.append(spec)
         for seg in plan.prefill:
             r = self.reqs[seg.rid]
             rows.append(Row(r, r.reservation, r.lifetime, Phase.PREFILL, seg.length, seg.completes))
             prefill.append(self._spec(r, Phase.PREFILL, seg.start, seg.length, seg.completes))
         for row in rows:
             self.reservations.begin_work(row.reservation)   # submitted from here on
-        return Launched(plan, rows, ReplicaWork(tuple(decode), tuple(prefill)), t0, waits)
+        return Launched(plan, rows, ReplicaWork(tuple(decode), tuple(prefill)), t0, waits, [0, 0, 0])
 
     @staticmethod
     def _spec(r: Req, kind: Phase, start: int, n: int, samples: bool) -> RowSpec:
@@ -160,6 +172,12 @@ class Scheduler:
             token, logprob = tokens.get(row.req.rid, (None, None)) if row.samples else (None, None)
             if routes and row.req.rid in routes:
                 row.req.route_parts.append(routes[row.req.rid])
+            if row.draft:
+                self._apply_verify(row, token, logprob, now, launched.spec)
+                continue
+            if self.spec_k and row.kind == Phase.DECODE:
+                row.req.spec_verify_ct += 1     # a D iteration of this request with nothing to verify
+                launched.spec[0] += 1
             self._apply_row(row, token, logprob, now)
 
     def outputs(self) -> list[RequestOutput]:
@@ -207,6 +225,66 @@ class Scheduler:
                 if got is None:
                     raise RuntimeError("planner scheduled a decode row the KV pool cannot extend")
                 r.reservation.blocks += got
+        if self.spec_k:
+            wants = []
+            for rid in plan.decode:   # at most max_new_tokens - 1 more than the row's token
+                r = self.reqs[rid]
+                k = min(self.spec_k, r.sampling.max_new_tokens - len(r.output) - 1)
+                if k > 0 and r.routes_from is None:   # routing is reported per computed position
+                    wants.append((rid, r.tokens, k))
+            if self.proposer is not None:
+                found = self.proposer(wants, set(self.reqs))
+            else:
+                found = {rid: propose_ngram(toks, k) for rid, toks, k in wants}
+            for rid, drafts in found.items():
+                self._take(self.reqs[rid], drafts)
+
+    def _take(self, r: Req, drafts: list[int]) -> None:
+        """KV slots for a decode row's drafts from what the plan left free: drafts never retract or
+        delay anyone (they shrink to the free blocks)."""
+        res, bs = r.reservation, self.pool.block_size
+        room = (len(res.blocks) + self.pool.num_available()) * bs - len(r.tokens)
+        drafts = drafts[:max(0, room)]
+        if not drafts:
+            return
+        more = self.pool.blocks_for(len(r.tokens) + len(drafts)) - len(res.blocks)
+        if more > 0:
+            res.blocks += self.pool.allocate(more)
+        self._drafts[r.rid] = drafts
+
+    def _apply_verify(self, row: Row, toks: tuple, lps: tuple | None, now: float, counts: list) -> None:
+        """A verify row's result: the accepted drafts and the target's next token, emitted one by one
+        up to a stop; the KV of rejected positions is rolled back (their blocks go back to the pool)."""
+        r = row.req
+        r.spec_verify_ct += 1
+        r.spec_proposed += row.draft
+        r.spec_accepted += len(toks) - 1
+        counts[0] += 1
+        counts[1] += row.draft
+        counts[2] += len(toks) - 1
+        reason = None
+        for i, t in enumerate(toks):
+            r.output.append(t)
+            if r.return_logprob:
+                r.logprobs.append(lps[i])
+            reason = self._stop_reason(r, t)
+            if reason is not None:
+                break
+        # KV is valid for every position but the last emitted token's (as after a plain decode row)
+        r.computed = len(r.tokens) - 1
+        res = r.reservation
+        self.pool.commit(res.blocks, r.tokens, r.computed, res.chain)
+        keep = self.pool.blocks_for(r.computed)
+        if len(res.blocks) > keep:   # rollback: slots past the KV held a rejected draft
+            self.pool.release(res.blocks[keep:])
+            del res.blocks[keep:]
+        if r.first_token_at is None:
+            r.first_token_at = now
+        r.d_ready_at = now
+        if reason is not None:
+            self._finish(r, reason)
+        else:
+            self._emit(r, finished=False, reason=None)
 
     def _apply_row(self, row: Row, token, logprob, now: float) -> None:
         r = row.req
@@ -257,8 +335,9 @@ class Scheduler:
         if finished and r.routes_from is not None:
             per = self.model_config.num_hidden_layers * self.model_config.num_experts_per_tok * 4
             routed = b"".join(r.route_parts)[r.routes_from * per:]
+        spec = (r.spec_verify_ct, r.spec_proposed, r.spec_accepted) if self.spec_k else None
         self._outbox.append(RequestOutput(r.rid, new, lps, finished, reason, len(r.prompt), len(r.output),
-                                          r.cached_tokens, r.rollout_id, self.weight_version, routed))
+                                          r.cached_tokens, r.rollout_id, self.weight_version, routed, spec))
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -50,6 +50,7 @@ class Tracked:
     wake: Optional[asyncio.Queue] = None  # gets `self` after every update
     version_spans: list = field(default_factory=list)   # [version, start, end) over output_ids
     routed_experts: Optional[bytes] = None
+    spec_meta: dict = field(default_factory=dict)   # speculation's meta_info keys (RequestOutput.spec_meta)
 
     def add_tokens(self, ids: list[int], version: str) -> None:
         """Appends tokens produced by the weights of `version` (a request spanning an update gets
@@ -263,6 +264,8 @@ class EngineBridge:
                     self._metrics.generated(len(o.new_token_ids))
             if o.routed_experts is not None:
                 t.routed_experts = o.routed_experts
+            if o.spec is not None:
+                t.spec_meta = o.spec_meta()
             if o.finished:
                 self._finish(t, o.finish_reason, now)
             elif t.wake is not None:

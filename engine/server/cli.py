@@ -37,9 +37,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"weights, memory, flush, abort) require; default ${ADMIN_TOKEN_FILE_ENV}; "
                         "unset: those routes are open")
     p.add_argument("--log-level", default="info")
-    from ..runtime.options import add_layout_args, add_rank_args
+    from ..runtime.options import add_layout_args, add_rank_args, add_spec_args
     add_layout_args(p)
     add_rank_args(p)
+    add_spec_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -50,7 +51,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..runtime.options import engine_overrides, layout_from_args, single_worker
+    from ..runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
     from ..protocol.config import EngineConfig
     from ..protocol.exits import EXIT_CONFIG
     from ..protocol.layout import LayoutError
@@ -63,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         layout = layout_from_args(args)
         config = EngineConfig(model=args.model, device=layout.device, mode=args.mode,
-                              **engine_overrides(args.engine_config))
+                              **{**engine_overrides(args.engine_config), **spec_fields(args)})
     except (LayoutError, ValueError) as e:   # pydantic's ValidationError is a ValueError
         return _fail(str(e), EXIT_CONFIG)
     admin_token = None

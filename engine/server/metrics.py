@@ -57,6 +57,10 @@ class ServerMetrics:
         self.rendezvous = Histogram(metric.RENDEZVOUS, "One turnstile rendezvous",
                                     buckets=_SHORT, registry=r)
         self.rounds = Counter(metric.ROUNDS, "Turnstile rounds (D ordered inside a P epoch)", registry=r)
+        self.spec_verify = Counter(metric.SPEC_VERIFY, "Decode rows run under speculation (each emits >= 1 token)",
+                                   registry=r)
+        self.spec_proposed = Counter(metric.SPEC_PROPOSED, "Draft tokens proposed for verification", registry=r)
+        self.spec_accepted = Counter(metric.SPEC_ACCEPTED, "Draft tokens the target accepted", registry=r)
         self.stalls = Counter(metric.STALLS, "Collective stalls detected", registry=r)
         self.multiplexing = Gauge(P + "multiplexing_active", "1 if the last step multiplexed P and D", registry=r)
         self.span = Gauge(P + "segment_span", "Segment span K of the last step", registry=r)
@@ -124,6 +128,10 @@ class ServerMetrics:
                 self.rounds.inc(rec.turnstile_rounds)
             if rec.graph:
                 self.graph_steps.inc()
+            if rec.spec_verify:
+                self.spec_verify.inc(rec.spec_verify)
+                self.spec_proposed.inc(rec.spec_proposed)
+                self.spec_accepted.inc(rec.spec_accepted)
         if last is not None:
             self.multiplexing.set(1 if last.multiplexing_active else 0)
             self.span.set(last.span or 0)

@@ -44,6 +44,7 @@ def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
                              versions=version_meta(t.version_spans, server.weight_version, len(t.output_ids)),
                              routed_experts=t.routed_experts if t.finished else None)
     body["meta_info"]["completion_tokens"] = len(t.output_ids)
+    body["meta_info"].update(t.spec_meta)
     return body
 
 

@@ -185,6 +185,18 @@ def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]
     return summary, r.records
 
 
+def speculation_of(url: str) -> dict:
+    """Which speculation the server ran (its /get_model_info), for the results: off, or the proposer and k."""
+    import json
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_model_info", timeout=10) as resp:
+            info = json.loads(resp.read())
+    except (OSError, ValueError) as e:
+        raise BenchError(f"GET {url}/get_model_info failed: {e}") from e
+    return {"speculative": info.get("speculative") or "off", "speculative_k": info.get("speculative_k", 0)}
+
+
 def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
               model: str | None = None, url: str | None = None, device: str | None = None,
               pressure: str = "trace", seed: int = 0, progress: bool = True,
@@ -208,11 +220,13 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
               f"{expected['conversations']} sessions, pressure {pressure}", flush=True)
         if url:
             summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress)
+            summary.update(speculation_of(url))
         else:
             log = os.path.join(out_dir, f"server-{mode}.log")
             with serve(model, mode, log, device=device, extra_args=serve_args) as live:
                 summary, recs = replay(live, rows, pressure=pressure, seed=seed,
                                        progress=progress)
+                summary.update(speculation_of(live))
         if (summary["total_input_tokens"], summary["total_output_tokens"]) != (
                 expected["input_tokens"], expected["output_tokens"]):
             raise BenchError(f"mode {mode}: server counted {summary['total_input_tokens']} input /"

@@ -119,3 +119,23 @@ def test_rollout_finishes_when_idle(server):
         time.sleep(0.2)
     recent = server.http.get("/rollouts").json()["recent"]
     assert recent[-1]["rollout_id"] == "idle-one" and recent[-1]["num_requests"] == 1
+
+
+def test_speculation_in_meta_info_metrics_and_model_info(start_server):
+    """`serve --speculative ngram`: each response's meta_info carries SGLang's spec_* keys, and the
+    /metrics counters move by exactly what the responses report."""
+    s = start_server("--speculative", "ngram", "--speculative-k", "3")
+    assert s.http.get("/get_model_info").json()["speculative"] == "ngram"
+    before = _metrics(s)
+    body = {"input_ids": [5, 6, 7, 5, 6, 7, 5, 6], "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                        "ignore_eos": True}}
+    meta = s.http.post("/generate", json=body).json()["meta_info"]
+    after = _metrics(s)
+    assert meta["completion_tokens"] == 8
+    assert meta["spec_verify_ct"] + meta["spec_accepted_drafts"] == 7      # the first token came from P
+    assert meta["spec_proposed_drafts"] > 0                                # the prompt's suffix recurs
+    assert meta["spec_accept_length"] == pytest.approx(7 / meta["spec_verify_ct"])
+    for name, key in (("spec_verify_total", "spec_verify_ct"), ("spec_proposed_drafts_total", "spec_proposed_drafts"),
+                      ("spec_accepted_drafts_total", "spec_accepted_drafts")):
+        assert after["pdrollout:" + name] - before.get("pdrollout:" + name, 0) == meta[key], name
+    assert s.stop() == 0, s.log

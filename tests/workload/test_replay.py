@@ -170,6 +170,7 @@ def test_run_bench_against_url_writes_results_and_plots(tmp_path):
                 "mean_rendezvous_ms", "stalls"):
         assert key in pd, key
     assert pd["completed"] == len(TRACE) and data["meta"]["pressure"] == "P2"
+    assert (pd["speculative"], pd["speculative_k"]) == ("off", 0)   # the results say speculation was off
     for name in ("makespan.png", "ttft_cdf.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len((tmp_path / "records-pd.jsonl").read_text().splitlines()) == len(TRACE)

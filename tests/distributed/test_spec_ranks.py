@@ -1,0 +1,70 @@
+"""Speculative decoding on 4 ranks through the real CLI: the verify rows are D rows of the
+rank-shared plan, so every rank runs them in the same D iteration (the turnstile orders one D
+step); greedy outputs equal one rank's without speculation in every mode. Bad speculation flags
+fail before any rank starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_config
+from pdrollout.engine.cli import main
+from pdrollout.engine.model.checkpoint import write_checkpoint
+from tests.distributed.test_mp_engine import BUDGET, ENGINE, FINE, _outputs, _run
+
+pytestmark = pytest.mark.timeout(600)
+VOCAB = 24   # a random model of this vocabulary loops within a few tokens: drafts are often right
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % VOCAB for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6],
+           [7, 7, 7, 7, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    model = write_checkpoint(tiny_config(vocab_size=VOCAB), d / "loopy", seed=0)
+    reqs = d / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps({"rid": f"r{i}", "input_ids": p, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
+    draft = write_checkpoint(tiny_config(vocab_size=VOCAB, num_hidden_layers=1), d / "draft", seed=5)
+    return str(model), str(reqs), str(draft)
+
+
+def _generate(setup, mode, control, extra=(), timeout=240):
+    model, reqs, _ = setup
+    return _run(["generate", "--model", model, "--requests", reqs, "--mode", mode, "--engine-config",
+                 json.dumps(ENGINE), "--control", json.dumps({**BUDGET, **control}), *extra], timeout)
+
+
+CASES = [("ngram", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
+         ("ngram", "normal", {}, 4, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
+         ("ngram", "mixed", {}, 1, ["--nproc", "4", "--adp", "4", "--ep", "4"]),
+         ("draft", "pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"])]
+
+
+@pytest.mark.parametrize("proposer,mode,control,k,ranks", CASES,
+                         ids=[f"{c[0]}-{c[1]}-k{c[3]}-adp{c[4][3]}" for c in CASES])
+def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, proposer, mode, control, k, ranks):
+    res = _generate(setup, mode, control)
+    ref = _outputs(res)
+    draft = ["--draft-model", setup[2]] if proposer == "draft" else []
+    got_res = _generate(setup, mode, control, ["--speculative", proposer, "--speculative-k", str(k), *draft, *ranks])
+    assert _outputs(got_res) == ref
+    metas = [json.loads(line)["meta_info"] for line in got_res.stdout.splitlines()]
+    assert sum(m["spec_accepted_drafts"] for m in metas) > 0
+    assert all(m["spec_verify_ct"] + m["spec_accepted_drafts"] == 11 for m in metas)   # first token: P
+    assert all("spec_verify_ct" not in json.loads(line)["meta_info"] for line in res.stdout.splitlines())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-model DIR"),
+    (["--speculative", "ngram", "--draft-model", "x"], "--draft-model is only used by --speculative draft"),
+    (["--speculative-k", "2"], "--speculative-k and --draft-model need --speculative"),
+    (["--speculative", "ngram", "--speculative-k", "9"], "speculative_k must be in 1..8"),
+    (["--speculative", "mtp"], "speculative='mtp' is not implemented")])
+def test_bad_speculation_flags_are_a_clear_error_before_any_rank(setup, capsys, flags, message):
+    """In process: the flags are checked before a rank (or the model) is touched."""
+    model, reqs, _ = setup
+    rc = main(["generate", "--model", model, "--requests", reqs, *flags, "--nproc", "4", "--adp", "2", "--ep", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
