@@ -126,7 +126,11 @@ def engine_env(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
     the network settings. The layout itself is in the file (one source of truth for every pod).
     Multiplexing is absent on purpose: it changes live through /control, and a template change
     would restart the pods."""
+    # CPU pods run as ENGINE_UID, which has no passwd entry in the image: torch asks getpass for a user
+    # name (inductor's cache dir, at import) and Python's ~ needs HOME, so both come from the env.
+    identity = [] if spec.device == "cuda" else [_var("USER", "pdrollout"), _var("HOME", "/tmp")]
     return [
+        *identity,
         _field("PDROLLOUT_NODE_RANK", f"metadata.labels['{POD_INDEX_LABEL}']"),
         _field("POD_NAME", "metadata.name"),
         _field("POD_IP", "status.podIP"),

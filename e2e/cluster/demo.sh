@@ -23,10 +23,12 @@ source "$IMAGES_DIR/refs.env"
 on_cluster() { bash "$here/in.sh" "$dir" "$@"; }
 ns=pdrollout-demo name=tiny-cpu port=30000
 
-echo "[demo] installing the chart (operator image $OPERATOR_IMAGE)"
+echo "[demo] installing the chart (operator image $OPERATOR_IMAGE), watching namespace $ns"
+# The chart's RBAC is namespaced by default: a Role in each watched namespace, which must exist first.
+on_cluster kubectl create namespace "$ns" --dry-run=client -o yaml | on_cluster kubectl apply -f - >/dev/null
 on_cluster helm upgrade --install pdr "$root/charts/pdrollout-operator" -n pdrollout-system --create-namespace \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
-  --set image.pullPolicy=Never --wait --timeout 300s >/dev/null
+  --set image.pullPolicy=Never --set "watchNamespaces={$ns}" --wait --timeout 300s >/dev/null
 
 # The example as it is, but with the engine image built here and requests that fit: both nodes share
 # this machine's cores, and the operator makes limits = requests.
@@ -38,7 +40,6 @@ doc["spec"]["image"] = sys.argv[2]
 doc["spec"]["resources"] = {"cpu": "1", "memory": "3Gi", "sharedMemory": "256Mi"}
 print(yaml.safe_dump(doc))
 PY
-on_cluster kubectl create namespace "$ns" --dry-run=client -o yaml | on_cluster kubectl apply -f - >/dev/null
 on_cluster kubectl apply -n "$ns" -f "$manifest"
 echo "[demo] waiting for the group to join (both pods Ready, phase Running)"
 on_cluster kubectl wait -n "$ns" "pdrollout/$name" --for=jsonpath='{.status.phase}'=Running --timeout=600s

@@ -315,6 +315,10 @@ EOF
   start "kubelet-$i" nsenter --net="/run/netns/$(node_ns $i)" "$(bin kubelet)" --config "$nd/kubelet.yaml" \
     --kubeconfig "$dir/node-$i.kubeconfig" --root-dir "$nd/kubelet" \
     --hostname-override "node-$i" --node-ip "$(node_ip $i)"
+  # Every kubelet binds one fixed device-plugin socket (/var/lib/kubelet/device-plugins/kubelet.sock,
+  # not under --root-dir); two starting together race for it and the loser never registers. One at a
+  # time: the next starts once this one registered (it binds the socket before registering).
+  wait_for 120 "node-$i to register" kubectl_cp get node "node-$i"
   cat >"$nd/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration

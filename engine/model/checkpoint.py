@@ -10,6 +10,7 @@ keeps greedy decoding stable enough to compare token-for-token with a reference 
 from __future__ import annotations
 
 import json
+import os
 import re
 import zlib
 from pathlib import Path
@@ -96,6 +97,9 @@ def _save(tensors, config: dict, out: Path, torch_dtype: str) -> Path:
     for n, part in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(part, str(out / name), metadata={"format": "pt"})
+        # safetensors writes owner-only (0600); a checkpoint is read by other users too (a
+        # container's non-root engine reading an image's /models), so it gets what umask allows.
+        os.chmod(out / name, _file_mode())
         weight_map.update({k: name for k in part})
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
@@ -117,6 +121,13 @@ def quantized_tensors(tensors, block: tuple[int, int] = FP8_BLOCK, rest: torch.d
             yield key + "_scale_inv", scale
         else:
             yield key, t.to(rest)
+
+
+def _file_mode() -> int:
+    """The mode a plain new file gets under this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_checkpoint(config: dict, out: str | Path, *, seed: int = 0, dtype: str = "float32",

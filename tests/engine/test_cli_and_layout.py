@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,12 @@ def test_checkpoint_and_generate_cli(tmp_path):
     r = pdrollout("checkpoint", "--config", "tiny", "--out", str(tmp_path / "m"), "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "m" / "config.json").is_file()
+    # Readable by others as umask allows (safetensors alone writes 0600): a container's non-root
+    # engine reads an image's checkpoint that root wrote.
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "m").iterdir()} == \
+        {"config.json": 0o666 & ~mask, "model.safetensors": 0o666 & ~mask}
     lines = [{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}},
              {"input_ids": [], "sampling_params": {}},
              {"input_ids": [9], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
