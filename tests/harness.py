@@ -1,7 +1,7 @@
 """Synthetic protocol driver: P epochs with safe boundaries and D iterations on the device
 model, under any ordering, in real rank processes (see launch.run_ranks).
 
-Shapes follow DESIGN §2: P boundary i precedes its registered collective R_i (a model-wide
+Shapes follow docs/DISTRIBUTED.md: P boundary i precedes its registered collective R_i (a model-wide
 AllReduce, present when ATP>1), followed by P compute on the P background stream; a D
 iteration is compute + ReduceScatter + AllGather on the rank's DP group (present when ADP>1).
 The engine plugs its real P segment and D graph launch into the same controller calls:

@@ -2,7 +2,7 @@
 
 The multi-rank engine's real P path (model-wide AllReduce over all four ranks) and D path
 (DP-attention AllGather/ReduceScatter on {0,2} and {1,3}) on one GPU per rank. The device
-condition of DESIGN §2 ("the device cannot run both collectives at once") is made explicit:
+condition of docs/DISTRIBUTED.md ("the device cannot run both collectives at once") is made explicit:
 each rank's P and D streams share one green-context partition of S SMs, and the registered
 pair's NCCL kernels are pinned to C CTAs (--sm-partition S --nccl-ctas C). Whether C CTAs of one
 kernel leave room for the other is the residency question of the paper (24 vs 23 CTAs/SM).

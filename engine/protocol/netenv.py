@@ -1,4 +1,4 @@
-"""Pure network/NVSHMEM environment for phase-owned expert communication (DESIGN §4, §8).
+"""Pure network/NVSHMEM environment for phase-owned expert communication (docs/DISTRIBUTED.md).
 
 Stdlib only: the Kubernetes operator imports this module for its env injection, and the
 DeepEP backend uses the same functions, so the two can never disagree. Nothing here touches

@@ -1,4 +1,4 @@
-"""Rank topology: the one place for ATP/ETP arithmetic and the collective groups (DESIGN §2).
+"""Rank topology: the one place for ATP/ETP arithmetic and the collective groups (docs/DISTRIBUTED.md).
 
 World g, attention data-parallel width d (ADP), expert-parallel width e (EP):
 ATP = g/d ranks form one attention replica, ETP = g/e ranks shard one expert.
@@ -91,7 +91,7 @@ class Topology:
         self._check(rank)
         return self.ep_groups[rank % self.etp]
 
-    # The registered collective pair of DESIGN §2. Eager P reduces attention over the model-wide
+    # The registered collective pair of docs/DISTRIBUTED.md. Eager P reduces attention over the model-wide
     # group only when attention is tensor-parallel (ATP>1); graph-replayed D gathers across
     # replicas only when there are several (ADP>1). Reducing either axis to 1 removes one side
     # of the pair, which is why such topologies cannot stall (paper, Table 4).

@@ -1,4 +1,4 @@
-"""The turnstile: a pure state machine for one rank's P epochs and D rounds (DESIGN §3).
+"""The turnstile: a pure state machine for one rank's P epochs and D rounds (docs/DISTRIBUTED.md).
 
 No I/O, no threads, no clocks: the controller (controller.py) drives it under a lock and the
 rendezvous (rendezvous.py) makes all ranks agree on each round. Vocabulary from the paper:

@@ -1,4 +1,4 @@
-"""Cross-rank trace of collective enqueues and the same-order checker (DESIGN §3).
+"""Cross-rank trace of collective enqueues and the same-order checker (docs/DISTRIBUTED.md).
 
 Per rank, time-ordered records (epoch, boundary, phase, collective, group, lane, enqueue time).
 The checker takes every rank's records and verifies that any two registered collectives that

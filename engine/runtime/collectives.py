@@ -1,4 +1,4 @@
-"""The model's cross-rank collectives on several ranks: the P path and the D path (DESIGN §2).
+"""The model's cross-rank collectives on several ranks: the P path and the D path (docs/DISTRIBUTED.md).
 
 Both paths shard attention heads the same way (so P and D share one KV cache) and move routed
 tokens through the phase-owned expert communicator; they differ in the groups they reduce over,

@@ -28,7 +28,7 @@ P thread in `move` stalls the process's other Python threads until every peer ha
 A true notify/move split needs patched kernels (the paper's). Cancel: nothing was exchanged at
 notify, but the protocol rule (retire until a quiescent point) is kept for backend parity.
 
-Across nodes both phases need NVSHMEM in one shared runtime with split QP ranges (DESIGN §4),
+Across nodes both phases need NVSHMEM in one shared runtime with split QP ranges (docs/DISTRIBUTED.md),
 which stock DeepEP does not offer (two RDMA Buffers in one process, DeepEP issue #76):
 `nodes > 1` raises.
 """
@@ -112,7 +112,7 @@ class DeepEPExpertComm(ExpertComm):
                  num_nvl_bytes: int | None = None, device=None, host_sync: bool = False) -> None:
         if nodes > 1:
             raise ExpertCommError("two RDMA DeepEP Buffers in one process need the shared-runtime, "
-                                  "split-QP DeepEP of DESIGN §4; stock deep_ep supports one node here")
+                                  "split-QP DeepEP of docs/DISTRIBUTED.md; stock deep_ep supports one node here")
         import torch
         import torch.distributed as dist
         import deep_ep  # GPU images only

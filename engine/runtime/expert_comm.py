@@ -1,4 +1,4 @@
-"""Phase-owned expert communication (DESIGN §4; paper Table 1, Figure 5).
+"""Phase-owned expert communication (docs/DISTRIBUTED.md; paper Table 1, Figure 5).
 
 Shared by both phases: the process-level runtime, topology and links. Owned per phase, never
 shared: buffers, counters, workspace, execution lane (its own process group here, its own

@@ -19,7 +19,7 @@ import torch
 
 from .collective_trace import Trace
 
-# The registered pair (DESIGN §2): P's model-wide AllReduce and D's DP-attention gather/scatter.
+# The registered pair (docs/DISTRIBUTED.md): P's model-wide AllReduce and D's DP-attention gather/scatter.
 REGISTERED = {"P": ("attn-allreduce", "moe-allreduce"), "D": ("dp-allgather", "dp-reducescatter")}
 
 

@@ -1,4 +1,4 @@
-"""The two turnstile rendezvous over a CPU process group (DESIGN §3, steps 2 and 4).
+"""The two turnstile rendezvous over a CPU process group (docs/DISTRIBUTED.md, steps 2 and 4).
 
 Every rank calls each rendezvous exactly once per round, with work or without (the matched
 no-work call of an idle rank), so the exchange itself can never be left half-matched; what the

@@ -1,5 +1,5 @@
 """Rollout makespan tracking: requests that carry the same rollout id form one rollout; its
-makespan is first release -> last completion (DESIGN §6). A rollout finishes when the client says
+makespan is first release -> last completion (docs/WORKLOAD.md). A rollout finishes when the client says
 so (`POST /rollout/finish`) or after `idle_s` with no request in flight. Pure: times are passed in."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure measures of a benchmark run (DESIGN §6): per-request records in, one summary dict out.
+"""Pure measures of a benchmark run (docs/WORKLOAD.md): per-request records in, one summary dict out.
 
 Field names follow `sglang.bench_serving` where they cover the same quantity; ours are added.
 """

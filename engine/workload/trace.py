@@ -1,4 +1,4 @@
-"""Synthetic multi-turn agentic traces with the paper's per-request statistics (DESIGN §6).
+"""Synthetic multi-turn agentic traces with the paper's per-request statistics (docs/WORKLOAD.md).
 
 Model (docs/WORKLOAD.md has the longer story):
 * Each marginal (new prompt, output, client wait) has a piecewise log-linear quantile function
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# DESIGN §6, per request p50/p90/p99.
+# docs/WORKLOAD.md, per request p50/p90/p99.
 PAPER_PERCENTILES = {
     "new_prompt": (292, 2008, 3062),
     "output": (88, 391, 1057),

@@ -10,7 +10,7 @@
    Groups (topology.py, ATP = N/ADP): R_i on the whole world (P's model-wide AllReduce; with
    ATP1 the P all-to-all over the world EP group), D's ATP collective on the rank's replica
    (ATP>1) and D's DP collective on ranks of the same local index (ADP>1). With ATP2/ADP2 on
-   4 ranks the world group intersects both DP groups: the crossed pair of DESIGN §2.
+   4 ranks the world group intersects both DP groups: the crossed pair of docs/DISTRIBUTED.md.
 
    The plan (begin an epoch now?, D ready?, span K for auto) is rank-shared and chosen
    nondeterministically per iteration, as the broadcast StepPlan makes it; PER_RANK_READY lets

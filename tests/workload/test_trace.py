@@ -6,7 +6,7 @@ import pytest
 from pdrollout.engine.workload import trace
 from pdrollout.engine.workload.cli import add_trace_parser
 
-# DESIGN §6, typed in here on purpose (not read from the module under test).
+# docs/WORKLOAD.md, typed in here on purpose (not read from the module under test).
 PAPER = {
     "new_prompt": (292, 2008, 3062),
     "output": (88, 391, 1057),
