@@ -286,19 +286,28 @@ class CompletionRequest(_Strict):
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang `sampling_params` keys; the engine validates the values."""
-        sp: dict[str, Any] = {"max_new_tokens": self.max_tokens}
-        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("min_tokens", "min_new_tokens"), ("seed", "seed"),
-                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
-                         ("logit_bias", "logit_bias"), ("stop", "stop")):
-            v = getattr(self, src)
-            if v is not None:
-                sp[dst] = v
-        if self.stop_token_ids:
-            sp["stop_token_ids"] = list(self.stop_token_ids)
-        if self.ignore_eos:
-            sp["ignore_eos"] = True
-        return sp
+        return openai_sampling_params(self, self.max_tokens, OPENAI_SAMPLING + (("logit_bias", "logit_bias"),))
+
+
+# OpenAI request field -> SGLang sampling_params key, for fields both requests carry.
+OPENAI_SAMPLING = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                   ("min_tokens", "min_new_tokens"), ("seed", "seed"), ("stop", "stop"),
+                   ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"))
+
+
+def openai_sampling_params(req: Any, max_new_tokens: Optional[int],
+                           fields: tuple[tuple[str, str], ...] = OPENAI_SAMPLING) -> dict[str, Any]:
+    """An OpenAI-style request's sampling fields as SGLang `sampling_params` (unset ones left out)."""
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for src, dst in fields:
+        v = getattr(req, src)
+        if v is not None:
+            sp[dst] = v
+    if req.stop_token_ids:
+        sp["stop_token_ids"] = list(req.stop_token_ids)
+    if req.ignore_eos:
+        sp["ignore_eos"] = True
+    return sp
 
 
 def _clean_finish_reason(fr: Optional[dict]) -> Optional[dict]:

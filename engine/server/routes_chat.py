@@ -15,7 +15,7 @@ from pydantic import ConfigDict, StrictBool, StrictInt, model_validator
 
 from .app import Server, json_response, read_json, server_of
 from .bridge import Tracked
-from .protocol import BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, version_meta
+from .protocol import BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, openai_sampling_params, version_meta
 from .routes_native import sse, wait_finished
 
 
@@ -62,18 +62,7 @@ class ChatRequest(_Strict):
         return self
 
     def sampling_params(self) -> dict[str, Any]:
-        sp: dict[str, Any] = {"max_new_tokens": self.max_completion_tokens or self.max_tokens or 128}
-        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("min_tokens", "min_new_tokens"), ("seed", "seed"), ("stop", "stop"),
-                         ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty")):
-            v = getattr(self, src)
-            if v is not None:
-                sp[dst] = v
-        if self.stop_token_ids:
-            sp["stop_token_ids"] = list(self.stop_token_ids)
-        if self.ignore_eos:
-            sp["ignore_eos"] = True
-        return sp
+        return openai_sampling_params(self, self.max_completion_tokens or self.max_tokens or 128)
 
 
 def _flatten(messages: list[dict]) -> list[dict]:

@@ -31,6 +31,15 @@ async def _op(request: web.Request, fn, *, abort_all: bool = False, **extra) -> 
     return json_response({"success": True, "message": message, **extra})
 
 
+async def _group_op(request: web.Request, fn) -> web.Response:
+    """A weights-update-group op: no exclusive wait (it changes no weight), SGLang's success body."""
+    try:
+        message = await server_of(request).bridge.call(fn)
+    except (OpError, OpFailed) as e:
+        return json_response({"success": False, "message": str(e)}, 400)
+    return json_response({"success": True, "message": message})
+
+
 @admin
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     req = await read_json(request, UpdateFromDiskRequest)
@@ -43,13 +52,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def init_weights_update_group(request: web.Request) -> web.Response:
     req = await read_json(request, InitGroupRequest)
     # no exclusive wait: forming a group changes no weight (the trainer waits for it to form)
-    server = server_of(request)
-    try:
-        message = await server.bridge.call(lambda e: e.init_weights_update_group(
-            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend))
-    except (OpError, OpFailed) as e:
-        return json_response({"success": False, "message": str(e)}, 400)
-    return json_response({"success": True, "message": message})
+    return await _group_op(request, lambda e: e.init_weights_update_group(
+        req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend))
 
 
 @admin
@@ -63,12 +67,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 @admin
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     req = await read_json(request, DestroyGroupRequest, allow_empty=True)
-    server = server_of(request)
-    try:
-        message = await server.bridge.call(lambda e: e.destroy_weights_update_group(req.group_name))
-    except (OpError, OpFailed) as e:
-        return json_response({"success": False, "message": str(e)}, 400)
-    return json_response({"success": True, "message": message})
+    return await _group_op(request, lambda e: e.destroy_weights_update_group(req.group_name))
 
 
 @admin
