@@ -150,6 +150,23 @@ def decode2(out: Path, layers: int = 48, batch: int = 64, ctx: int = 2048, new: 
     return res
 
 
+def step_kinds(log: Path) -> dict:
+    """Rank 0's steps by kind (decode-only graph replays, decode-only eager, steps carrying P): count,
+    rows or tokens, and the time inside execute(); what the makespan spends outside it is host work
+    between steps (scheduling, plan broadcast, HTTP)."""
+    kinds: dict[str, dict] = {}
+    for r in steplog(log):
+        k = "P" if r["prefill_tokens"] else ("D graph" if r["graph"] else "D eager")
+        e = kinds.setdefault(k, {"steps": 0, "wall_s": 0.0, "decode_rows": 0, "prefill_tokens": 0})
+        e["steps"] += 1
+        e["wall_s"] += r["wall_s"]
+        e["decode_rows"] += r["decode_rows"]
+        e["prefill_tokens"] += r["prefill_tokens"]
+    for e in kinds.values():
+        e["ms_per_step"] = 1e3 * e["wall_s"] / e["steps"]
+    return kinds
+
+
 def small(out: Path) -> dict:
     from pdrollout.engine.protocol.config import load_preset
     cfg = load_preset("qwen3-30b-a3b")
@@ -158,26 +175,36 @@ def small(out: Path) -> dict:
     mdir.mkdir(parents=True, exist_ok=True)
     (mdir / "config.json").write_text(json.dumps(cfg))
     engine = json.dumps({"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 20 << 30, "max_running": 64})
+    seed = int(os.environ.get("SEED", 0))
     res = {"meta": meta("small", nproc=[1, 2], topology="1 GPU vs ADP2/EP2 on 2 GPUs", preset="small",
-                        pressure="P1", seed=0, layers=12)}
+                        pressure="P1", seed=seed, layers=12)}
     for name, extra in (("1gpu", []), ("2gpu", ["--serve-arg=--nproc", "--serve-arg=2", "--serve-arg=--adp",
                                                  "--serve-arg=2", "--serve-arg=--ep", "--serve-arg=2"])):
         t0 = time.monotonic()
         r = subprocess.run(["pdrollout", "bench", "--modes", "normal,mixed,pd", "--model", str(mdir), "--preset", "small",
-                            "--pressure", "P1", "--seed", "0", "--device", "cuda", "--serve-arg=--engine-config",
-                            f"--serve-arg={engine}", "--no-progress", "--out", str(out / f"small-{name}"), *extra],
+                            "--pressure", "P1", "--seed", str(seed), "--device", "cuda", "--serve-arg=--engine-config",
+                            f"--serve-arg={engine}", "--no-progress", "--out", str(out / f"small-s{seed}-{name}"),
+                            "--serve-arg=--step-log", f"--serve-arg={out}/steplog-small-s{seed}-{name}-{{mode}}", *extra],
                            capture_output=True, text=True, timeout=560)
-        (out / f"small-{name}.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
+        (out / f"small-s{seed}-{name}.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
         if r.returncode:
             raise SystemExit(f"bench {name}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        got = json.loads((out / f"small-{name}" / "results.json").read_text())["modes"]
+        got = json.loads((out / f"small-s{seed}-{name}" / "results.json").read_text())["modes"]
         res[name] = {m: {k: got[m][k] for k in ("makespan_s", "p99_ttft_ms", "mean_decode_wait_ms",
                                                  "total_input_tokens", "total_output_tokens")} for m in got}
+        for m in got:
+            res[name][m]["steps"] = step_kinds(out / f"steplog-small-s{seed}-{name}-{m}")
         print(f"{name}: {time.monotonic() - t0:.0f} s", flush=True)
     print("| mode | 1 GPU makespan s | 2 GPUs makespan s | 2/1 |\n|---|---|---|---|")
     for m in res["1gpu"]:
         a, b = res["1gpu"][m]["makespan_s"], res["2gpu"][m]["makespan_s"]
         print(f"| {m} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
+    print("| run | mode | kind | steps | ms/step | s in steps | rows or tokens |\n|---|---|---|---|---|---|---|")
+    for name in ("1gpu", "2gpu"):
+        for m, r in res[name].items():
+            for k, e in sorted(r["steps"].items()):
+                print(f"| {name} | {m} | {k} | {e['steps']} | {e['ms_per_step']:.2f} | {e['wall_s']:.2f} | "
+                      f"{e['prefill_tokens'] if k == 'P' else e['decode_rows']} |")
     return res
 
 
@@ -188,4 +215,5 @@ if __name__ == "__main__":
         kw = {"layers": int(os.environ["LAYERS"]), "batch": int(os.environ.get("BATCH", 64)),
               "ctx": int(os.environ.get("CTX", 2048))} if stage == "decode2" and "LAYERS" in os.environ else {}
         r = {"check": check, "decode2": decode2, "small": small}[stage](out, **kw)
-        (out / f"{stage}.json").write_text(json.dumps(r, indent=1))
+        name = f"small-s{os.environ.get('SEED', 0)}" if stage == "small" else stage
+        (out / f"{name}.json").write_text(json.dumps(r, indent=1))

@@ -27,14 +27,18 @@ from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
 
 GiB = 1 << 30
+DEVICE = os.environ.get("DEVICE", "cuda")   # cpu: a dry run of the mechanics on the tiny preset
 
 
 def measure(engine, what: str) -> dict:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
     own = engine.memory()
     return {"stage": what, "device_used_gib": (total - free) / GiB,
-            "allocated_gib": torch.cuda.memory_allocated() / GiB, "reserved_gib": torch.cuda.memory_reserved() / GiB,
+            "allocated_gib": torch.cuda.memory_allocated() / GiB if cuda else 0.0,
+            "reserved_gib": torch.cuda.memory_reserved() / GiB if cuda else 0.0,
             "engine_weights_gib": own["weights"] / GiB, "engine_kv_gib": own["kv_cache"] / GiB,
             "released": sorted(engine.released)}
 
@@ -58,15 +62,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    cfg = load_preset("qwen3-30b-a3b")
-    cfg["num_hidden_layers"] = a.layers
+    cfg = load_preset("qwen3-30b-a3b" if DEVICE == "cuda" else "tiny")
+    cfg["num_hidden_layers"] = a.layers if DEVICE == "cuda" else cfg["num_hidden_layers"]
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(cfg))
     t0 = time.monotonic()
-    engine = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", mode="pd", random_weights=True,
-                                 kv_cache_bytes=int(a.kv_gib * GiB), max_running=64))
+    engine = Engine(EngineConfig(model=str(tmp), device=DEVICE, dtype="bfloat16" if DEVICE == "cuda" else "float32", mode="pd", random_weights=True,
+                                 kv_cache_bytes=int(a.kv_gib * GiB) if DEVICE == "cuda" else 1 << 24, max_running=64))
     load_s = time.monotonic() - t0
-    prompts = [[(31 * i + 7 * k) % 1000 + 10 for k in range(64 + 100 * i)] for i in range(4)]
+    prompts = [[(31 * i + 7 * k) % min(1000, cfg["vocab_size"] - 10) + 10 for k in range(64 + 100 * i)] for i in range(4)]
     rows = [measure(engine, "loaded")]
     before = greedy(engine, prompts, a.tokens)
     rows.append(measure(engine, "after generation"))
@@ -86,7 +90,7 @@ def main() -> int:
     drop = rows[1]["device_used_gib"] - rows[2]["device_used_gib"]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"meta": {"command": " ".join(sys.argv), "commit": os.environ.get("PDROLLOUT_COMMIT", commit),
-                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers,
+                       "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "layers": a.layers,
                        "kv_gib": a.kv_gib, "load_s": load_s},
               "stages": rows, "release_s": release_s, "resume_s": resume_s, "device_drop_gib": drop,
               "outputs_equal": equal, "before": before, "after": after}

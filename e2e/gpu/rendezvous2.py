@@ -82,8 +82,8 @@ def stage_engine(out: str, timeout_s: int = 600) -> dict:
         return {"skipped": f"pydantic not importable ({e}): carry its wheel in .whl/ (see e2e/gpu/env.sh)"}
     work = "/tmp/pdrollout-rdv2"
     os.makedirs(work, exist_ok=True)
-    from pdrollout.engine.checkpoint import write_checkpoint
-    from pdrollout.engine.config import load_preset
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    from pdrollout.engine.protocol.config import load_preset
     import random
     cfg = load_preset("tiny")
     cfg.update(vocab_size=1024, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,

@@ -223,7 +223,9 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
             summary.update(speculation_of(url))
         else:
             log = os.path.join(out_dir, f"server-{mode}.log")
-            with serve(model, mode, log, device=device, extra_args=serve_args) as live:
+            # "{mode}" in a serve arg names the mode (e.g. one --step-log directory per mode)
+            extra = tuple(a.replace("{mode}", mode) for a in serve_args)
+            with serve(model, mode, log, device=device, extra_args=extra) as live:
                 summary, recs = replay(live, rows, pressure=pressure, seed=seed,
                                        progress=progress)
                 summary.update(speculation_of(live))

@@ -102,7 +102,8 @@ def add_bench_parser(subparsers) -> None:
                    help="multiply the trace's waits (use with a trace generated unscaled)")
     b.add_argument("--device", help="passed to `pdrollout serve --device`")
     b.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for `pdrollout serve` (repeatable)")
+                   help="extra argument for `pdrollout serve` (repeatable; {mode} becomes the mode, "
+                        "e.g. --serve-arg=--step-log --serve-arg=logs/{mode})")
     b.add_argument("--out", required=True, help="directory for results.json, records and plots")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
