@@ -151,12 +151,14 @@ def decode2(out: Path, layers: int = 48, batch: int = 64, ctx: int = 2048, new: 
 
 
 def step_kinds(log: Path) -> dict:
-    """Rank 0's steps by kind (decode-only graph replays, decode-only eager, steps carrying P): count,
+    """Rank 0's steps by kind (decode-only graph replays, decode-only eager, D while another replica
+    prefills, steps carrying P of rank 0's replica): count,
     rows or tokens, and the time inside execute(); what the makespan spends outside it is host work
     between steps (scheduling, plan broadcast, HTTP)."""
     kinds: dict[str, dict] = {}
     for r in steplog(log):
-        k = "P" if r["prefill_tokens"] else ("D graph" if r["graph"] else "D eager")
+        # "D beside P": this replica decodes only, while another one prefills in the same step
+        k = "P" if r["prefill_tokens"] else "D beside P" if r.get("p_any") else ("D graph" if r["graph"] else "D eager")
         e = kinds.setdefault(k, {"steps": 0, "wall_s": 0.0, "decode_rows": 0, "prefill_tokens": 0})
         e["steps"] += 1
         e["wall_s"] += r["wall_s"]

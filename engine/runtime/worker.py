@@ -203,6 +203,7 @@ class Worker:
             line = json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
                                "ordering": report.ordering, "rounds": report.rounds,
                                "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
+                               "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
                                "graph": report.graph, "wall_s": time.monotonic() - t_start,
                                **(self.group.log_fields(mark) if self.multi else {})}) + "\n"
             try:
