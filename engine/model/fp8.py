@@ -49,7 +49,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     to FP8_MAX (the scheme of the FP8 releases' quantizers)."""
     rows, cols = w.shape
     nr, nc = scale_shape(rows, cols, block)
-    padded = torch.zeros(nr * block[0], nc * block[1], dtype=torch.float32)
+    padded = torch.zeros(nr * block[0], nc * block[1], dtype=torch.float32, device=w.device)
     padded[:rows, :cols] = w.float()
     blocks = padded.view(nr, block[0], nc, block[1])
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
