@@ -90,12 +90,16 @@ def stage_fp8(tmp: Path) -> dict:
     q, s = fp8.quantize(w, (128, 128))
     x = torch.randn(4096, 2048, generator=g).to(dev, torch.bfloat16)
     exact = fp8.linear(x, q, s, (128, 128))
-    got = fp8.linear_scaled_mm(x, q, s, (128, 128))
     flops = 2 * 4096 * 1536 * 2048
-    t_mm, t_deq = _time(lambda: fp8.linear_scaled_mm(x, q, s, (128, 128))), _time(lambda: fp8.linear(x, q, s, (128, 128)))
-    res["scaled_mm"] = {"rel_err_vs_dequantized": float((got.float() - exact.float()).norm() / exact.float().norm()),
-                        "ms": t_mm * 1e3, "tflops": flops / t_mm / 1e12,
-                        "dequantize_path_ms": t_deq * 1e3, "dequantize_path_tflops": flops / t_deq / 1e12}
+    t_deq = _time(lambda: fp8.linear(x, q, s, (128, 128)))
+    res["scaled_mm"] = {"dequantize_path_ms": t_deq * 1e3, "dequantize_path_tflops": flops / t_deq / 1e12}
+    try:
+        got = fp8.linear_scaled_mm(x, q, s, (128, 128))
+        t_mm = _time(lambda: fp8.linear_scaled_mm(x, q, s, (128, 128)))
+        res["scaled_mm"].update(rel_err_vs_dequantized=float((got.float() - exact.float()).norm() / exact.float().norm()),
+                                ms=t_mm * 1e3, tflops=flops / t_mm / 1e12)
+    except RuntimeError as e:   # recorded, and the other stages still run
+        res["scaled_mm"]["error"] = str(e)[:500]
     if DEVICE == "cuda":   # the peaks of this GPU, same call
         n = 8192
         a8 = torch.randn(n, n, device=dev).to(fp8.FP8)
@@ -141,9 +145,13 @@ def main() -> int:
         print(f"fp8: greedy equal to the bf16 twin: {f['greedy_fp8_equals_bf16_twin']} "
               f"({f['tokens_differing']} tokens differ)")
         m = f["scaled_mm"]
-        print(f"scaled_mm 4096x2048x1536: {m['ms']:.3f} ms ({m['tflops']:.1f} TFLOP/s), rel err "
-              f"{m['rel_err_vs_dequantized']:.4f}; dequantize path {m['dequantize_path_ms']:.3f} ms "
-              f"({m['dequantize_path_tflops']:.1f} TFLOP/s)")
+        if "error" in m:
+            ok = False
+            print(f"scaled_mm failed: {m['error'][:200]}")
+        else:
+            print(f"scaled_mm 4096x2048x1536: {m['ms']:.3f} ms ({m['tflops']:.1f} TFLOP/s), rel err "
+                  f"{m['rel_err_vs_dequantized']:.4f}", end="; ")
+        print(f"dequantize path {m['dequantize_path_ms']:.3f} ms ({m['dequantize_path_tflops']:.1f} TFLOP/s)")
         if "tokens_total" in f:
             print(f"engine on the scaled-mm path: {f['scaled_mm_engine_tokens_differing_from_twin']} of "
                   f"{f['tokens_total']} greedy tokens differ from the twin")

@@ -90,7 +90,9 @@ def linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         xq = (xs / a_scale).to(FP8)
         for i in range(_ceil(rows, block[0])):
             r0, r1 = i * block[0], min(rows, (i + 1) * block[0])
-            out[:, r0:r1] += torch._scaled_mm(xq, weight[r0:r1, lo:hi].t(), scale_a=a_scale,
+            # cuBLASLt's FP8 GEMM refuses a strided block view (ld = the full row): a dense block
+            wb = weight[r0:r1, lo:hi].contiguous()
+            out[:, r0:r1] += torch._scaled_mm(xq, wb.t(), scale_a=a_scale,
                                               scale_b=scale[i, j], out_dtype=torch.float32)
     if bias is not None:
         out += bias.float()
