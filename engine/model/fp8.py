@@ -92,8 +92,10 @@ def linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
             r0, r1 = i * block[0], min(rows, (i + 1) * block[0])
             # cuBLASLt's FP8 GEMM refuses a strided block view (ld = the full row): a dense block
             wb = weight[r0:r1, lo:hi].contiguous()
+            # the scale a fresh scalar too: cuBLASLt wants aligned scale pointers, and scale[i, j]
+            # of a strided table is not (CUBLAS_STATUS_NOT_SUPPORTED on the H200)
             out[:, r0:r1] += torch._scaled_mm(xq, wb.t(), scale_a=a_scale,
-                                              scale_b=scale[i, j], out_dtype=torch.float32)
+                                              scale_b=scale[i, j].clone(), out_dtype=torch.float32)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
