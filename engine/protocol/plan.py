@@ -85,6 +85,10 @@ class StepPlan:
     multiplexing: bool = False                  # the pd policy put P and D in this step
     stop: bool = False                          # shut the workers down
     ops: tuple[EngineOp, ...] = ()              # run before the rows (an op plan carries no rows)
+    # pd on several ranks, fine-grained: this step's P epoch may go on under the next steps' D
+    # (p_span); a step planned while one is in flight carries its epoch (p_flight) and no P rows
+    p_span: bool = False
+    p_flight: int | None = None
 
     @property
     def d_any(self) -> bool:
@@ -121,3 +125,6 @@ class StepReport:
     graph: bool = False                             # D ran as a CUDA graph replay
     routes: dict = field(default_factory=dict)      # rid -> int32 bytes [tokens, layers, top-k] (leaders)
     ops: list = field(default_factory=list)         # per op: None (done) or an error message
+    p_pending: bool = False                         # this step's P epoch is still in flight
+    p_done: int | None = None                       # the epoch whose P finished in this step: its
+    #                                                 rows' tokens are in `tokens`

@@ -46,6 +46,9 @@ class Engine(EngineOps):
         self._new: list[NewRequest] = []
         self._announced: set[str] = set()
         self.step_id = 0
+        # pd on several ranks: a P epoch that goes on under the next steps' D (pd_step.py): its
+        # epoch and, per replica, the launched P rows whose results are still to come
+        self._flight: tuple[int, list] | None = None
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
         self.closed = False
         self._init_ops()
@@ -100,13 +103,15 @@ class Engine(EngineOps):
         """Plan and run one step; its results are applied by `finish` (work submitted in between,
         e.g. an abort and a retry under the same rid, meets a launched step: results of an earlier
         lifetime are discarded there)."""
-        if self._pending_control is not None:
+        # a new control waits for an epoch in flight to finish: its rounds run under the old one
+        if self._pending_control is not None and self._flight is None:
             self.control, self._pending_control = self._pending_control, None
         if self.released:   # waiting (retracted) requests wait for the resume
             return None
-        launched = [s.plan_step(self.control) for s in self.schedulers]
+        p_busy = self._flight is not None
+        launched = [s.plan_step(self.control, p_busy=p_busy) for s in self.schedulers]
         self.step_id += 1
-        if all(x is None for x in launched):
+        if all(x is None for x in launched) and not p_busy:
             return None
         works = tuple(x.work if x else ReplicaWork() for x in launched)
         alive = {rid for s in self.schedulers for rid in s.reqs}
@@ -114,9 +119,10 @@ class Engine(EngineOps):
         self._new = []
         drop = tuple(self._announced - alive)
         self._announced = (self._announced | {n.rid for n in new}) & alive
-        step = next(x.plan.step for x in launched if x is not None)
+        step = next((x.plan.step for x in launched if x is not None), self.step_id - 1)
         multiplexing = any(x is not None and x.plan.multiplexing for x in launched)
-        plan = StepPlan(step, self.control.model_dump(), works, new, drop, multiplexing)
+        plan = StepPlan(step, self.control.model_dump(), works, new, drop, multiplexing,
+                        p_span=self._spans(works), p_flight=self._flight[0] if p_busy else None)
         t0 = time.monotonic()
         mine, reports = self._exchange(plan)
         return plan, launched, reports, mine, t0
@@ -132,12 +138,32 @@ class Engine(EngineOps):
                 del self.replica_of[o.rid]
         return outs
 
+    def _spans(self, works) -> bool:
+        """May this step's P epoch go on under the next steps' D? pd on several ranks, P and D in
+        the step, no routing replay (a P epoch's routes must come back with its own rows)."""
+        return (self.topo.world > 1 and self.config.mode == "pd" and any(w.prefill for w in works)
+                and any(w.decode for w in works) and not any(r.routes for w in works for r in w.decode + w.prefill))
+
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()
+        lead = lambda r: reports[r * self.topo.atp]   # the replica leader's tokens and routing
+        parts = [None] * len(self.schedulers)
         for r, (s, x) in enumerate(zip(self.schedulers, launched)):
-            if x is not None:
-                lead = reports[r * self.topo.atp]   # the replica leader's tokens and routing
-                s.apply_result(x, lead.tokens, now, lead.routes)
+            if x is None:
+                continue
+            if mine.p_pending:   # D's results now, P's when its epoch finishes
+                x, parts[r] = x.split()
+            s.apply_result(x, lead(r).tokens, now, lead(r).routes)
+        if mine.p_done is not None:
+            epoch, done = self._flight
+            if epoch != mine.p_done:
+                raise RuntimeError(f"step {plan.step}: the ranks finished P epoch {mine.p_done}, rank 0 has {epoch}")
+            for r, (s, x) in enumerate(zip(self.schedulers, done)):
+                if x is not None:
+                    s.apply_result(x, lead(r).tokens, now, lead(r).routes)
+            self._flight = None
+        if mine.p_pending:
+            self._flight = (plan.step, parts)
         works = plan.replicas
         self.records.append(StepRecord(
             step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode,
@@ -160,6 +186,15 @@ class Engine(EngineOps):
         for s in self.schedulers:
             s.step_id = 1
 
+    def drain(self) -> None:
+        """Finish a P epoch in flight (before an op or a shutdown): steps with no new rows, whose
+        rounds let P run to its end; its results go to the schedulers' outputs."""
+        while self._flight is not None:
+            works = tuple(ReplicaWork() for _ in self.schedulers)
+            plan = StepPlan(self.step_id, self.control.model_dump(), works, p_flight=self._flight[0])
+            mine, reports = self._exchange(plan)
+            self._apply(plan, [None] * len(self.schedulers), reports, mine, time.monotonic())
+
     def _exchange(self, plan: StepPlan) -> tuple[StepReport, list[StepReport]]:
         """Every rank executes the plan; returns this rank's report and every rank's."""
         if self.topo.world == 1:
@@ -179,6 +214,10 @@ class Engine(EngineOps):
         self.closed = True
         if self.topo.world > 1:
             import torch.distributed as dist
+            try:
+                self.drain()
+            except Exception:   # a failed group: the stop plan below is all that is left to send
+                pass
             dist.broadcast_object_list([StepPlan(self.step_id, self.control.model_dump(), stop=True)], src=0)
             dist.barrier()
         self.worker.close()

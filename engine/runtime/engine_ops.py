@@ -33,6 +33,7 @@ class EngineOps:
         self.model_path = self.config.model
 
     def run_op(self, kind: str, **args) -> None:
+        self.drain()   # ops run between steps: no P epoch in flight
         plan = StepPlan(self.step_id, self.control.model_dump(), ops=(EngineOp(kind, args),))
         _, reports = self._exchange(plan)
         errors = [r.ops[0] for r in reports if r is not None and r.ops and r.ops[0]]

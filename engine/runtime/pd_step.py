@@ -1,6 +1,11 @@
 """A pd step on several ranks: P on its own thread as epoch = step, stopping at each MoE layer's
 safe boundary; D on the foreground through the turnstile's rounds (docs/DISTRIBUTED.md).
 
+Under fine-grained ordering a P epoch spans steps: the step that starts it returns after its D
+round, and the next steps (D only: rank 0 plans no P while an epoch is in flight) each run their D
+in one round at P's next permitted boundary. The step whose round finds P finished hands back P's
+logits with the plan that started the epoch; a step with no D row runs rounds until P finishes.
+
 The ordering, span and activation are the plan's control, so a change lands at the same step on
 every rank. One rank runs a pd step as one fused forward instead (worker.py): it has no
 collective to order.
@@ -26,11 +31,13 @@ class TurnstileStep:
         self.skew_applied: list[float] = []   # this step's injected delays (ms), for the step log
         # the crossed diagnostic's gates: set once this rank's P (or D) holds a collective
         self.gate = {"p": threading.Event(), "d": threading.Event()}
+        self.flight: tuple[StepPlan, int, float] | None = None   # (plan, epoch, P pressure) in flight
         threading.Thread(target=self._producer, name="P", daemon=True).start()
 
     # ---- one step ----------------------------------------------------------------------
     def run(self, plan: StepPlan):
-        """(D logits, P logits, D replayed a graph) of this rank's replica."""
+        """(D logits, P logits, D replayed a graph, the plan whose P the P logits are) of this rank's
+        replica; P logits None while this step's epoch is still in flight (or there was no P)."""
         w = self.w
         out: dict = {}
         ctl = w.group.ctl
@@ -47,11 +54,15 @@ class TurnstileStep:
             # completion), so P's next work can overlap D's tail; D is waited for before sampling.
             out["d"], out["graph"] = w.forward_d(plan, wait=not w.opt.d_async)
 
-        occupancy = max(r.decode_rows for r in plan.replicas) / w.config.max_running
+        occupancy = max((r.decode_rows for r in plan.replicas), default=0) / w.config.max_running
+        if self.flight is not None:
+            return self._continue(plan, enqueue_d, occupancy, out)
+        if plan.p_flight is not None:
+            raise RuntimeError(f"step {plan.step}: rank 0 continues P epoch {plan.p_flight}, none is in flight here")
         if not plan.p_any:
             if plan.d_any:
                 ctl.round(True, enqueue_d, d_occupancy=occupancy)
-            return w.d_done(out.get("d")), None, out.get("graph", False)
+            return w.d_done(out.get("d")), None, out.get("graph", False), None
         epoch = plan.step
         ctl.begin(epoch, d_active=plan.d_any)
         for g in self.gate.values():
@@ -71,16 +82,38 @@ class TurnstileStep:
                 ctl.round(True, enqueue_d)
             out["p"] = self.wait_p()
             ctl.retire(epoch)
-            return w.d_done(out.get("d")), out["p"], out.get("graph", False)
+            return w.d_done(out.get("d")), out["p"], out.get("graph", False), plan
         first = True
         pressure = sum(r.prefill_tokens for r in plan.replicas) / max(1, w.control.prefill_budget_tokens)
+        # Rank-shared: the plan, and the control every rank took from it.
+        spans = plan.p_span and plan.d_any and order is Ordering.FINE_GRAINED
         while True:
             r = ctl.round(first and plan.d_any, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
             first = False
             if r.epoch == epoch and r.boundary == END:
                 break
+            if spans:   # the epoch goes on under the next steps' D rounds
+                self.flight = (plan, epoch, pressure)
+                return w.d_done(out.get("d")), None, out.get("graph", False), None
         p = self.wait_p()
-        return w.d_done(out.get("d")), p, out.get("graph", False)
+        return w.d_done(out.get("d")), p, out.get("graph", False), plan
+
+    def _continue(self, plan: StepPlan, enqueue_d, occupancy: float, out: dict):
+        """A step while an epoch of an earlier step is in flight: its D in one round at P's next
+        permitted boundary; without D, rounds until P finishes."""
+        w, ctl = self.w, self.w.group.ctl
+        started, epoch, pressure = self.flight
+        if plan.p_any or plan.p_flight != epoch:
+            raise RuntimeError(f"step {plan.step}: P epoch {epoch} is in flight, the plan says "
+                               f"p_flight={plan.p_flight} with{'' if plan.p_any else 'out'} P rows")
+        r = ctl.round(plan.d_any, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
+        if plan.d_any and not (r.epoch == epoch and r.boundary == END):
+            return w.d_done(out.get("d")), None, out.get("graph", False), None
+        while not (r.epoch == epoch and r.boundary == END):
+            r = ctl.round(False, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
+        p = self.wait_p()
+        self.flight = None
+        return w.d_done(out.get("d")), p, out.get("graph", False), started
 
     def on_collective(self, phase: str, crosses: bool) -> None:
         """The device saw a collective enqueued: open the crossed diagnostic's gate for its side."""

@@ -176,8 +176,13 @@ class Worker:
         if self.multi:
             self.wd.update(busy=True, phase="step", epoch=plan.step)
             mark = self.group.mark()
+        p_rows = list(mine.prefill)
         if self.multi and self.config.mode == "pd":
-            logits_d, logits_p, report.graph = self.pd.run(plan)
+            logits_d, logits_p, report.graph, p_plan = self.pd.run(plan)
+            report.p_pending = self.pd.flight is not None and self.pd.flight[1] == plan.step
+            if plan.p_flight is not None and logits_p is not None:   # an earlier step's epoch finished
+                report.p_done = plan.p_flight
+                p_rows = list(p_plan.replicas[self.replica].prefill)
         elif not plan.p_any:
             (logits_d, report.graph), logits_p = self.forward_d(plan), None
         else:   # one forward of everything: P and D fused (one rank), or the normal/mixed policies
@@ -187,7 +192,8 @@ class Worker:
             self.group.report(report, mark)
         if self.leader:
             if logits_p is not None:
-                rows = list(mine.prefill) if logits_d is not None else list(mine.decode) + list(mine.prefill)
+                rows = p_rows if logits_d is not None or report.p_done is not None \
+                    else list(mine.decode) + list(mine.prefill)
                 self._sample(rows, logits_p, report)
             if logits_d is not None:
                 self._sample(list(mine.decode), logits_d, report)
@@ -204,6 +210,8 @@ class Worker:
                                "ordering": report.ordering, "rounds": report.rounds,
                                "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
                                "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
+                               # a P epoch spanning steps: continued here / still going / finished here
+                               "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
                                "graph": report.graph, "wall_s": time.monotonic() - t_start,
                                **(self.group.log_fields(mark) if self.multi else {})}) + "\n"
             try:
@@ -289,6 +297,11 @@ class Worker:
         if any(r.draft for r in rows):
             logits = self._verify(rows, logits, report)
             rows = [r for r in rows if not r.draft]
+            if not rows:
+                return
+        live = [i for i, r in enumerate(rows) if r.rid in self.gens]
+        if len(live) < len(rows):   # aborted while its P epoch was in flight (plan.drop): no token
+            logits, rows = logits[live], [rows[i] for i in live]
             if not rows:
                 return
         want = any(r.logprob for r in rows)

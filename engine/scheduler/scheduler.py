@@ -41,6 +41,13 @@ class Launched:
     decode_waits: list[float]
     spec: list = None    # [verify rows, drafts proposed, drafts accepted] of this step (apply_result)
 
+    def split(self) -> tuple["Launched", "Launched"]:
+        """(D part, P part): results of a P epoch in flight come back steps after D's."""
+        d = [r for r in self.rows if r.kind is Phase.DECODE]
+        p = [r for r in self.rows if r.kind is not Phase.DECODE]
+        return (Launched(self.plan, d, ReplicaWork(self.work.decode, ()), self.t0, self.decode_waits, self.spec),
+                Launched(self.plan, p, ReplicaWork((), self.work.prefill), self.t0, [], [0, 0, 0]))
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None) -> None:
@@ -130,9 +137,10 @@ class Scheduler:
         return len(held)
 
     # --- one step ---------------------------------------------------------------------------
-    def plan_step(self, control: ControlSettings) -> Launched | None:
-        """Plan, admission and the rows to run; None for an empty step."""
-        plan = self.policy.plan(self.step_id, self._snapshot(), control)
+    def plan_step(self, control: ControlSettings, p_busy: bool = False) -> Launched | None:
+        """Plan, admission and the rows to run; None for an empty step. `p_busy`: a P epoch is in
+        flight (pd on several ranks): plan D only, the policy sees no prefill work."""
+        plan = self.policy.plan(self.step_id, self._snapshot(p_busy), control)
         self.step_id += 1
         self._apply_admission(plan)
         if plan.empty:
@@ -185,11 +193,12 @@ class Scheduler:
         return out
 
     # --- internals --------------------------------------------------------------------------
-    def _snapshot(self) -> Snapshot:
-        prefilling = [r for r in self.reqs.values() if r.status is Status.PREFILL]
+    def _snapshot(self, p_busy: bool = False) -> Snapshot:
+        prefilling = [] if p_busy else [r for r in self.reqs.values() if r.status is Status.PREFILL]
         decoding = [r for r in self.reqs.values() if r.status is Status.DECODE]
-        hint = {r.rid: self._prefix_hint(r) for r in self.waiting}
-        return Snapshot(self.waiting, prefilling, decoding, self.pool.num_available(),
+        waiting = [] if p_busy else self.waiting
+        hint = {r.rid: self._prefix_hint(r) for r in waiting}
+        return Snapshot(waiting, prefilling, decoding, self.pool.num_available(),
                         self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint)
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:

@@ -214,7 +214,8 @@ class EngineBridge:
         """Runs on the watchdog's thread before a forced exit: fail the in-flight requests and give
         the event loop a moment to send their answers."""
         done = threading.Event()
-        self._fail(f"engine failed ({exit_name(code)}): {type(err).__name__}: {err}", code)
+        # a P epoch in flight can see a peer's exit first: name the group's recorded cause too
+        self._fail(f"engine failed ({exit_name(code)}): {type(err).__name__}: {err}{self._cause(err)}", code)
         self._loop.call_soon_threadsafe(done.set)
         done.wait(2.0)
         time.sleep(0.5)

@@ -254,3 +254,34 @@ def test_random_weights_on_every_rank_need_only_config_json(setup):
     first, second = _outputs(_run(args, 240)), _outputs(_run(args, 240))
     assert len(first) == len(PROMPTS) and all(len(o) == 5 for o in first)
     assert first == second
+
+
+def _steps(log_dir, rank: int = 0) -> list[dict]:
+    with open(os.path.join(log_dir, f"rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("ordering", ["fine-grained", "global-enqueue"])
+def test_a_p_epoch_spans_d_steps_only_under_fine_grained(setup, ordering):
+    """Fine-grained: a P epoch started beside D goes on under the next steps, each running its D in
+    one round at P's next boundary, with no P planned meanwhile; its tokens arrive in the step that
+    finds it finished, and the outputs equal one rank's. Global-enqueue joins P in its own step."""
+    _, _, d = setup
+    log = d / f"span-{ordering}"
+    control = {"ordering": ordering, "activation": "on", "span": 1}
+    got = _outputs(_generate(setup, "pd", control, (2, 1, 2), ["--step-log", str(log)]))
+    assert got == _reference(setup, "pd")
+    for rank in (0, 1):
+        steps = _steps(log, rank)
+        started = [s["step"] for s in steps if s["p_pending"]]
+        finished = [s["p_done"] for s in steps if s["p_done"] is not None]
+        if ordering == "global-enqueue":
+            assert not started and not finished and all(s["p_flight"] is None for s in steps)
+            continue
+        assert started and finished == started, (started, finished)   # each epoch finishes once, in order
+        during = [s for s in steps if s["p_flight"] is not None]
+        assert all(s["prefill_tokens"] == 0 for s in during)          # no P planned while one is in flight
+        assert any(s["decode_rows"] > 0 for s in during)              # D ran while the epoch was in flight
+        for s in during:                                              # ... each in the epoch that is open
+            assert max(x for x in started if x < s["step"]) == s["p_flight"]
+    assert [(s["step"], s["p_flight"]) for s in _steps(log, 0)] == [(s["step"], s["p_flight"]) for s in _steps(log, 1)]
