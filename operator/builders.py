@@ -335,6 +335,10 @@ def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
         "spec": {
             # The engine never calls the Kubernetes API: no token in the pod.
             "automountServiceAccountToken": False,
+            # The pause container is PID 1, not the engine: the kernel drops a signal to a PID 1 that has no
+            # handler for it, so a pod deleted in the engine's first seconds (imports, before its handlers)
+            # ran on for the whole grace period and joined the group's next start by node 0's stable name.
+            "shareProcessNamespace": True,
             "securityContext": pod_security,
             "containers": [{
                 "name": ENGINE_CONTAINER,

@@ -71,12 +71,11 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
     import torch.distributed as dist
     # Ctrl-C reaches the whole process group: the launcher stops the group, the rank must not die first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .node import connect_store, join
+    from .node import connect_and_join
     from .watchdog import report_lost
     code, store, box = EXIT_ERROR, None, []
     try:
-        store = connect_store(layout, rank)
-        join(store, layout, rank)
+        store = connect_and_join(layout, rank)
         _init_pg(rank, layout.world, store)
         code = _run_worker(rank, layout, store, config_json, options, counters, box)
     except BaseException as e:
@@ -160,10 +159,12 @@ def start_engine(config, layout: GroupLayout, options, host: str | None = None):
 
 def reap_children(grace_s: float = 2.0) -> None:
     """End every rank this process spawned that is still running (SIGTERM, then SIGKILL after the
-    grace): a launcher that leaves, e.g. on SIGTERM while the group was still joining, before any
-    engine held its ranks, must not leave them behind."""
+    grace), and start none after: a launcher that leaves, e.g. on SIGTERM while the group was still
+    joining, before any engine held its ranks, must not leave them behind."""
     import multiprocessing
     import time
+    from .node import stop_spawning
+    stop_spawning()
     live = multiprocessing.active_children()
     for p in live:
         p.terminate()

@@ -3,7 +3,8 @@
 Launch sequence (docs/DISTRIBUTED.md, "One engine across nodes"):
   1. node 0 hosts the TCPStore on the master port; every rank of every node connects to it
      (bounded: a store that never appears is a GroupJoinTimeout);
-  2. every rank announces itself under `join/<rank>` and waits until all `world` ranks did,
+  2. every rank takes its slot `join/<rank>` (once per store: a store whose slot is taken serves
+     another start of the group, so the rank connects again) and waits until all `world` ranks did,
      naming the missing ranks and their nodes if the join bound passes;
   3. the gloo default group forms over the store, the workers load their shards and create
      their data groups, and rank 0 runs the first step (a warm-up through every collective);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -28,10 +30,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..protocol import metrics as metric
-from ..protocol.exits import EXIT_OK, GroupJoinTimeout, most_telling, name as exit_name
+from ..protocol.exits import (EXIT_OK, GroupJoinTimeout, PeerLostError, is_connection_lost, most_telling,
+                              name as exit_name)
 from ..protocol.layout import GroupLayout
 
 JOIN_POLL_S = 0.1
+RECONNECT_S = 0.5    # between tries at a store that serves another start of the group
 
 
 def gloo_ifname(host: str) -> str | None:
@@ -63,11 +67,11 @@ def bind_gloo(host: str | None) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
-def connect_store(layout: GroupLayout, rank: int, *, master: bool = False):
+def connect_store(layout: GroupLayout, rank: int, *, master: bool = False, timeout_s: float | None = None):
     """The group's TCPStore: hosted here on node 0 (`master`), else reached at the master address
-    within the join bound. torch's TCPStore listens on every address of node 0's port."""
+    within the join bound (or `timeout_s`). torch's TCPStore listens on every address of node 0's port."""
     import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=layout.join_timeout_s)
+    timeout = datetime.timedelta(seconds=layout.join_timeout_s if timeout_s is None else timeout_s)
     if master:
         return dist.TCPStore(layout.master_addr, layout.master_port, layout.world, True,
                              wait_for_workers=False, timeout=timeout)
@@ -78,9 +82,31 @@ def connect_store(layout: GroupLayout, rank: int, *, master: bool = False):
                                f"reachable within {layout.join_timeout_s:.0f}s ({type(e).__name__}: {e})") from None
 
 
+class SlotTaken(PeerLostError):
+    """The store already has this rank: it serves another start of the group (under the stable master
+    name, a node 0 that is still stopping), not the one this rank belongs to."""
+
+    def __init__(self, rank: int, holder: str) -> None:
+        super().__init__(f"rank {rank}'s slot in node 0's store is held by {holder}")
+        self.holder = holder
+
+
+def claim(store, rank: int) -> None:
+    """Take `rank`'s slot, atomically and once per store; SlotTaken when another process has it. The
+    nonce tells two starts apart that share a host name and pid (a pod recreated under its name)."""
+    me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    holder = store.compare_set(f"join/{rank}", "", me).decode()
+    if holder != me:
+        raise SlotTaken(rank, holder)
+
+
 def join(store, layout: GroupLayout, rank: int) -> float:
-    """Announce `rank` and wait for the whole group; returns the seconds waited."""
-    store.set(f"join/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    """Take `rank`'s slot and wait for the whole group; returns the seconds waited."""
+    claim(store, rank)
+    return wait_for_group(store, layout, rank)
+
+
+def wait_for_group(store, layout: GroupLayout, rank: int) -> float:
     t0 = time.monotonic()
     keys = [f"join/{r}" for r in range(layout.world)]
     while True:
@@ -94,6 +120,38 @@ def join(store, layout: GroupLayout, rank: int) -> float:
                 f"{', '.join(map(str, nodes))}) did not join within {layout.join_timeout_s:.0f}s; "
                 f"{layout.world - len(missing)}/{layout.world} joined")
         time.sleep(JOIN_POLL_S)
+
+
+def connect_and_join(layout: GroupLayout, rank: int, log=None):
+    """A rank other than rank 0: reach node 0's store and join the group there; returns the store.
+    A store that already has this rank belongs to another start of the group (node 0's stable name
+    leads to the previous node 0 until it is gone): joining it would form a group with ranks on their
+    way out. So the rank connects again, also when such a store goes away before the slot is taken,
+    until it holds its slot in a store (the next node 0's), within the join bound."""
+    log = log or log_stderr
+    deadline = time.monotonic() + layout.join_timeout_s
+    where = f"node 0's store at {layout.master_addr}:{layout.master_port}"
+    said = None
+    while True:
+        store = connect_store(layout, rank, timeout_s=max(1.0, deadline - time.monotonic()))
+        try:
+            claim(store, rank)
+        except SlotTaken as e:
+            why = f"already has rank {rank} ({e.holder}): another start of the group"
+        except Exception as e:
+            if not is_connection_lost(e):
+                raise
+            why = f"went away before rank {rank} joined ({type(e).__name__})"
+        else:
+            wait_for_group(store, layout, rank)
+            return store
+        del store      # the connection goes with it
+        if why != said:
+            log(f"[rank {rank}] {where} {why}; connecting again")
+            said = why
+        if time.monotonic() + RECONNECT_S > deadline:
+            raise GroupJoinTimeout(f"rank {rank}: {where} {why}, still after {layout.join_timeout_s:.0f}s")
+        time.sleep(RECONNECT_S)
 
 
 # ---- per-rank counters, shared with the node's launcher ---------------------------------
@@ -166,15 +224,30 @@ class LocalRanks:
             p.join(max(0.0, deadline - time.monotonic()))
 
 
+# A launcher that is leaving (launcher.reap_children) starts no more ranks: node 0 may leave while its
+# engine thread is still loading, and a rank started after the reaping would outlive it.
+_spawning = threading.Lock()
+_leaving = False
+
+
+def stop_spawning() -> None:
+    global _leaving
+    with _spawning:
+        _leaving = True
+
+
 def spawn(layout: GroupLayout, ranks, target, args: tuple) -> LocalRanks:
     """Start `target(rank, *args)` for each rank in its own spawned process (CUDA needs spawn)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = LocalRanks(layout)
-    for r in ranks:
-        p = ctx.Process(target=target, args=(r, *args), name=f"pdrollout-rank{r}", daemon=True)
-        p.start()
-        out.procs[r] = p
+    with _spawning:
+        if _leaving:
+            raise RuntimeError("this launcher is stopping: no rank starts now")
+        for r in ranks:
+            p = ctx.Process(target=target, args=(r, *args), name=f"pdrollout-rank{r}", daemon=True)
+            p.start()
+            out.procs[r] = p
     return out
 
 

@@ -96,7 +96,11 @@ class EngineBridge:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join, timeout)
+        # An engine still loading (a model read, a group joining) cannot be stopped midway, and waiting for
+        # it kept node 0's group store open for up to `timeout` after SIGTERM, where the next start of the
+        # group's other nodes could join it. The process leaves after this; the daemon thread goes with it.
+        if self.state != "loading":
+            await asyncio.to_thread(self._thread.join, timeout)
         if self.state != "failed":
             self.state = "stopped"
 

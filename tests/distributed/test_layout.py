@@ -1,6 +1,8 @@
 """The group layout (file < env < flags) and the launch's exit codes for what cannot form a group:
 a bad layout is a configuration error (2) before any process starts; a node whose peers never arrive
-exits with the peer-lost code (4) naming who is missing, within its join bound."""
+exits with the peer-lost code (4) naming who is missing, within its join bound. The join itself: a
+rank joins only a store with its slot free (not a previous start's, still stopping under node 0's
+name), and a node 0 stopped while joining closes its store at once."""
 from __future__ import annotations
 
 import json
@@ -120,3 +122,94 @@ def test_worker_node_without_node_0_gives_up_within_its_bound(tiny_model):
     assert "node 0's store at 127.0.0.1" in err and "not reachable within 4s" in err
     assert "ranks ended 2: 4 (peer lost), 3: 4 (peer lost); exit 4 (peer lost)" in err
     assert time.monotonic() - t0 < 60
+
+
+def _master(port: int):
+    import datetime
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", port, 4, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+
+
+def test_a_rank_joins_only_a_store_with_its_slot_free():
+    """Node 0's stable name leads to the previous node 0 while it is still stopping, its store holding
+    every slot of the group it formed. A rank of the next start must not join that group (it would form
+    a group with ranks on their way out); it connects again until the next node 0's store is up, and
+    joins there. Each slot is taken once per store."""
+    import socket
+    import threading
+    from pdrollout.engine.runtime.node import SlotTaken, claim, connect_and_join
+    port = free_port()
+    layout = GroupLayout(nnodes=2, nproc_per_node=2, adp=2, ep=4, master_addr="127.0.0.1", master_port=port,
+                         join_timeout_s=60)
+    previous = _master(port)
+    for r in range(4):
+        claim(previous, r)                     # the previous start's group, formed
+    held = previous.get("join/2")
+    said, joined = [], []
+    t = threading.Thread(target=lambda: joined.append(connect_and_join(layout, 2, log=said.append)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not said:
+        assert time.monotonic() < deadline, "rank 2 never reached the previous store"
+        time.sleep(0.05)
+    time.sleep(1.5)                            # a few more tries: it keeps away
+    assert previous.get("join/2") == held and not joined
+    del previous                               # the previous node 0 is gone; the next one starts
+    store = _master(port)
+    for r in (0, 1, 3):
+        claim(store, r)
+    t.join(30)
+    assert joined, "rank 2 did not join the next start's store"
+    assert store.get("join/2").decode().startswith(f"{socket.gethostname()}:{os.getpid()}:")
+    assert len(said) == 1 and "already has rank 2" in said[0] and "another start of the group" in said[0], said
+    with pytest.raises(SlotTaken, match="rank 2's slot in node 0's store is held by"):
+        claim(store, 2)
+
+
+def test_a_store_of_another_start_that_stays_ends_the_join_within_its_bound():
+    from pdrollout.engine.protocol.exits import GroupJoinTimeout
+    from pdrollout.engine.runtime.node import claim, connect_and_join
+    port = free_port()
+    previous = _master(port)
+    claim(previous, 3)
+    layout = GroupLayout(nnodes=2, nproc_per_node=2, adp=2, ep=4, master_addr="127.0.0.1", master_port=port,
+                         join_timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(GroupJoinTimeout, match="already has rank 3 .*: another start of the group, still after 2s"):
+        connect_and_join(layout, 3, log=lambda _: None)
+    assert time.monotonic() - t0 < 10
+    assert exit_code(GroupJoinTimeout("x")) == EXIT_PEER_LOST
+
+
+def test_node_0_stopped_while_joining_closes_its_store_at_once(tiny_model, tmp_path):
+    """A node 0 deleted while its group forms (a group restart) must not keep its store open: the next
+    start's other nodes reach node 0 by the same name and would join the group it never completes."""
+    import socket
+    port, log = free_port(), tmp_path / "node0.log"
+
+    def store_up() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "pdrollout.engine.cli", "serve", "--model", str(tiny_model),
+                              "--host", "127.0.0.1", "--port", "0", "--nnodes", "2", "--nproc-per-node", "2",
+                              "--node-rank", "0", "--adp", "2", "--ep", "4", "--master-addr", "127.0.0.1",
+                              "--master-port", str(port), "--join-timeout", "120"],
+                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not store_up():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)                        # its local rank joins; node 1's never come
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        code = p.wait(30)
+        took = time.monotonic() - t0
+        assert code == 0, log.read_text()[-3000:]
+        assert took < 5.0 and not store_up(), f"node 0 left {took:.1f}s after SIGTERM"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)   # no rank outlives the test
+        except ProcessLookupError:
+            pass

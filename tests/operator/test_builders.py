@@ -179,6 +179,14 @@ def test_cpu_pods_request_no_gpu_no_rdma_no_capabilities():
     assert pod["automountServiceAccountToken"] is False
 
 
+def test_the_engine_is_not_pid_1_so_a_sigterm_always_ends_it():
+    """The kernel drops a signal to a PID 1 without a handler for it: an engine deleted in its first
+    seconds (before its handlers exist) ran its whole grace period on real kubelets, and joined the
+    group's next start. With the pod's PID namespace shared, the pause container is PID 1."""
+    for example in ("examples/pdrollout.yaml", "examples/pdrollout-cpu.yaml"):
+        assert builders.pod_template("t", "ns", spec_of(example))["spec"]["shareProcessNamespace"] is True
+
+
 def test_cuda_pods_keep_only_ipc_lock_and_no_api_token():
     pod = builders.statefulset("t", "ns", spec_of("examples/pdrollout.yaml"))["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
@@ -306,7 +314,8 @@ def test_pod_template_overrides_merge_with_the_operators_winning():
     assert pod["volumes"] == plain["spec"]["volumes"] + OVERRIDES["volumes"]
     assert c["volumeMounts"] == plain["spec"]["containers"][0]["volumeMounts"] + OVERRIDES["volumeMounts"]
     # Everything else is the operator's, unchanged.
-    for key in ("securityContext", "automountServiceAccountToken", "terminationGracePeriodSeconds"):
+    for key in ("securityContext", "automountServiceAccountToken", "shareProcessNamespace",
+                "terminationGracePeriodSeconds"):
         assert pod[key] == plain["spec"][key]
     assert {k: v for k, v in c.items() if k not in ("env", "volumeMounts")} == \
         {k: v for k, v in plain["spec"]["containers"][0].items() if k not in ("env", "volumeMounts")}

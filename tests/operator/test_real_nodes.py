@@ -374,10 +374,11 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
     lap("group recreated, Running")
     time.sleep(5)   # a few more operator polls: no second restart follows
     st = _status(c, ns, name)
-    # Once is the goal and what this test saw before the StatefulSet became OnDelete (issue 20); since,
-    # on this busy 2-core VM a fresh group has lost a peer (exit 4) and been recreated again before it
-    # settled (3 restarts seen). Open: the count is printed, and every restart must be accounted for.
-    assert st["phase"] == "Running" and st["groupRestarts"] >= 1, st
+    # Exactly once. Extra restarts (3 seen) came from pods deleted while their engine was starting: as
+    # PID 1 it lost the SIGTERM, ran its whole grace period and joined the next group by node 0's name,
+    # which then lost it (exit 4). The pause container is PID 1 now, and a rank joins only a store with
+    # its slot free (docs/OPERATOR.md, real-kubelet findings).
+    assert st["phase"] == "Running" and st["groupRestarts"] == 1, st
     assert {n: p["metadata"]["uid"] for n, p in _live_pods(c, ns, name).items()} == \
         {n: p["metadata"]["uid"] for n, p in pods.items()}
     restarts = _events(c, ns, cr_uid, "GroupRestart")
