@@ -74,9 +74,11 @@ def main() -> None:
             print(f"  idle {b['idle_from_s'] * 1e3:g}-{b['idle_to_s'] * 1e3:g} ms before the call: {b['calls']} calls, "
                   f"after the last arrival {ms(b)}")
     if args.out:
+        # meta before opening the file: truncating a tracked output would mark the tree dirty
+        meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "machine": machine(),
+                "commit": commit()}
         with open(args.out, "w") as f:
-            json.dump({"meta": {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                                "machine": machine(), "commit": commit()}, "runs": runs}, f, indent=1)
+            json.dump({"meta": meta, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
