@@ -1,7 +1,8 @@
 """Issue 22: validate the rendezvous simulator against measured runs, then simulate 8-256 ranks.
 
-    python e2e/rdv_sim.py --bench BENCH.json [--steplogs DIR ...] [--gpu RENDEZVOUS2.json]
-                          [--engine-figures FIG.json] [--out DIR] [--quick]
+    python e2e/rdv_sim.py --bench BENCH.json [--steplogs DIR ...] [--gpu RENDEZVOUS2.json
+                          [--gpu-steplogs DIR ...]] [--skew-from DIR] [--engine-figures FIG.json]
+                          [--out DIR] [--quick]
 
 --bench     e2e/bench_rendezvous.py --calib output (this machine): the calibration and the
             measured 2/4/8-process figures the simulator is validated against (core pool = the
@@ -10,7 +11,12 @@
             before pre-D and D enqueue time) and compared with the logged rendezvous latencies;
             their pooled per-rank deviations are the skew of the fleet runs.
 --gpu       e2e/gpu/rendezvous2.py output (two H200s): calibration of the GPU host (preferred for
-            the fleet when present; its 2-rank bench is the validation point there).
+            the fleet when present; its 2-rank bench is the validation point there). Adds two
+            scenarios: h200-bench (the ping-pong's crossings and late wake-ups) and
+            h200-tail-fitted (the wake-up probability fitted to the 2-rank dissemination p99).
+--gpu-steplogs  step logs of that host's engine runs (rendezvous2's steplog-<transport>):
+            replayed like --steplogs but with the GPU calibration and a core per rank.
+--skew-from the fleet's rank skew and D enqueue times (default: the last step-log directory).
 --engine-figures  rendezvous latencies measured inside the engine on H200 hosts (docs/PERF.md),
             used until --gpu exists: the hop scaled so the 2-rank gather mean matches (everything
             taken as transport, an upper bound), checked against the 4-rank figure.
@@ -32,7 +38,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rendezvous import commit, machine  # noqa: E402
 from pdrollout.engine.workload.rdvsim import (TRANSPORTS, Calibration, Net, StepTimes,  # noqa: E402
-                                                 fit_fixed, quantiles, simulate, turnstile)
+                                                 fit_fixed, fit_wake_p, logged_calls, quantiles, simulate,
+                                                 turnstile)
 
 SIZES = [8, 16, 32, 64, 128, 256]
 MS = 1e3
@@ -110,30 +117,63 @@ def validate_bench(local: dict, runs: list[dict], cores, quick: bool) -> list[di
     return rows
 
 
-def replay(path: str, cal: Calibration, cores) -> dict:
+def replay(path: str, cal: Calibration, cores, host: str) -> dict:
     """Each logged round: the ranks' logged gaps (previous round left -> pre-D entered) and D
-    enqueue times, the simulated rendezvous on top; against the logged pre/post latencies."""
-    files = sorted(glob.glob(os.path.join(path, "rank*.jsonl")))
-    per_rank, kind = [], None
-    for p in files:
-        rows = [json.loads(x) for x in open(p) if x.strip()]
-        kind = rows[0].get("rendezvous", "gather")
-        per_rank.append([t for e in rows for t in e.get("round_t", [])])
-    n, k = len(per_rank), min(len(r) for r in per_rank)
-    t = np.array([r[:k] for r in per_rank])
-    enter = t[:, :, 0] + t[:, :, 1]
-    leave = enter + t[:, :, 2:].sum(axis=2)
-    gap = np.concatenate([np.zeros((n, 1)), enter[:, 1:] - leave[:, :-1]], axis=1).T    # [round, rank]
-    enq = t[:, :, 3].T
+    enqueue times, the simulated rendezvous on top; against the logged pre/post latencies, whole
+    and split: after the last rank arrived (the transport's share) vs waiting for it (skew)."""
+    paths = sorted(glob.glob(os.path.join(path, "rank*.jsonl")))
+    logged, kind = logged_calls(paths)
+    n, k = logged.entry.shape[1], logged.entry.shape[0] // 2
+    gap = np.vstack([np.zeros((1, n)), logged.entry[2::2] - logged.exit[1:-1:2]])     # [round, rank]
+    enq = logged.entry[1::2] - logged.exit[0::2]
     gaps = lambda c, _rng: gap[c // 2] if c % 2 == 0 else enq[c // 2]
     r = simulate(kind, n, cal, 2 * k, cores=cores, seed=5, gaps=gaps)
-    logged = np.concatenate([t[:, 1:, 2].ravel(), t[:, 1:, 4].ravel()])
-    sim = r.latency[2:]
-    out = {"steplog": path, "ranks": n, "rounds": k, "impl": kind,
-           "measured": quantiles(logged), "simulated": quantiles(sim)}
+    # the D wait both rendezvous add per round (mean over ranks), as the fleet reports it: logged,
+    # replayed, and from turnstile()'s i.i.d. per-rank draws of this log (the fleet's skew model)
+    per_round = lambda x: (x[0::2] + x[1::2]).mean(axis=1)[1:]
+    steps = StepTimes.from_step_logs(paths, source=path)
+    d_wait = {"measured": quantiles(per_round(logged.latency)), "replayed": quantiles(per_round(r.latency)),
+              "turnstile": turnstile(kind, n, cal, steps, k, cores=cores, seed=1)["d_wait_added"]}
+    out = {"steplog": path, "host": host, "ranks": n, "rounds": k, "impl": kind, "d_wait_added": d_wait,
+           "measured": quantiles(logged.latency[2:]), "simulated": quantiles(r.latency[2:]),
+           "measured_after_last": quantiles(logged.transport()[2:]),
+           "simulated_after_last": quantiles(r.transport()[2:])}
     for x in ("p50_s", "p99_s"):
         out[f"err_{x}"] = out["simulated"][x] / out["measured"][x] - 1.0
+        out[f"err_after_last_{x}"] = out["simulated_after_last"][x] / out["measured_after_last"][x] - 1.0
     return out
+
+
+def excursions(g: dict, over: float = 2.0) -> list[float]:
+    """The GPU run's ping-pong round trips over `over` x their block's median, as the excess over
+    it, pooled over its blocks (the calib stage's and each repetition's)."""
+    blocks = [g["calib"]["rtt_s"]] + [r["calib"]["rtt_s"] for r in g["runs"] if isinstance(r.get("calib"), dict)]
+    out = []
+    for b in blocks:
+        b = np.asarray(b)
+        m = float(np.median(b))
+        out += (b[b > over * m] - m).tolist()
+    return out
+
+
+def tail_fitted(gc: Calibration, meas: dict, delays: list[float]) -> tuple[Calibration, dict]:
+    """The GPU host's calibration with late wake-ups by `delays` (the ping-pong's excursions over
+    2x the median: a continuous range, so the p99 moves smoothly with p), p fitted so that the
+    simulated 2-rank dissemination p99 equals the bench's; gather's 2-rank p99 is then a check,
+    not a fit. Per-call constants refitted."""
+    base = Calibration(**{**gc.__dict__, "wake_s": list(delays)})
+    p = fit_wake_p("dissemination", base, meas[(2, "dissemination")]["p99_s"]["median"])
+    c = fit(Calibration(**{**base.__dict__, "wake_p": p, "fixed_s": {}}), meas, None)
+    c.source = (f"H200 host, late wake-ups p={p:.2g} (fitted to the 2-rank dissemination p99) by the "
+                f"ping-pong's excursions over 2x median ({len(delays)})")
+    check = {}
+    for kind in TRANSPORTS:
+        s = sim_q(kind, 2, c, 3000)
+        m = meas[(2, kind)]
+        check[kind] = {"measured": {x: m[x]["median"] for x in ("p50_s", "p99_s")}, "simulated": s,
+                       **{f"err_{x}": s[x] / m[x]["median"] - 1.0 for x in ("p50_s", "p99_s")}}
+    return c, {"wake_p": p, "ping_pong_wake_p": gc.wake_p, "delays_s_p50_p90_max": [
+        float(np.percentile(delays, q)) for q in (50, 90, 100)], "check_2_ranks": check}
 
 
 def engine_scaled(cal: Calibration, fig: dict, cores=None) -> tuple[Calibration, dict]:
@@ -156,6 +196,26 @@ def engine_scaled(cal: Calibration, fig: dict, cores=None) -> tuple[Calibration,
         print(f"  engine figures, gather at {w} ranks: measured mean {m['mean_s'] * MS:.3f} ms, "
               f"scaled model {s['mean_s'] * MS:.3f} ms", flush=True)
     return c, {"factor": f, "check": check, "source": fig.get("source", "")}
+
+
+def engine_fitted(gc: Calibration, eng: dict) -> tuple[Calibration, dict]:
+    """The GPU host's calibration plus, per transport, the engine's excess after the last
+    arrival (logged p50 - replayed p50, at 2 ranks) as one more per-call constant: what the
+    rendezvous costs inside the engine that the back-to-back bench does not show. A transport
+    without a step log keeps the bench's constant."""
+    c = Calibration(**{**gc.__dict__, "fixed_s": dict(gc.fixed_s)})
+    extra = {k: max(0.0, r["measured_after_last"]["p50_s"] - r["simulated_after_last"]["p50_s"])
+             for k, r in eng.items()}
+    for k, x in extra.items():
+        c.fixed_s[k] = c.fixed_s.get(k, 0.0) + x
+    c.source = "H200 host + the engine's per-call excess (" + ", ".join(
+        f"{k} +{x * 1e6:.0f} us" for k, x in extra.items()) + ")"
+    check = {}
+    for k, r in eng.items():
+        again = replay(r["steplog"], c, None, "gpu")
+        check[k] = {x: again[x] for x in ("measured", "simulated", "measured_after_last",
+                                          "simulated_after_last", "d_wait_added")}
+    return c, {"engine_extra_s": extra, "check_2_ranks": check}
 
 
 def fleet(cal: Calibration, steps: StepTimes | None, inter_s: float, quick: bool, log) -> list[dict]:
@@ -232,6 +292,46 @@ def plots(out: str, result: dict) -> list[str]:
         fig.savefig(p, dpi=110)
         files.append(p)
         plt.close(fig)
+    gv = result["validation"].get("gpu")
+    if gv:   # the GPU host at 2 ranks: bench and engine, measured vs simulated
+        eng = {r["impl"]: r for r in result["validation"]["steplogs"] if r.get("host") == "gpu"}
+        tf = result["calibration"].get("gpu_tail_fitted", {}).get("check_2_ranks", {})
+        ef = result["calibration"].get("gpu_engine_fitted", {}).get("check_2_ranks", {})
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for i, k in enumerate(TRANSPORTS):
+            b = next(r for r in gv if r["impl"] == k and r["world"] == 2)
+            labels, bars = [], {"measured": [], "h200-bench": [], "h200-tail-fitted": [], "h200-engine-fitted": []}
+            for m in ("p50_s", "p99_s"):
+                labels.append(f"bench {m[:3]}")
+                for name, v in (("measured", b["measured"][m]["median"]), ("h200-bench", b["simulated"][m]["median"]),
+                                ("h200-tail-fitted", tf[k]["simulated"][m] if k in tf else np.nan),
+                                ("h200-engine-fitted", np.nan)):
+                    bars[name].append(v)
+            if k in eng:
+                for part, (mk, sk) in (("engine", ("measured", "simulated")),
+                                       ("after last", ("measured_after_last", "simulated_after_last"))):
+                    for m in ("p50_s", "p99_s"):
+                        labels.append(f"{part} {m[:3]}")
+                        for name, v in (("measured", eng[k][mk][m]), ("h200-bench", eng[k][sk][m]),
+                                        ("h200-tail-fitted", np.nan),
+                                        ("h200-engine-fitted", ef[k][sk][m] if k in ef else np.nan)):
+                            bars[name].append(v)
+            x = np.arange(len(labels))
+            style = {"measured": ("gray", 1.0), "h200-bench": (colors[k], 1.0), "h200-tail-fitted": (colors[k], 0.45),
+                     "h200-engine-fitted": ("tab:olive", 1.0)}
+            for j, (name, v) in enumerate(bars.items()):
+                ax[i].bar(x + (j - 1.5) * 0.2, np.array(v) * MS, 0.2, color=style[name][0], alpha=style[name][1],
+                          label=name if name == "measured" else f"simulated ({name})")
+            ax[i].set_xticks(x, labels, rotation=30, fontsize=7)
+            ax[i].set_yscale("log")
+            ax[i].set_title(f"{k}, 2 ranks on the H200 host", fontsize=9)
+            ax[i].legend(fontsize=7)
+        ax[0].set_ylabel("rendezvous latency (ms)")
+        fig.tight_layout()
+        p = os.path.join(out, "validation-gpu.png")
+        fig.savefig(p, dpi=110)
+        files.append(p)
+        plt.close(fig)
     for name, sc in result["fleet"].items():
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for k in TRANSPORTS:
@@ -266,6 +366,8 @@ def main() -> None:
     ap.add_argument("--bench", required=True)
     ap.add_argument("--steplogs", nargs="*", default=[])
     ap.add_argument("--gpu")
+    ap.add_argument("--gpu-steplogs", nargs="*", default=[],
+                    help="step logs of the engine on the --gpu host: replayed with its calibration")
     ap.add_argument("--engine-figures")
     ap.add_argument("--skew-from", help="step-log directory for the fleet's skew (default: the last --steplogs)")
     ap.add_argument("--inter-us", type=float, default=25.0, help="extra one-way latency between nodes (assumed)")
@@ -274,6 +376,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer simulated calls (a smoke run)")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots of --out/sim.json")
     args = ap.parse_args()
+    if args.gpu_steplogs and not args.gpu:
+        ap.error("--gpu-steplogs needs --gpu (their host's calibration)")
     log = lambda s: print(s, flush=True)
     if args.replot:
         print(plots(args.out, json.load(open(os.path.join(args.out, "sim.json")))))
@@ -294,9 +398,9 @@ def main() -> None:
     local = bench["calib"]["local"]
     result["validation"]["bench"] = validate_bench(local, bench["runs"], cores, args.quick)
     here_fit = fit(base, meas, cores)
-    result["validation"]["steplogs"] = [replay(d, here_fit, cores) for d in args.steplogs]
+    result["validation"]["steplogs"] = [replay(d, here_fit, cores, "here") for d in args.steplogs]
     steps = None
-    skew_from = args.skew_from or (args.steplogs[-1] if args.steplogs else None)
+    skew_from = args.skew_from or ([*args.steplogs, *args.gpu_steplogs] or [None])[-1]
     if skew_from:
         steps = StepTimes.from_step_logs(sorted(glob.glob(os.path.join(skew_from, "rank*.jsonl"))), source=skew_from)
         result["skew"] = {"source": steps.source, "ranks": steps.ranks, "rounds": steps.rounds,
@@ -311,10 +415,23 @@ def main() -> None:
         g = json.load(open(args.gpu))
         gc = fit(calibration(g["calib"], f"H200 host ({g['meta']['machine']['cpu']})"), measured(g["summary"]), None)
         gc.source += f", late wake-ups p={gc.wake_p:.2g}"
+        result["meta"]["inputs"]["gpu_meta"] = g["meta"]
         result["calibration"]["gpu"] = gc.dump()
         result["validation"]["gpu"] = validate_bench(g["calib"]["local"], g["runs"], None, args.quick)
+        # the GPU host's step logs: its calibration, a core per rank (nothing oversubscribed there)
+        result["validation"]["steplogs"] += [replay(d, gc, None, "gpu") for d in args.gpu_steplogs]
         result["gpu_nccl"] = g.get("nccl")
+        result["gpu_engine"] = g.get("engine")
         scenarios["h200-bench"] = gc
+        log("fitting the late-wake-up probability to the GPU host's 2-rank p99")
+        tc, info = tail_fitted(gc, measured(g["summary"]), excursions(g))
+        result["calibration"]["gpu_tail_fitted"] = {**tc.dump(), **info}
+        scenarios["h200-tail-fitted"] = tc
+        eng = {r["impl"]: r for r in result["validation"]["steplogs"] if r["host"] == "gpu"}
+        if eng:
+            ec, info = engine_fitted(gc, eng)
+            result["calibration"]["gpu_engine_fitted"] = {**ec.dump(), **info}
+            scenarios["h200-engine-fitted"] = ec
     scenarios["here-dedicated"] = dedicated
     result["calibration"]["here_late_wakeups"] = {"wake_p": base.wake_p,
                                                   "wake_s_p50": float(np.median(base.wake_s)) if base.wake_s else 0.0}
@@ -329,6 +446,8 @@ def main() -> None:
                                  "rows": fleet(cal, steps, args.inter_us * 1e-6, args.quick, log)}
     first = next(iter(scenarios))
     result["ep16"] = {"scenario": first, "rows": ep16(scenarios[first], steps, args.sweep_us, args.quick)}
+    result["ep16_more"] = {name: ep16(cal, steps, args.sweep_us, args.quick)
+                           for name, cal in scenarios.items() if name != first and name.startswith("h200")}
     result["noise"] = {"scenario": first, "rows": noise(scenarios[first], args.inter_us * 1e-6, args.quick)}
     files = []
     if args.out:
@@ -347,8 +466,30 @@ def main() -> None:
             print(f"| {src} ({r['reps']} reps, medians) | {r['world']} | {r['impl']} | {fmt(m)} | {fmt(sm)} | "
                   f"{r['err_p50_s']:+.0%} | {r['err_p99_s']:+.0%} |")
     for r in result["validation"]["steplogs"]:
-        print(f"| engine {os.path.basename(r['steplog'])} | {r['ranks']} | {r['impl']} | {fmt(r['measured'])} | "
-              f"{fmt(r['simulated'])} | {r['err_p50_s']:+.0%} | {r['err_p99_s']:+.0%} |")
+        print(f"| engine ({r['host']}) {os.path.basename(r['steplog'])} | {r['ranks']} | {r['impl']} | "
+              f"{fmt(r['measured'])} | {fmt(r['simulated'])} | {r['err_p50_s']:+.0%} | {r['err_p99_s']:+.0%} |")
+        print(f"| ... after the last arrival | {r['ranks']} | {r['impl']} | {fmt(r['measured_after_last'])} | "
+              f"{fmt(r['simulated_after_last'])} | {r['err_after_last_p50_s']:+.0%} | "
+              f"{r['err_after_last_p99_s']:+.0%} |")
+    print("\nD wait added per round by both rendezvous (p50 / p99 ms): logged, replayed, turnstile() draws")
+    for r in result["validation"]["steplogs"]:
+        w = r["d_wait_added"]
+        print(f"| {r['host']} {os.path.basename(r['steplog'])} | {fmt(w['measured'])} | {fmt(w['replayed'])} | "
+              f"{fmt(w['turnstile'])} |")
+    if "gpu_engine_fitted" in result["calibration"]:
+        t = result["calibration"]["gpu_engine_fitted"]
+        print(f"\nh200-engine-fitted: {t['source']}; 2 ranks replayed again (p50 / p99 ms):")
+        print("| transport | logged | replayed | after last: logged | replayed | D wait: logged | replayed |")
+        for kind, c in t["check_2_ranks"].items():
+            w = c["d_wait_added"]
+            print(f"| {kind} | {fmt(c['measured'])} | {fmt(c['simulated'])} | {fmt(c['measured_after_last'])} | "
+                  f"{fmt(c['simulated_after_last'])} | {fmt(w['measured'])} | {fmt(w['replayed'])} |")
+    if "gpu_tail_fitted" in result["calibration"]:
+        t = result["calibration"]["gpu_tail_fitted"]
+        print(f"\nh200-tail-fitted: wake-up p {t['wake_p']:.2g} (ping-pong: {t['ping_pong_wake_p']:.2g}); 2 ranks:")
+        for kind, c in t["check_2_ranks"].items():
+            print(f"| {kind} | measured {fmt(c['measured'])} | simulated {fmt(c['simulated'])} | "
+                  f"{c['err_p50_s']:+.0%} | {c['err_p99_s']:+.0%} |")
     for name, sc in result["fleet"].items():
         print(f"\nfleet, {name}: {sc['source']}")
         print("(p50 / p99 ms; back-to-back calls; with the step-log skew: the transport's share (exit - last "
@@ -362,11 +503,14 @@ def main() -> None:
     print("| P(a wake-up is late) | by | p50 | p99 |\n|---|---|---|---|")
     for r in result["noise"]["rows"]:
         print(f"| {r['wake_p']:g} | {r['wake_s'] * 1e6:.0f} us | {r['p50_s'] * MS:.3f} | {r['p99_s'] * MS:.3f} |")
-    print(f"\nEP16 over two nodes ({result['ep16']['scenario']}; p50 / p99 ms by the assumed extra inter-node latency):")
-    print("| inter-node us | transport | back-to-back | D wait added / round |\n|---|---|---|---|")
-    for r in result["ep16"]["rows"]:
-        ts = r.get("turnstile")
-        print(f"| {r['inter_us']:.0f} | {r['impl']} | {fmt(r['back_to_back'])} | {fmt(ts['d_wait_added']) if ts else '-'} |")
+    for name, rows in {result["ep16"]["scenario"]: result["ep16"]["rows"], **result["ep16_more"]}.items():
+        print(f"\nEP16 over two nodes ({name}; p50 / p99 ms by the assumed extra inter-node latency):")
+        print("| inter-node us | transport | back-to-back | with skew: transport | D wait added / round |\n"
+              "|---|---|---|---|---|")
+        for r in rows:
+            ts = r.get("turnstile")
+            print(f"| {r['inter_us']:.0f} | {r['impl']} | {fmt(r['back_to_back'])} | "
+                  f"{fmt(ts['transport']) if ts else '-'} | {fmt(ts['d_wait_added']) if ts else '-'} |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ per rank (a GPU host).
 Ranks live on nodes of `ranks_per_node`; a message between nodes pays `inter_s` more (assumed:
 nothing here measures a second host). `turnstile()` adds rounds: per-rank gaps before the pre-D
 rendezvous and D enqueue times between the two, drawn from engine step logs (`--step-log`).
+`logged_calls()` reads such logs into a `Result` (a logged call splits like a simulated one);
+`fit_wake_p()` fits the late-wake-up probability to a measured 2-rank p99.
 """
 from __future__ import annotations
 
@@ -353,6 +355,36 @@ def quantiles(x: np.ndarray) -> dict:
 
 # ---- turnstile rounds from step logs -----------------------------------------------------------
 
+def round_times(paths: list[str]) -> tuple[np.ndarray, str]:
+    """The ranks' logged `round_t` rows, cut to the shortest rank: [rank, round, 5] (t_start,
+    p_wait, pre, enq, post), and the logged transport."""
+    per_rank, kind = [], "gather"
+    for p in sorted(paths):
+        rows = [json.loads(x) for x in open(p) if x.strip()]
+        if rows:
+            kind = rows[0].get("rendezvous", kind)
+        per_rank.append([t for e in rows for t in e.get("round_t", [])])
+    k = min((len(r) for r in per_rank), default=0)
+    return np.array([r[:k] for r in per_rank]).reshape(len(per_rank), k, 5), kind
+
+
+def logged_calls(paths: list[str]) -> tuple[Result, str]:
+    """The rendezvous calls of one logged run as a Result (call 2j = round j's pre-D, 2j+1 its
+    post-D), so that the logged latency splits like a simulated one: `transport()` = after the
+    last rank arrived, the rest = waiting for it. Needs one host: every rank's t_start is
+    time.monotonic() of the same clock. Post-D entry = pre-D exit + D enqueue (the lock between
+    them, microseconds, is left out)."""
+    t, kind = round_times(paths)
+    n, k = t.shape[:2]
+    entry = np.zeros((2 * k, n))
+    exit_ = np.zeros((2 * k, n))
+    entry[0::2] = (t[:, :, 0] + t[:, :, 1]).T
+    exit_[0::2] = entry[0::2] + t[:, :, 2].T
+    entry[1::2] = exit_[0::2] + t[:, :, 3].T
+    exit_[1::2] = entry[1::2] + t[:, :, 4].T
+    return Result(entry, exit_), kind
+
+
 @dataclass
 class StepTimes:
     """Per logged round: the common gap before pre-D and common D enqueue time (median over
@@ -368,15 +400,10 @@ class StepTimes:
 
     @classmethod
     def from_step_logs(cls, paths: list[str], source: str = "") -> "StepTimes":
-        per_rank = []
-        for p in sorted(paths):
-            rows = [json.loads(x) for x in open(p) if x.strip()]
-            per_rank.append([t for e in rows for t in e.get("round_t", [])])
-        n0 = len(per_rank)
-        k = min(len(r) for r in per_rank)
+        t, _ = round_times(paths)                               # [rank, round, 5]
+        n0, k = t.shape[:2]
         if n0 < 2 or k < 2:
             raise ValueError(f"step logs need >= 2 ranks with >= 2 timed rounds, got {n0} ranks, {k} rounds")
-        t = np.array([r[:k] for r in per_rank])                 # [rank, round, 5]
         enter = t[:, :, 0] + t[:, :, 1]                         # pre-D entered (same clock on one host)
         leave = enter + t[:, :, 2] + t[:, :, 3] + t[:, :, 4]
         gap = enter[:, 1:] - leave[:, :-1]                      # previous round left -> this one entered
@@ -417,3 +444,26 @@ def fit_fixed(kind: str, cal: Calibration, measured_p50_s: float, calls: int = 4
     c.fixed_s = {**c.fixed_s, kind: 0.0}
     base = np.percentile(simulate(kind, 2, c, calls, cores=cores, seed=seed).latency, 50)
     return max(0.0, float(measured_p50_s - base))
+
+
+def fit_wake_p(kind: str, cal: Calibration, measured_p99_s: float, calls: int = 3000,
+               seeds: tuple = (1, 2, 3), lo: float = 1e-5, hi: float = 0.1) -> float:
+    """The late-wake-up probability (delays drawn from cal.wake_s) that makes the simulated
+    2-rank p99 equal the measured one: the measured tail read as thread noise, which a
+    barrier over n ranks compounds. Bisection in log space; `lo` / `hi` when out of range."""
+    if not cal.wake_s:
+        raise ValueError("fit_wake_p needs late wake-up delays (cal.wake_s)")
+
+    def p99(p: float) -> float:
+        c = Calibration(**{**asdict(cal), "wake_p": p})
+        return float(np.median([np.percentile(simulate(kind, 2, c, calls, seed=s).latency[4:], 99)
+                                for s in seeds]))
+
+    if p99(lo) >= measured_p99_s:
+        return lo
+    if p99(hi) <= measured_p99_s:
+        return hi
+    for _ in range(16):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if p99(mid) < measured_p99_s else (lo, mid)
+    return math.sqrt(lo * hi)

@@ -5,7 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from pdrollout.engine.workload.rdvsim import Calibration, Net, StepTimes, simulate, turnstile
+import os
+import sys
+
+from pdrollout.engine.workload.rdvsim import (Calibration, Net, StepTimes, fit_wake_p, logged_calls, simulate,
+                                              turnstile)
 
 L = 10e-6
 
@@ -102,3 +106,86 @@ def test_step_times_from_step_logs_and_the_skew_they_add(tmp_path):
     assert b["d_wait_added"]["p50_s"] > 2 * a["d_wait_added"]["p50_s"]
     with pytest.raises(ValueError, match="2 ranks"):
         StepTimes.from_step_logs(_log(tmp_path / "c", 1, 5, 0.0))
+
+
+def _skewed_log(d, rounds=50, late=1e-3, tr=20e-6, enq=5e-4, p=1e-3):
+    """Two ranks on one clock: rank 1 reaches pre-D `late` after rank 0, both leave `tr` after
+    it arrived; post-D after the same D enqueue, `tr` each."""
+    d.mkdir()
+    t, rows = 0.0, [[], []]
+    for j in range(rounds):
+        for r in (0, 1):
+            p_wait = p + (late if r else 0.0)
+            pre = tr + (late if r == 0 else 0.0)
+            rows[r].append({"step": j, "rendezvous": "dissemination", "round_t": [[t, p_wait, pre, enq, tr]]})
+        t += p + late + tr + enq + tr
+    for r in (0, 1):
+        (d / f"rank{r}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows[r]))
+    return d
+
+
+def test_logged_calls_split_the_wait_for_the_peer_from_the_transport(tmp_path):
+    res, kind = logged_calls(sorted(str(p) for p in _skewed_log(tmp_path / "a").glob("rank*.jsonl")))
+    assert kind == "dissemination" and res.entry.shape == (100, 2)
+    assert np.allclose(res.latency[0::2, 0], 1e-3 + 20e-6) and np.allclose(res.latency[0::2, 1], 20e-6)
+    assert np.allclose(res.transport(), 20e-6)      # after the last arrival: the transport only
+    assert np.allclose(res.entry[1::2] - res.exit[0::2], 5e-4)
+
+
+def test_replay_of_a_gpu_host_log_uses_the_given_calibration_without_a_core_pool(tmp_path):
+    # a log the model can reproduce: dissemination at 2 ranks = 2 crossings after the last arrival
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
+    from rdv_sim import replay
+    d = _skewed_log(tmp_path / "g", tr=2 * L)
+    out = replay(str(d), _const(), None, "gpu")
+    assert out["host"] == "gpu" and out["ranks"] == 2 and out["rounds"] == 50
+    assert out["measured"]["p99_s"] == pytest.approx(1e-3 + 2 * L)
+    assert out["simulated"]["p99_s"] == pytest.approx(out["measured"]["p99_s"], rel=0.02)
+    assert out["simulated"]["mean_s"] == pytest.approx(out["measured"]["mean_s"], rel=0.05)
+    assert L - 1e-12 <= out["simulated_after_last"]["p50_s"] <= 2 * L + 1e-12
+    # the same log on a one-core pool with slow posts is much slower: the pool is not applied silently
+    slow = replay(str(d), Calibration(hop_s=[L], post_s=300e-6, rx_s=300e-6), 1, "here")
+    assert slow["simulated"]["mean_s"] > 1.3 * out["simulated"]["mean_s"]
+
+
+def test_fit_wake_p_recovers_the_probability_behind_a_tail():
+    rng = np.random.default_rng(0)
+    cal = Calibration(hop_s=[L], post_s=0.0, rx_s=0.0, wake_s=rng.uniform(50e-6, 600e-6, 200).tolist())
+    truth = Calibration(**{**cal.__dict__, "wake_p": 5e-3})
+    target = float(np.median([np.percentile(simulate("dissemination", 2, truth, 3000, seed=s).latency[4:], 99)
+                              for s in (7, 8, 9)]))
+    assert target > 3 * np.percentile(simulate("dissemination", 2, cal, 300).latency, 50)
+    p = fit_wake_p("dissemination", cal, target)
+    assert 2.5e-3 < p < 1e-2
+    # out of range: the bounds, not a guess
+    assert fit_wake_p("dissemination", cal, 1e-9) == 1e-5 and fit_wake_p("dissemination", cal, 1.0) == 0.1
+    with pytest.raises(ValueError, match="wake_s"):
+        fit_wake_p("dissemination", _const(), target)
+
+
+def test_engine_fitted_adds_the_logged_excess_after_the_last_arrival(tmp_path):
+    # the log's transport is 2 crossings + 100 us that the model lacks; the fitted constant
+    # puts the replay's after-last-arrival p50 onto the logged one
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
+    from rdv_sim import engine_fitted, replay
+    d = _skewed_log(tmp_path / "e", tr=2 * L + 100e-6)
+    eng = {"dissemination": replay(str(d), _const(), None, "gpu")}
+    c, info = engine_fitted(_const(), eng)
+    assert 80e-6 < info["engine_extra_s"]["dissemination"] < 110e-6 and "gather" not in c.fixed_s
+    again = info["check_2_ranks"]["dissemination"]
+    assert again["simulated_after_last"]["p50_s"] == pytest.approx(again["measured_after_last"]["p50_s"], rel=0.1)
+    assert again["d_wait_added"]["replayed"]["p50_s"] == pytest.approx(
+        again["d_wait_added"]["measured"]["p50_s"], rel=0.1)
+
+
+def test_steplog_tail_blames_the_late_rank_s_p_wait(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
+    from rdv_steplog_tail import analyse
+    r = analyse(str(_skewed_log(tmp_path / "t", late=2e-3, p=2e-3)))
+    assert r["ranks"] == 2 and r["impl"] == "dissemination"
+    # the slowest calls are rank 0 waiting 2 ms for rank 1, whose P (not its round call) was late
+    assert r["over_p99"]["waiting_share"] == pytest.approx(2e-3 / (2e-3 + 20e-6))
+    assert r["pre_d_skew"]["p50_s"] == pytest.approx(2e-3) and r["pre_d_skew"]["top10_called_diff_mean_s"] == 0.0
+    assert r["after_last_arrival"]["p99_s"] == pytest.approx(20e-6)
+    # post-D follows the 0.5 ms D enqueue, pre-D 2 ms of P: two bins of 49 calls
+    assert [(b["idle_from_s"], b["calls"]) for b in r["after_last_by_idle"]] == [(50e-6, 49), (1e-3, 49)]
