@@ -8,8 +8,8 @@ import pytest
 import os
 import sys
 
-from pdrollout.engine.workload.rdvsim import (Calibration, Net, StepTimes, fit_wake_p, logged_calls, simulate,
-                                              turnstile)
+from pdrollout.engine.workload.rdvrounds import StepTimes, logged_calls, turnstile
+from pdrollout.engine.workload.rdvsim import Calibration, Net, fit_wake_p, simulate
 
 L = 10e-6
 
