@@ -9,6 +9,7 @@ replica with the fewest unfinished requests and stays there (its KV and prefix b
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..protocol.config import ControlSettings, EngineConfig
@@ -122,7 +123,8 @@ class Engine(EngineOps):
         step = next((x.plan.step for x in launched if x is not None), self.step_id - 1)
         multiplexing = any(x is not None and x.plan.multiplexing for x in launched)
         plan = StepPlan(step, self.control.model_dump(), works, new, drop, multiplexing,
-                        p_span=self._spans(works), p_flight=self._flight[0] if p_busy else None)
+                        p_flight=self._flight[0] if p_busy else None)
+        plan = dataclasses.replace(plan, p_span=self._spans(plan))
         t0 = time.monotonic()
         mine, reports = self._exchange(plan)
         return plan, launched, reports, mine, t0
@@ -138,11 +140,11 @@ class Engine(EngineOps):
                 del self.replica_of[o.rid]
         return outs
 
-    def _spans(self, works) -> bool:
+    def _spans(self, plan: StepPlan) -> bool:
         """May this step's P epoch go on under the next steps' D? pd on several ranks, P and D in
         the step, no routing replay (a P epoch's routes must come back with its own rows)."""
-        return (self.topo.world > 1 and self.config.mode == "pd" and any(w.prefill for w in works)
-                and any(w.decode for w in works) and not any(r.routes for w in works for r in w.decode + w.prefill))
+        return (self.topo.world > 1 and self.config.mode == "pd" and plan.p_any and plan.d_any
+                and not plan.routes_any)
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()
