@@ -51,9 +51,9 @@ def main() -> None:
                  "--engine-config", json.dumps({"control": control}), "--log-level", "warning")
         t0 = time.monotonic()
         with serve(a.model, "pd", os.path.join(a.out, f"server-{name.replace(' ', '_')}.log"),
-                   extra_args=extra) as url:
-            summary, _ = replay(url, rows, pressure=a.pressure, seed=0, progress=False)
-            m = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+                   extra_args=extra) as live:
+            summary, _ = replay(live.url, rows, pressure=a.pressure, seed=0, progress=False, watch=live.died)
+            m = urllib.request.urlopen(live.url + "/metrics", timeout=30).read().decode()
         r = {"rung": name, "control": control, "makespan_s": summary["makespan_s"],
              "output_tokens": summary["total_output_tokens"],
              "rounds": _metric(m, "pdrollout:turnstile_rounds_total"),

@@ -89,6 +89,12 @@ class Multiplexing(_Model):
              "span must be an integer 1..4 or 'auto'")))
     prefill_budget_tokens: int = Field(default=32768, ge=1)
     ordering: Ordering = "fine-grained"
+    p_wait_bound_ms: float | None = Field(
+        default=None, ge=1, description="pd: once the oldest request without its first token has waited this "
+                                        "long, P runs whole-budget segments until it has it (unset: off).")
+    p_gather_ms: float | None = Field(
+        default=None, ge=1, description="pd: P below the top request priority waits up to this long to share "
+                                        "one P-carrying step (unset: never).")
 
     @field_validator("span")
     @classmethod
@@ -100,7 +106,8 @@ class Multiplexing(_Model):
     def control(self) -> ControlSettings:
         """The engine's /control body (validated by the engine's own model)."""
         return ControlSettings(activation=self.activation, span=self.span,
-                               prefill_budget_tokens=self.prefill_budget_tokens, ordering=self.ordering)
+                               prefill_budget_tokens=self.prefill_budget_tokens, ordering=self.ordering,
+                               p_wait_bound_ms=self.p_wait_bound_ms, p_gather_ms=self.p_gather_ms)
 
 
 class Nvshmem(_Model):

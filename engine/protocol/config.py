@@ -156,6 +156,11 @@ class ControlSettings(BaseModel):
     span: int | Literal["auto"] = "auto"
     prefill_budget_tokens: int = Field(default=32768, gt=0)
     ordering: Ordering = "fine-grained"
+    # pd: once the oldest request without its first token has waited this long, P runs whole-budget
+    # segments until it has its token (None: segments stay span-sized)
+    p_wait_bound_ms: float | None = Field(default=None, gt=0)
+    # pd: P below the top priority waits up to this long to share one P-carrying step (None: never)
+    p_gather_ms: float | None = Field(default=None, gt=0)
 
     @field_validator("span", mode="before")
     @classmethod

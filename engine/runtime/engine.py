@@ -57,15 +57,17 @@ class Engine(EngineOps):
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-               return_logprob: bool = False, rollout_id: str | None = None, routes_from: int | None = None) -> None:
-        """`routes_from`: report the routing of positions [routes_from, end) (None: no routing)."""
+               return_logprob: bool = False, rollout_id: str | None = None, routes_from: int | None = None,
+               priority: int = 0) -> None:
+        """`routes_from`: report the routing of positions [routes_from, end) (None: no routing);
+        `priority`: admission order, higher first (policy.py)."""
         if isinstance(rid, str) and rid in self.replica_of:
             raise RequestError(f"request id {rid!r} is already running")
         if self.released:
             raise RequestError(f"the engine's memory is released ({', '.join(sorted(self.released))}): "
                                "/resume_memory_occupation first")
         r = min(range(len(self.schedulers)), key=lambda i: (len(self.schedulers[i].reqs), i))
-        self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id, routes_from)
+        self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id, routes_from, priority)
         self.replica_of[rid] = r
         self._new.append(NewRequest(rid, r, sampling))
 

@@ -122,7 +122,7 @@ def start_ranks(layout: GroupLayout, config, options, host: str | None = None) -
                   (layout, config.model_dump_json(), asdict(options), counters))
     group = RankGroup(0, layout, store, local, counters)
     try:
-        join(store, layout, 0)
+        join(store, layout, 0, ended=local.first_exit)
         _init_pg(0, layout.world, store)
     except BaseException:
         group.join(0)

@@ -100,19 +100,26 @@ def claim(store, rank: int) -> None:
         raise SlotTaken(rank, holder)
 
 
-def join(store, layout: GroupLayout, rank: int) -> float:
+def join(store, layout: GroupLayout, rank: int, ended=None) -> float:
     """Take `rank`'s slot and wait for the whole group; returns the seconds waited."""
     claim(store, rank)
-    return wait_for_group(store, layout, rank)
+    return wait_for_group(store, layout, rank, ended)
 
 
-def wait_for_group(store, layout: GroupLayout, rank: int) -> float:
+def wait_for_group(store, layout: GroupLayout, rank: int, ended=None) -> float:
+    """`ended`: LocalRanks.first_exit of the ranks this process started; one that ends before the
+    group forms fails the join at once (it would only time out)."""
     t0 = time.monotonic()
     keys = [f"join/{r}" for r in range(layout.world)]
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:
             return time.monotonic() - t0
+        gone = ended() if ended is not None else None
+        if gone is not None:
+            raise PeerLostError(f"rank {rank}: rank {gone[0]}, started here, exited ({exit_name(gone[1])}) "
+                                f"before the group formed; {layout.world - len(missing)}/{layout.world} "
+                                "joined (its log says why)")
         if time.monotonic() - t0 > layout.join_timeout_s:
             nodes = sorted({layout.node_of(r) for r in missing})
             raise GroupJoinTimeout(

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 from ..scheduler.request import RequestError, SamplingParams
 from .engine import Engine
 
-_REQUEST_KEYS = {"input_ids", "sampling_params", "return_logprob", "rid", "rollout_id"}
+_REQUEST_KEYS = {"input_ids", "sampling_params", "return_logprob", "rid", "rollout_id", "priority"}
 
 
 def read_requests(path: str) -> list[str]:
@@ -27,6 +27,9 @@ def _parse(line: str, index: int):
     unknown = set(d) - _REQUEST_KEYS
     if unknown:
         raise RequestError(f"line {index + 1}: unknown field(s) {', '.join(sorted(unknown))}")
+    p = d.get("priority", 0)
+    if isinstance(p, bool) or not isinstance(p, int):
+        raise RequestError(f"line {index + 1}: priority must be an integer, got {p!r}")
     return d
 
 
@@ -59,7 +62,7 @@ def run_requests(engine: Engine, lines: Iterable[str], sequential: bool = False)
             d = _parse(line, i)
             rid = str(d.get("rid") or f"req-{i}")
             engine.submit(rid, d.get("input_ids"), SamplingParams.from_dict(d.get("sampling_params")),
-                          bool(d.get("return_logprob", False)), d.get("rollout_id"))
+                          bool(d.get("return_logprob", False)), d.get("rollout_id"), priority=d.get("priority", 0))
             index_of[rid] = i
         except RequestError as e:
             results[i] = {"index": i, "error": str(e)}

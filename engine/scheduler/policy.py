@@ -5,9 +5,14 @@ engine). Policies are small objects; the planner never touches tensors or the KV
   mixed   chunked prefill with the decode rows riding in the same step (SGLang/vLLM style)
   pd      decode first; prefill admitted into the remaining batch/KV capacity and cut into
           segments of span K; one decode iteration between segments
+
+Every policy admits in the client's order: a higher `priority` (SGLang's field on /generate;
+an RL client sets it to a trajectory's remaining work, so the critical path goes first), then
+arrival. Under memory pressure the lowest-priority, youngest decode rows give their KV back.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -59,6 +64,12 @@ class Snapshot:
     # waiting rid -> (prefix-hit tokens, hit blocks already referenced by others). Hit blocks
     # that are only cached (unreferenced) still count against free blocks when taken.
     cached_hint: dict[str, tuple[int, int]] = field(default_factory=dict)
+    now: float = field(default_factory=time.monotonic)   # the clock of Req.arrival
+
+    def oldest_p_wait_s(self) -> float:
+        """How long the longest-waiting request without its first token has waited."""
+        started = [r.arrival for r in (*self.waiting, *self.prefilling) if r.first_token_at is None]
+        return self.now - min(started) if started else 0.0
 
     def blocks_for(self, n: int) -> int:
         return -(-n // self.block_size)
@@ -86,7 +97,7 @@ class _Builder:
         self.segments: list[PrefillSegment] = []
 
     def take_decode(self) -> None:
-        rows = sorted(self.s.decoding, key=lambda r: r.arrival)
+        rows = sorted(self.s.decoding, key=lambda r: (-r.priority, r.arrival))
         need = [self.s.decode_block_need(r) for r in rows]
         # Retract the youngest rows until the rest fit: never corrupts a running row.
         while rows and sum(need) > self.free:
@@ -97,19 +108,20 @@ class _Builder:
 
     def take_prefill(self, budget: int, headroom: int = 0) -> None:
         running = len(self.decode) + len(self.s.prefilling)
-        for r in sorted(self.s.prefilling, key=lambda r: r.arrival):
+        for r in sorted(self.s.prefilling, key=lambda r: (-r.priority, r.arrival)):
             if budget <= 0:
                 return
             self._segment(r, budget)
             budget -= self.segments[-1].length
-        for r in self.s.waiting:
+        # stable: equal priorities keep the queue's order (retracted rows first, then arrival)
+        for r in sorted(self.s.waiting, key=lambda r: -r.priority):
             if budget <= 0 or running >= self.s.max_running:
                 return
             target = len(r.tokens)
             hit, shared = self.s.cached_hint.get(r.rid, (0, 0))
             need = self.s.blocks_for(target) - shared
             if need + headroom > self.free:
-                return          # FCFS: do not let later requests overtake on KV
+                return          # in order: a later request never overtakes the head on KV
             self.free -= need
             self.admit.append(r.rid)
             running += 1
@@ -166,7 +178,9 @@ class PDPolicy:
     With no decode row the whole prefill budget runs (nothing to protect). With decode rows the
     segment is span × budget/16 tokens, so one fused step stays a small multiple of a decode step;
     `auto` picks the span from D occupancy and P pressure with the turnstile's rule (one rule for
-    one rank and many)."""
+    one rank and many). Once the oldest request without its first token has waited past
+    `p_wait_bound_ms`, the segment is the whole budget until it has its token: the bound on the
+    TTFT tail that a fixed small segment cannot give under a long P backlog."""
     name = "pd"
 
     def plan(self, step, s, control):
@@ -178,15 +192,33 @@ class PDPolicy:
         if not b.decode:
             b.take_prefill(budget)
             return b.build(step, control, SPAN_MAX, control.activation == "on")
+        if self._defer_p(s, control):
+            return b.build(step, control, 1, control.activation == "on")
         pending = sum(r.prefill_remaining for r in s.prefilling) + sum(len(r.tokens) for r in s.waiting)
         if control.span == "auto":
             span = auto_span(len(b.decode) / s.max_running, pending / budget, SPAN_MAX)
         else:
             span = control.span
+        segment = span * max(budget // SEGMENT_UNITS, 1)
+        bound = control.p_wait_bound_ms
+        if bound is not None and s.oldest_p_wait_s() * 1000.0 > bound:
+            segment = budget
         # Headroom: one block per decode row so admitted P cannot starve the running D rows.
-        b.take_prefill(span * max(budget // SEGMENT_UNITS, 1), headroom=len(b.decode))
+        b.take_prefill(segment, headroom=len(b.decode))
         both = bool(b.segments)
         return b.build(step, control, span, both or control.activation == "on")
+
+
+    @staticmethod
+    def _defer_p(s: Snapshot, control: ControlSettings) -> bool:
+        """A step that carries P costs more than a decode-only one (eager, not a graph replay), so P
+        with slack waits, up to `p_gather_ms`, to ride in one step with more P. Only P below the top
+        priority has slack (the critical path's never waits); with no priorities given, none has."""
+        gather = control.p_gather_ms
+        if gather is None or s.prefilling or not s.waiting:
+            return False
+        top = max(r.priority for r in (*s.waiting, *s.decoding))
+        return all(r.priority < top and (s.now - r.arrival) * 1000.0 < gather for r in s.waiting)
 
 
 POLICIES = {"normal": NormalPolicy, "mixed": MixedPolicy, "pd": PDPolicy}

@@ -127,6 +127,7 @@ class Req:
     sampling: SamplingParams
     return_logprob: bool = False
     rollout_id: str | None = None
+    priority: int = 0                  # higher first (SGLang's default order); RL: the trajectory's work left
     arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -50,9 +50,12 @@ class Launched:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None) -> None:
-        """`proposer`: a draft model's `propose(wants, alive)` (runtime/draft.py); None: n-gram."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None,
+                 clock=time.monotonic) -> None:
+        """`proposer`: a draft model's `propose(wants, alive)` (runtime/draft.py); None: n-gram.
+        `clock`: arrivals, waits and the planner's now (a simulator's virtual clock: e2e/plan_sim.py)."""
         self.config, self.model_config = config, model_config
+        self.clock = clock
         self.pool = BlockPool(num_blocks, config.block_size)
         self.reservations = Reservations(self.pool)
         self.max_context_len = min(model_config.max_position_embeddings, config.max_context_len or 1 << 62)
@@ -88,12 +91,13 @@ class Scheduler:
                                f"({self.pool.num_blocks * self.pool.block_size} tokens)")
 
     def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
-               rollout_id: str | None = None, routes_from: int | None = None) -> None:
+               rollout_id: str | None = None, routes_from: int | None = None, priority: int = 0) -> None:
         self.check(rid, input_ids, sampling)
         if routes_from is not None and not 0 <= routes_from <= len(input_ids):
             raise RequestError(f"routed_experts_start_len must be in [0, {len(input_ids)}] "
                                f"(the prompt's tokens), got {routes_from}")
-        req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id, routes_from=routes_from)
+        req = Req(rid, list(input_ids), sampling, return_logprob, rollout_id, priority=priority,
+                  arrival=self.clock(), routes_from=routes_from)
         self.reqs[rid] = req
         self.waiting.append(req)
 
@@ -145,7 +149,7 @@ class Scheduler:
         self._apply_admission(plan)
         if plan.empty:
             return None
-        t0 = time.monotonic()
+        t0 = self.clock()
         waits = [t0 - self.reqs[rid].d_ready_at for rid in plan.decode if self.reqs[rid].d_ready_at]
         rows, decode, prefill = [], [], []
         for rid in plan.decode:
@@ -199,7 +203,8 @@ class Scheduler:
         waiting = [] if p_busy else self.waiting
         hint = {r.rid: self._prefix_hint(r) for r in waiting}
         return Snapshot(waiting, prefilling, decoding, self.pool.num_available(),
-                        self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint)
+                        self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint,
+                        self.clock())
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
         if r.routes_from is not None:

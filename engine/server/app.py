@@ -104,7 +104,7 @@ class Server:
             for i, (t, item, sp) in enumerate(zip(tracked, items, sampling)):
                 try:
                     engine.submit(t.rid, item.input_ids, sp, return_logprob=item.return_logprob,
-                                  rollout_id=rollout_id, routes_from=item.routes_from)
+                                  rollout_id=rollout_id, routes_from=item.routes_from, priority=item.priority)
                 except RequestError as e:
                     for prev in tracked[:i]:
                         engine.abort(prev.rid, "batch rejected")

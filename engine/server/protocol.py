@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 TokenIds = list[StrictInt]
+PRIORITY_MAX = 2**31 - 1   # `priority` is an int32 in SGLang's and vLLM's request schemas
 
 
 class BadRequest(ValueError):
@@ -66,6 +67,7 @@ class GenerateRequest(_Strict):
     custom_logit_processor: Optional[Any] = None
     data_parallel_rank: Optional[StrictInt] = None
     rollout_id: Optional[str] = None
+    priority: Optional[Union[StrictInt, list[StrictInt]]] = None   # admission order, higher first
 
     @model_validator(mode="after")
     def _check(self):
@@ -117,8 +119,13 @@ class GenerateRequest(_Strict):
             if len(ids) == 0:
                 raise BadRequest("a prompt has no tokens")
         routes = self.routed_experts_start_len if self.return_routed_experts else None
-        return [GenerateItem(input_ids=list(p), sampling_params=sp, rid=r, return_logprob=lp, routes_from=routes)
-                for p, sp, r, lp in zip(prompts, sps, rids, lps)]
+        prios = per_item("priority", self.priority, 0)
+        for p in prios:
+            if not -PRIORITY_MAX <= p <= PRIORITY_MAX:
+                raise BadRequest(f"priority must be an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}], got {p}")
+        return [GenerateItem(input_ids=list(p), sampling_params=sp, rid=r, return_logprob=lp, routes_from=routes,
+                             priority=pr)
+                for p, sp, r, lp, pr in zip(prompts, sps, rids, lps, prios)]
 
     @property
     def batched(self) -> bool:
@@ -133,6 +140,7 @@ class GenerateItem(BaseModel):
     rid: Optional[str]
     return_logprob: bool
     routes_from: Optional[int] = None    # return_routed_experts: positions [routes_from, end)
+    priority: int = 0
 
 
 class AbortRequest(_Strict):
@@ -267,6 +275,7 @@ class CompletionRequest(_Strict):
     suffix: Optional[str] = None
     user: Optional[str] = None
     rollout_id: Optional[str] = None
+    priority: StrictInt = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)   # admission order, higher first
 
     @model_validator(mode="after")
     def _check(self):

@@ -11,11 +11,11 @@ import uuid
 from typing import Any, Optional, Union
 
 from aiohttp import web
-from pydantic import ConfigDict, StrictBool, StrictInt, model_validator
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from .app import Server, json_response, read_json, server_of
 from .bridge import Tracked
-from .protocol import BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, openai_sampling_params, version_meta
+from .protocol import PRIORITY_MAX, BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, openai_sampling_params, version_meta
 from .routes_native import sse, wait_finished
 
 
@@ -48,6 +48,7 @@ class ChatRequest(_Strict):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     user: Optional[str] = None
     rollout_id: Optional[str] = None
+    priority: StrictInt = Field(default=0, ge=-PRIORITY_MAX, le=PRIORITY_MAX)   # admission order, higher first
 
     @model_validator(mode="after")
     def _check(self):
@@ -105,7 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.model is not None and req.model not in (server.settings.model_name, server.settings.model):
         raise BadRequest(f"model {req.model!r} is not served here (serving {server.settings.model_name!r})", 404)
     item = GenerateItem(input_ids=prompt_ids(server, req), sampling_params=req.sampling_params(), rid=None,
-                        return_logprob=req.logprobs)
+                        return_logprob=req.logprobs, priority=req.priority)
     tracked, queue = await server.submit([item], rollout_id=req.rollout_id or request.headers.get("X-Rollout-Id"))
     t = tracked[0]
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.settings.model_name}

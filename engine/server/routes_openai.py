@@ -67,7 +67,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"model {req.model!r} is not served here (serving {server.settings.model_name!r})", 404)
     want_logprobs = req.logprobs is not None
     sp = req.sampling_params()
-    items = [GenerateItem(input_ids=p, sampling_params=sp, rid=None, return_logprob=want_logprobs)
+    items = [GenerateItem(input_ids=p, sampling_params=sp, rid=None, return_logprob=want_logprobs,
+                          priority=req.priority)
              for p in _prompts(server, req)]
     rollout_id = req.rollout_id or request.headers.get("X-Rollout-Id")
     tracked, queue = await server.submit(items, rollout_id=rollout_id)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from typing import Callable
 
 import aiohttp
 import numpy as np
@@ -19,6 +20,8 @@ from .measures import BenchError, RequestRecord, metric_sums, summarize
 from .trace import PRESSURE, sessions
 
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
+WATCH_S = 0.5                                   # how often the replay checks that its server lives
+PRIORITY_HINTS = ("none", "critical-path")      # what the bench sends as /generate's `priority`
 
 
 def synthetic_ids(seed: int, session_index: int, turn: int, n: int, vocab_size: int) -> list[int]:
@@ -44,9 +47,14 @@ class Replay:
     """One bench run: a closed loop per session over one aiohttp client session."""
 
     def __init__(self, url: str, rows: list[dict], *, pressure: str = "trace", seed: int = 0,
-                 rollout_id: str | None = None, progress: bool = True):
+                 rollout_id: str | None = None, progress: bool = True, priority: str = "none",
+                 watch: Callable[[], str | None] | None = None):
         if pressure not in PRESSURE:
             raise BenchError(f"unknown pressure {pressure!r}; choose one of {', '.join(PRESSURE)}")
+        if priority not in PRIORITY_HINTS:
+            raise BenchError(f"unknown priority hint {priority!r}; choose one of {', '.join(PRIORITY_HINTS)}")
+        self.priority = priority
+        self.watch = watch          # the server's death, as a message (servers.Live.died)
         self.url = url.rstrip("/")
         self.sessions = sessions(rows)
         self.wait_scale = PRESSURE[pressure]
@@ -58,6 +66,15 @@ class Replay:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    async def _watch(self) -> None:
+        """Fail the replay as soon as the server it started has died (requests would wait out their
+        timeouts on a server whose ranks are gone)."""
+        while True:
+            died = self.watch() if self.watch is not None else None
+            if died:
+                raise BenchError(died)
+            await asyncio.sleep(WATCH_S)
 
     async def _get(self, http, path: str) -> tuple[int, str]:
         async with http.get(self.url + path) as resp:
@@ -76,7 +93,7 @@ class Replay:
         status, body = await self._get(http, "/metrics")
         return metric_sums(body) if status == 200 else {}
 
-    async def _generate(self, http, rid: str, ids: list[int], out_len: int) -> dict:
+    async def _generate(self, http, rid: str, ids: list[int], out_len: int, priority: int | None = None) -> dict:
         """POST /generate with stream=true; returns first-token time, output ids and meta_info."""
         payload = {
             "rid": rid,
@@ -85,6 +102,8 @@ class Replay:
             "stream": True,
             "rollout_id": self.rollout_id,
         }
+        if priority is not None:
+            payload["priority"] = priority
         first, cum, cat, meta = None, [], [], {}
         async with http.post(self.url + "/generate", json=payload) as resp:
             if resp.status != 200:
@@ -114,7 +133,10 @@ class Replay:
     async def _session(self, http, index: int, turns: list[dict], bar) -> None:
         context: list[int] = []
         prev_done = None
-        for row in turns:
+        for k, row in enumerate(turns):
+            # critical-path hint: the trajectory's output tokens still to come, this turn's included
+            # (what an RL client knows as its turn and token budget left)
+            left = sum(r["output_length"] for r in turns[k:]) if self.priority == "critical-path" else None
             if prev_done is not None:
                 ready = prev_done + row.get("delay_ms", 0) * self.wait_scale / 1000.0
                 await asyncio.sleep(max(0.0, ready - self.now()))
@@ -122,7 +144,7 @@ class Replay:
                                           self.vocab_size)
             rid = f"{self.rollout_id}-{row['session_id']}-{row['turn']}"
             release = self.now()
-            res = await self._generate(http, rid, ids, row["output_length"])
+            res = await self._generate(http, rid, ids, row["output_length"], left)
             done = self.now()
             meta = res["meta"]
             reason = (meta.get("finish_reason") or {}).get("type")
@@ -159,10 +181,15 @@ class Replay:
             self._t0 = time.perf_counter()
             tasks = [asyncio.create_task(self._session(http, i, turns, bar))
                      for i, turns in enumerate(self.sessions.values())]
+            everything = asyncio.ensure_future(asyncio.gather(*tasks))
+            watcher = asyncio.create_task(self._watch())    # ends only by raising
             try:
-                await asyncio.gather(*tasks)
+                await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    watcher.result()    # the server died: BenchError with its log's tail
+                await everything
             finally:
-                for t in tasks:
+                for t in (*tasks, watcher, everything):
                     t.cancel()
                 if bar is not None:
                     bar.close()
@@ -180,7 +207,12 @@ def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]
     r = Replay(url, rows, **kw)
     try:
         summary = asyncio.run(r.run())
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, BenchError) as e:
+        died = r.watch() if r.watch is not None else None
+        if died:    # a request that failed because the server died: say that, with its log
+            raise BenchError(died) from e
+        if isinstance(e, BenchError):
+            raise
         raise BenchError(f"HTTP to {url} failed: {type(e).__name__}: {e}") from e
     return summary, r.records
 
@@ -200,7 +232,8 @@ def speculation_of(url: str) -> dict:
 def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
               model: str | None = None, url: str | None = None, device: str | None = None,
               pressure: str = "trace", seed: int = 0, progress: bool = True,
-              serve_args: tuple[str, ...] = (), meta: dict | None = None) -> dict[str, dict]:
+              serve_args: tuple[str, ...] = (), meta: dict | None = None,
+              priority: str = "none") -> dict[str, dict]:
     """Bench each mode on a fresh server (or the one at `url`), write results and plots."""
     import os
 
@@ -219,16 +252,16 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
         print(f"[bench] mode {mode}: {expected['requests']} requests in "
               f"{expected['conversations']} sessions, pressure {pressure}", flush=True)
         if url:
-            summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress)
+            summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress, priority=priority)
             summary.update(speculation_of(url))
         else:
             log = os.path.join(out_dir, f"server-{mode}.log")
             # "{mode}" in a serve arg names the mode (e.g. one --step-log directory per mode)
             extra = tuple(a.replace("{mode}", mode) for a in serve_args)
             with serve(model, mode, log, device=device, extra_args=extra) as live:
-                summary, recs = replay(live, rows, pressure=pressure, seed=seed,
-                                       progress=progress)
-                summary.update(speculation_of(live))
+                summary, recs = replay(live.url, rows, pressure=pressure, seed=seed,
+                                       progress=progress, priority=priority, watch=live.died)
+                summary.update(speculation_of(live.url))
         if (summary["total_input_tokens"], summary["total_output_tokens"]) != (
                 expected["input_tokens"], expected["output_tokens"]):
             raise BenchError(f"mode {mode}: server counted {summary['total_input_tokens']} input /"
@@ -238,7 +271,7 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
         results[mode], records[mode] = summary, recs
         print(f"[bench] mode {mode}: makespan {summary['makespan_s']:.2f} s", flush=True)
     check_same_work(results)
-    info = dict(meta or {}, pressure=pressure, seed=seed, trace=expected)
+    info = dict(meta or {}, pressure=pressure, seed=seed, trace=expected, priority=priority)
     path = write_results(out_dir, results, info, records)
     plots = write_plots(out_dir, results, records)
     print(format_table(results))

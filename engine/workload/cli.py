@@ -60,7 +60,7 @@ def _cmd_bench(a) -> int:
     try:
         run_bench(rows, a.out, modes=modes, model=a.model, url=a.url, device=a.device,
                   pressure=a.pressure, seed=a.seed, progress=not a.no_progress,
-                  serve_args=tuple(a.serve_arg), meta=meta)
+                  serve_args=tuple(a.serve_arg), meta=meta, priority=a.priority)
     except BenchError as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 1
@@ -104,6 +104,9 @@ def add_bench_parser(subparsers) -> None:
     b.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `pdrollout serve` (repeatable; {mode} becomes the mode, "
                         "e.g. --serve-arg=--step-log --serve-arg=logs/{mode})")
+    b.add_argument("--priority", choices=["none", "critical-path"], default="none",
+                   help="/generate's `priority`: critical-path sends each turn its trajectory's output "
+                        "tokens still to come (what an RL client knows), so long trajectories go first")
     b.add_argument("--out", required=True, help="directory for results.json, records and plots")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)

@@ -48,10 +48,23 @@ def _tail(path: str, n: int = 30) -> str:
         return ""
 
 
+class Live:
+    """A started server: its URL, and whether it has died (for the replay to fail fast)."""
+
+    def __init__(self, url: str, proc: subprocess.Popen, log_path: str):
+        self.url, self.proc, self.log_path = url, proc, log_path
+
+    def died(self) -> str | None:
+        if self.proc.poll() is None:
+            return None
+        return (f"the server exited with {self.proc.returncode} during the replay; "
+                f"log {self.log_path}:\n{_tail(self.log_path)}")
+
+
 @contextlib.contextmanager
 def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
           extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0):
-    """Start the server, wait for GET /health 200, yield its URL; SIGTERM and wait on exit."""
+    """Start the server, wait for GET /health 200, yield it (Live); SIGTERM and wait on exit."""
     port = free_port()
     # the bench is the server's only client: a stop (the bench done or interrupted) need not wait long
     drain = [] if "--drain-timeout" in extra_args else ["--drain-timeout", "2"]
@@ -72,7 +85,7 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
                 raise BenchError(f"server for mode {mode} not healthy after {startup_timeout_s:.0f}"
                                  f" s; log {log_path}:\n{_tail(log_path)}")
             time.sleep(0.25)
-        yield url
+        yield Live(url, proc, log_path)
     finally:
         stop_tree(proc, grace_s=30.0)
 

@@ -213,3 +213,25 @@ def test_node_0_stopped_while_joining_closes_its_store_at_once(tiny_model, tmp_p
             os.killpg(p.pid, signal.SIGKILL)   # no rank outlives the test
         except ProcessLookupError:
             pass
+
+
+def test_node_0_fails_its_join_at_once_when_a_rank_it_started_exits():
+    """A rank node 0 spawned that dies before joining (a bad shim re-running `serve` in it, an import
+    error) ends node 0's join at once with its code, instead of waiting out the join bound while
+    `pdrollout bench` waits for /health."""
+    import multiprocessing as mp
+    from pdrollout.engine.protocol.exits import PeerLostError
+    from pdrollout.engine.runtime.node import LocalRanks, join
+    port = free_port()
+    layout = GroupLayout(nproc_per_node=2, adp=1, ep=2, master_addr="127.0.0.1", master_port=port,
+                         join_timeout_s=300)
+    store = _master(port)
+    local = LocalRanks(layout)
+    local.procs[1] = mp.get_context("spawn").Process(target=os._exit, args=(EXIT_CONFIG,))
+    local.procs[1].start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"rank 0: rank 1, started here, exited \(bad configuration\) "
+                                            r"before the group formed; 1/2 joined"):
+        join(store, layout, 0, ended=local.first_exit)
+    assert time.monotonic() - t0 < 10
+    assert exit_code(PeerLostError("x")) == EXIT_PEER_LOST

@@ -87,3 +87,60 @@ def test_decode_rows_retract_youngest_first_under_kv_pressure():
 def test_fcfs_admission_does_not_let_later_requests_overtake():
     plan = make_policy("mixed").plan(0, snap([req("big", 400), req("small", 4)], free=50), control())
     assert plan.admit == ()
+
+
+@pytest.mark.parametrize("mode", ["normal", "mixed", "pd"])
+def test_admission_takes_the_higher_priority_first_then_the_queue_order(mode):
+    a, b, c = req("a", 8, t=0), req("b", 8, t=1), req("c", 8, t=2)
+    b.priority = 5                     # the client's critical path: a trajectory with much work left
+    plan = make_policy(mode).plan(0, snap([a, b, c], free=5), control())   # two prompts fit in KV
+    assert plan.admit == ("b", "a")
+
+
+def test_under_kv_pressure_the_lowest_priority_rows_give_their_kv_back_first():
+    rows = decoding(4, ctx=8)
+    rows[3].priority = 9               # the youngest, but the critical path: it keeps its KV
+    plan = make_policy("pd").plan(0, snap(decoding=rows, free=2), control())
+    assert plan.decode == ("d3", "d0") and plan.retract == ("d2", "d1")
+
+
+def test_pd_runs_whole_budget_segments_once_the_oldest_prefill_waited_past_its_bound():
+    s = snap([req("w", 500, t=0.0)], decoding=decoding(3))
+    unit = 64 // SEGMENT_UNITS
+    s.now = 0.3
+    assert make_policy("pd").plan(0, s, control(span=1, p_wait_bound_ms=500)).prefill_tokens == unit
+    s.now = 0.6
+    past = make_policy("pd").plan(0, s, control(span=1, p_wait_bound_ms=500))
+    assert past.prefill_tokens == 64 and len(past.decode) == 3
+    assert make_policy("pd").plan(0, s, control(span=1)).prefill_tokens == unit   # no bound: off
+    # a retracted request re-prefilling has had its first token: its wait is not the TTFT tail
+    again = req("r", 500, t=0.0)
+    again.first_token_at = 0.1
+    s = snap([again], decoding=decoding(3))
+    s.now = 9.0
+    assert make_policy("pd").plan(0, s, control(span=1, p_wait_bound_ms=500)).prefill_tokens == unit
+
+
+def test_pd_gathers_p_with_slack_but_never_the_critical_paths():
+    """A step that carries P is dearer than a decode-only one: P below the top priority waits up to
+    p_gather_ms for company; the top priority's P (or, with no priorities, anyone's) never waits."""
+    rows = decoding(3)
+    rows[0].priority = 9                                   # the critical path, decoding
+    slack = req("w", 40, t=0.0)
+    slack.priority = 2
+    s = snap([slack], decoding=rows)
+    s.now = 0.05
+    held = make_policy("pd").plan(0, s, control(span=1, p_gather_ms=100))
+    assert held.prefill == () and len(held.decode) == 3
+    s.now = 0.2                                            # waited past p_gather_ms: it runs
+    assert make_policy("pd").plan(0, s, control(span=1, p_gather_ms=100)).prefill_tokens == 64 // SEGMENT_UNITS
+    s.now = 0.05
+    assert make_policy("pd").plan(0, s, control(span=1)).prefill_tokens == 64 // SEGMENT_UNITS   # off
+    top = req("c", 40, t=0.0)
+    top.priority = 9                                       # the critical path's next turn: never held
+    s = snap([slack, top], decoding=rows)
+    s.now = 0.05
+    assert make_policy("pd").plan(0, s, control(budget=1600, span=1, p_gather_ms=100)).admit == ("c", "w")  # w rides
+    s = snap([req("n", 40, t=0.0)], decoding=decoding(3))   # no priorities given: nothing has slack
+    s.now = 0.05
+    assert make_policy("pd").plan(0, s, control(budget=1600, span=1, p_gather_ms=100)).admit == ("n",)

@@ -33,6 +33,11 @@ def test_malformed_bodies(server, raw, status, needle):
     ({"input_ids": [[1, 2], [3]], "sampling_params": [{}]}, "sampling_params"),
     ({"input_ids": [[1, 2], [3, 999999]]}, "input 1"),
     ({"text": "hello"}, "tokenizer"),
+    ({"input_ids": [1, 2], "priority": "high"}, "priority"),
+    ({"input_ids": [1, 2], "priority": 1.5}, "priority"),
+    ({"input_ids": [1, 2], "priority": True}, "priority"),
+    ({"input_ids": [1, 2], "priority": 2**31}, "priority must be an integer in"),
+    ({"input_ids": [[1, 2], [3]], "priority": [1]}, "priority is a list of 1"),
 ])
 def test_invalid_generate_requests(server, body, needle):
     r = server.http.post("/generate", json=body)

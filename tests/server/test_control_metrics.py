@@ -6,7 +6,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-DEFAULT = {"activation": "auto", "span": "auto", "prefill_budget_tokens": 32768, "ordering": "fine-grained"}
+DEFAULT = {"activation": "auto", "span": "auto", "prefill_budget_tokens": 32768, "ordering": "fine-grained",
+           "p_wait_bound_ms": None, "p_gather_ms": None}
 BODY = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
 
 
@@ -36,15 +37,17 @@ def test_control_changes_apply_live(server, restore_control):
     # It reaches the planner at the next step boundary: the next steps run with span 2.
     assert server.http.post("/generate", json=BODY).status_code == 200
     assert _metrics(server)["pdrollout:segment_span"] == 2
-    r = server.http.put("/control", json={"activation": "off", "span": "auto", "prefill_budget_tokens": 4096})
+    r = server.http.put("/control", json={"activation": "off", "span": "auto", "prefill_budget_tokens": 4096,
+                                          "p_wait_bound_ms": 250})
     assert r.json() == {"activation": "off", "span": "auto", "prefill_budget_tokens": 4096,
-                        "ordering": "global-enqueue"}
+                        "ordering": "global-enqueue", "p_wait_bound_ms": 250, "p_gather_ms": None}
 
 
 @pytest.mark.parametrize("bad, needle", [
     ({"span": 5}, "span"), ({"span": 0}, "span"), ({"span": "2"}, "span"), ({"activation": "sometimes"}, "activation"),
     ({"ordering": "random"}, "ordering"), ({"prefill_budget_tokens": 0}, "prefill_budget_tokens"),
-    ({"span": 2, "bogus": 1}, "bogus"),
+    ({"span": 2, "bogus": 1}, "bogus"), ({"p_wait_bound_ms": 0}, "p_wait_bound_ms"),
+    ({"p_wait_bound_ms": "soon"}, "p_wait_bound_ms"), ({"p_gather_ms": -5}, "p_gather_ms"),
 ])
 def test_invalid_control_is_rejected_and_changes_nothing(server, restore_control, bad, needle):
     before = server.http.get("/control").json()

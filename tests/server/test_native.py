@@ -161,4 +161,22 @@ def test_flush_cache_health_and_info(server):
     assert info["vocab_size"] == 512 and info["is_generation"] is True
     si = server.http.get("/get_server_info").json()
     assert si["mode"] == "pd" and si["port"] == int(server.url.rsplit(":", 1)[1])
-    assert set(si["control"]) == {"activation", "span", "prefill_budget_tokens", "ordering"}
+    assert set(si["control"]) == {"activation", "span", "prefill_budget_tokens", "ordering", "p_wait_bound_ms",
+                                "p_gather_ms"}
+
+
+def test_priority_orders_admission(start_server):
+    """SGLang's `priority` (higher first) reaches the planner: with one running row at a time,
+    the batch's second prompt, at a higher priority, runs to its end before the first starts; the
+    same batch at equal priorities runs in order."""
+    srv = start_server("--engine-config", '{"max_running": 1}')
+    sp = {"max_new_tokens": 6, "ignore_eos": True}
+    for prios, first in (([0, 7], "p-1"), ([3, 3], "p-0")):
+        r = srv.http.post("/generate", json={"input_ids": [PROMPT, PROMPT[:5]], "rid": ["p-0", "p-1"],
+                                             "sampling_params": [sp, sp], "priority": prios})
+        assert r.status_code == 200, r.text
+        done = sorted(r.json(), key=lambda b: b["meta_info"]["e2e_latency"])
+        assert done[0]["meta_info"]["id"] == first, (prios, [b["meta_info"] for b in done])
+    r = srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "priority": "urgent"})
+    assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
+    assert srv.stop() == 0

@@ -1,7 +1,10 @@
 """The tiny bench end to end: real `pdrollout serve` per mode on 127.0.0.1, on CPU."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,11 +31,11 @@ def test_tiny_bench_all_modes_same_work(tiny_model, tmp_path):
     out = tmp_path / "bench"
     r = _pdrollout("bench", "--modes", ",".join(MODES), "--model", str(tiny_model),
                    "--preset", "tiny", "--pressure", "P2", "--device", "cpu", "--no-progress",
-                   "--out", str(out), timeout=900)
+                   "--priority", "critical-path", "--out", str(out), timeout=900)
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in out.glob("server-*.log"))
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{logs}"
     data = json.loads((out / "results.json").read_text())
-    assert list(data["modes"]) == list(MODES)
+    assert list(data["modes"]) == list(MODES) and data["meta"]["priority"] == "critical-path"
     want = stats(generate("tiny", 0))
     for mode in MODES:
         m = data["modes"][mode]
@@ -45,3 +48,45 @@ def test_tiny_bench_all_modes_same_work(tiny_model, tmp_path):
     assert "pd/normal" in r.stdout and "mixed/normal" in r.stdout
     for name in ("makespan.png", "ttft_cdf.png", "timeline.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+def test_bench_fails_fast_with_the_log_when_its_server_dies(tiny_model, tmp_path):
+    """The server a bench started dies mid-replay (SIGKILL of its whole tree): the bench exits 1 within
+    seconds, saying so with the server's log tail, instead of waiting on requests that cannot end."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())", "bench",
+           "--modes", "pd", "--model", str(tiny_model), "--preset", "tiny", "--pressure", "trace",  # 14 s of waits
+           "--device", "cpu", "--no-progress", "--out", str(out)]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log, deadline = out / "server-pd.log", time.monotonic() + 300
+        while not (log.exists() and "ready on http://" in log.read_text()):
+            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)                                      # requests in flight
+        server = [k for k in _children(bench.pid) if b"serve" in open(f"/proc/{k}/cmdline", "rb").read()]
+        assert len(server) == 1, server
+        os.killpg(server[0], signal.SIGKILL)                 # the server leads its own process group
+        t_kill = time.monotonic()
+        stdout, stderr = bench.communicate(timeout=60)
+        took = time.monotonic() - t_kill
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 1, (stdout, stderr)
+    assert took < 15, f"the bench took {took:.1f}s to notice"
+    assert "bench failed: the server exited with -9 during the replay" in stderr, stderr
+    assert "ready on http://" in stderr, "the server's log tail is missing"
