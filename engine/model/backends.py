@@ -9,6 +9,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
                                  prefill segments
   experts    ReferenceExperts    one expert at a time (CPU)
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
+             FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
+                                 16 rows per expert (fused_moe.py; `experts_kernel: fused`)
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
 The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
 received rows, D's fixed receive slots, a single rank's top-k rows.
@@ -71,6 +73,13 @@ class GroupedExperts(_Experts):
         return kernels.experts_grouped
 
 
+class FusedExperts(_Experts):
+    @property
+    def fn(self):
+        from . import fused_moe
+        return fused_moe.experts_fused
+
+
 class GatheredExperts(_Experts):
     @property
     def fn(self):
@@ -88,10 +97,16 @@ class Backends:
         return f"{type(self.attention).__name__}+{type(self.experts).__name__}"
 
 
-def make_backends(device: torch.device, dtype: torch.dtype) -> Backends:
+def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto") -> Backends:
+    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); CPU always runs the reference."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
+    if experts == "fused":
+        return Backends(PagedAttention(), FusedExperts())
     grouped = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    if experts == "grouped" and not grouped:
+        raise ValueError(f"experts_kernel 'grouped' needs bf16 on SM90+ (have {dtype}, "
+                         f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))})")
     return Backends(PagedAttention(), GroupedExperts() if grouped else GatheredExperts())
 
 

@@ -192,6 +192,9 @@ class EngineConfig(BaseModel):
     mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
     seed: int = 0
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
+    # routed experts on CUDA: grouped GEMMs, or the fused Triton path (model/fused_moe.py; opt-in until
+    # measured against grouped on the GPU)
+    experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.

@@ -113,3 +113,34 @@ def test_gathered_experts_match_reference_in_fp32():
     w, ids = ops.route(torch.randn(50, 16, generator=g, device=cuda), 2, False, torch.float32)
     out = experts_gathered(x, ids, w, gu, dn, expert_offset=8)
     assert rel(out, ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), 8)) < 1e-6
+
+
+@pytest.mark.parametrize("tokens,offset,num_local", [(1, 0, 128), (64, 0, 128), (4096, 0, 128), (200, 32, 32)])
+def test_fused_experts_match_reference(tokens, offset, num_local):
+    from pdrollout.engine.model.fused_moe import experts_fused
+    g = torch.Generator(device=cuda).manual_seed(5)
+    hdim, inter, top_k, total = 2048, 768, 8, 128
+    x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
+    gate_up = (torch.randn(num_local, 2 * inter, hdim, generator=g, device=cuda) * hdim ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(num_local, hdim, inter, generator=g, device=cuda) * inter ** -0.5).to(torch.bfloat16)
+    w, ids = ops.route(torch.randn(tokens, total, generator=g, device=cuda), top_k, True, torch.bfloat16)
+    out = experts_fused(x, ids, w, gate_up, down, offset)
+    ref = ops.experts_reference(x.double(), ids, w.double(), gate_up.double(), down.double(), offset)
+    assert rel(out, ref) < 2e-2
+
+
+def test_fused_experts_capture_in_a_graph():
+    from pdrollout.engine.model.fused_moe import experts_fused
+    g = torch.Generator(device=cuda).manual_seed(6)
+    x = torch.randn(64, 256, generator=g, device=cuda).to(torch.bfloat16)
+    gu = torch.randn(16, 128, 256, generator=g, device=cuda).to(torch.bfloat16) * 0.06
+    dn = torch.randn(16, 256, 64, generator=g, device=cuda).to(torch.bfloat16) * 0.1
+    w, ids = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
+    experts_fused(x, ids, w, gu, dn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_fused(x, ids, w, gu, dn)
+    w2, ids2 = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
+    ids.copy_(ids2), w.copy_(w2)
+    graph.replay()
+    assert rel(out, ops.experts_reference(x.double(), ids2, w2.double(), gu.double(), dn.double())) < 2e-2

@@ -1,0 +1,90 @@
+"""One MoE layer of the Qwen3-30B-A3B shape (128 experts, top-8, H 2048, I 768, bf16): grouped GEMMs
+(kernels.experts_grouped) against the fused Triton path (fused_moe.experts_fused), each as a CUDA
+graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
+touches. Decides `experts_kernel`'s default (issue 19).
+
+    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,256,2048,8192]
+    DEVICE=cpu python3 e2e/gpu/moe_kernels.py OUT.json   # dry run: a tiny shape, Triton's interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if os.environ.get("DEVICE") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from pdrollout.engine.model import ops  # noqa: E402
+from pdrollout.engine.model.fused_moe import experts_fused  # noqa: E402
+
+
+def timed(fn, reps: int) -> float:
+    """Seconds per call of a graph-captured `fn`, from CUDA events."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def copy_bw(dev) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / timed(lambda: b.copy_(a), 20)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokens", default="1,8,32,64,256,2048,8192")
+    a = ap.parse_args()
+    cpu = os.environ.get("DEVICE") == "cpu"
+    dev = torch.device("cpu" if cpu else "cuda")
+    hidden, inter, experts, top_k = (64, 32, 8, 2) if cpu else (2048, 768, 128, 8)
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device=dev) * hidden ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden, inter, generator=g, device=dev) * inter ** -0.5).to(torch.bfloat16)
+    bw = None if cpu else copy_bw(dev)
+    rows = []
+    for t in [int(x) for x in a.tokens.split(",")][:2 if cpu else None]:
+        x = torch.randn(t, hidden, generator=g, device=dev).to(torch.bfloat16)
+        w, ids = ops.route(torch.randn(t, experts, generator=g, device=dev), top_k, True, torch.bfloat16)
+        ref = ops.experts_reference(x.double(), ids, w.double(), gate_up.double(), down.double())
+        fused = experts_fused(x, ids, w, gate_up, down)
+        err = ((fused.double() - ref).norm() / ref.norm()).item()
+        row = {"tokens": t, "experts_touched": int(ids.unique().numel()), "fused_rel_err": err}
+        if not cpu:
+            from pdrollout.engine.model.kernels import experts_grouped
+            floor = row["experts_touched"] * 3 * hidden * inter * 2 / bw
+            row.update(grouped_us=timed(lambda: experts_grouped(x, ids, w, gate_up, down), 50) * 1e6,
+                       fused_us=timed(lambda: experts_fused(x, ids, w, gate_up, down), 50) * 1e6,
+                       floor_us=floor * 1e6)
+            row["fused_over_grouped"] = row["fused_us"] / row["grouped_us"]
+            row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "copy_bw_tbs": bw and bw / 1e12,
+            "shape": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
+            "command": "python3 e2e/gpu/moe_kernels.py " + " ".join(sys.argv[1:])}
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    bad = [r["tokens"] for r in rows if r["fused_rel_err"] > 2e-2]
+    if bad:
+        print(f"fused experts differ from the reference at tokens {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Fused routed experts (Triton): the MoE block in two kernels and one fp32 sum, for the few rows per
+expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are mostly padding.
+
+1. `align` (torch, fixed shapes: graph-capturable): the (token, slot) pairs grouped by local expert
+   (sort-free at decode sizes: running counts per expert), each expert's run padded to a multiple of BLOCK_M, one expert id per block (`num_local` marks a
+   block past the end: the kernels leave it at once). Pairs routed to another rank's experts are
+   left out; their rows stay zero.
+2. gate/up kernel: per block of BLOCK_M pairs and BLOCK_N intermediate columns, the gate and up
+   tiles accumulate together over H and SiLU(gate)·up is written once (no [rows, 2I] round trip).
+3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
+   of an fp32 [T·K, H] buffer; torch sums the K slots (deterministic: no atomics).
+Every weight tile an expert needs is read once per block of its rows. Tested against
+ops.experts_reference on CPU under Triton's interpreter (TRITON_INTERPRET=1) and on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BLOCK_M = 16     # rows per block: tl.dot's minimum, and ~ the rows an expert sees at decode
+SORT_FREE_MAX = 1 << 20   # pairs × experts up to which `align` counts instead of sorting
+
+
+def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
+    """(sorted pair ids padded with n = T·K, expert id per block (num_local: none), blocks)."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    local = (topk_ids - expert_offset).flatten()
+    owned = (local >= 0) & (local < num_local)
+    key = torch.where(owned, local, torch.full_like(local, num_local))
+    blocks = -(-(n + min(num_local, n) * (block_m - 1)) // block_m)     # the most any routing needs
+    rows = blocks * block_m
+    if n * (num_local + 1) <= SORT_FREE_MAX:
+        # sort-free (decode): a pair's rank among its expert's pairs from a running count per expert
+        onehot = torch.nn.functional.one_hot(key, num_local + 1)
+        seen = torch.cumsum(onehot, 0)
+        counts = seen[-1, :num_local]
+        rank = seen.gather(1, key[:, None]).squeeze(1) - 1
+        pair, skey = torch.arange(n, device=dev), key
+    else:   # long prefill: n × E counters would outweigh one sort
+        pair = torch.argsort(key, stable=True)
+        skey = key[pair]
+        counts = torch.zeros(num_local + 1, dtype=torch.long, device=dev)
+        counts.index_add_(0, key, torch.ones_like(key))
+        counts = counts[:num_local]
+        rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[skey.clamp(max=num_local - 1)]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    e = skey.clamp(max=num_local - 1)
+    dest = pend[e] - padded[e] + rank
+    dest = torch.where(skey < num_local, dest, torch.full_like(dest, rows))   # foreign: a trash slot
+    sorted_ids = torch.full((rows + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = pair.to(torch.int32)
+    first = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pend, first, right=True).to(torch.int32)   # num_local: past the end
+    return sorted_ids[:rows], block_expert, blocks
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
+                sx, swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pid_m)
+        if e >= num_local:
+            return
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ids + rows)
+        valid = pair < n_pairs
+        tok = pair // K
+        cols = pid_n * BN + tl.arange(0, BN)
+        cmask = cols < I
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < H
+            a = tl.load(x + tok[:, None] * sx + ks[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            base = w + e * swe + ks[:, None] * swk
+            wmask = kmask[:, None] & cmask[None, :]
+            wg = tl.load(base + cols[None, :] * swn, mask=wmask, other=0.0)
+            wu = tl.load(base + (cols + I)[None, :] * swn, mask=wmask, other=0.0)
+            if F32:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 are exact
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_g += tl.dot(a, wg)
+            acc_u += tl.dot(a, wu)
+        # the reference rounds gate and up to the weights' dtype before SiLU; so do we
+        g = acc_g.to(act.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(act.dtype.element_ty).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
+        tl.store(act + rows[:, None] * I + cols[None, :], h.to(act.dtype.element_ty), mask=cmask[None, :])
+
+    @triton.jit
+    def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
+             swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert + pid_m)
+        if e >= num_local:
+            return
+        rows = pid_m * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ids + rows)
+        valid = pair < n_pairs
+        cols = pid_n * BN + tl.arange(0, BN)
+        cmask = cols < H
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < I
+            a = tl.load(act + rows[:, None] * I + ks[None, :], mask=kmask[None, :], other=0.0)
+            wt = tl.load(w + e * swe + cols[None, :] * swn + ks[:, None] * swk,
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if F32:
+                a, wt = a.to(tl.float32), wt.to(tl.float32)
+            acc += tl.dot(a, wt)
+        # the reference rounds each expert's output to the weights' dtype before weighting it
+        acc = acc.to(act.dtype.element_ty).to(tl.float32)
+        rw = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y + pair[:, None] * H + cols[None, :], acc * rw[:, None], mask=valid[:, None] & cmask[None, :])
+
+    return gate_up, down
+
+
+def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
+                  block_n: int = 64, block_k: int = 64):
+    """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]."""
+    import triton
+    t, k = topk_ids.shape
+    e_local, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    n = t * k
+    sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset)
+    act = torch.empty(blocks * BLOCK_M, inter, dtype=gate_up.dtype, device=x.device)
+    y = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+    k_gate_up, k_down = _kernels(_interpreting())
+    xs = x.to(gate_up.dtype).contiguous()
+    k_gate_up[(blocks, triton.cdiv(inter, block_n))](
+        xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
+        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        BM=BLOCK_M, BN=block_n, BK=block_k, F32=_interpreting())
+    w = topk_weights.reshape(-1).contiguous()
+    k_down[(blocks, triton.cdiv(hidden, block_n))](
+        act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
+        down.stride(0), down.stride(1), down.stride(2), BM=BLOCK_M, BN=block_n, BK=block_k, F32=_interpreting())
+    return y.view(t, k, hidden).sum(1).to(x.dtype)
