@@ -70,7 +70,7 @@ def fit(steps: list[dict]) -> Cost:
 
 def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: str = "P1",
              control: dict | None = None, priority: str = "none", vocab: int = 151936,
-             max_running: int = 64, num_blocks: int = 1 << 16) -> dict:
+             max_running: int = 64, num_blocks: int = 1 << 16, overlap: bool = False) -> dict:
     """One closed-loop replay on a virtual clock; makespan, p99 TTFT, mean D wait, steps."""
     now = [0.0]
     cfg = EngineConfig(model="sim", mode=mode, block_size=16, max_running=max_running)
@@ -84,28 +84,10 @@ def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: st
     live: dict[str, tuple[int, int, float]] = {}               # rid -> (session, turn, release)
     first: dict[str, float] = {}
     ttft, d_wait, n_steps, end = [], [], 0, 0.0
-    while ready or live:
-        for item in sorted(x for x in ready if x[0] <= now[0]):
-            ready.remove(item)
-            t, i, k = item
-            row = trajs[i][k]
-            ids = context[i] + synthetic_ids(seed, i, row["turn"], row["input_length"], vocab)
-            context[i] = ids
-            rid = f"{i}-{k}"
-            left = sum(r["output_length"] for r in trajs[i][k:]) if priority == "critical-path" else 0
-            sched.submit(rid, ids, SamplingParams(max_new_tokens=row["output_length"], ignore_eos=True),
-                         priority=left)
-            live[rid] = (i, k, t)
-        launched = sched.plan_step(ctl)
-        if launched is None:
-            if not ready:
-                raise RuntimeError(f"{mode}: nothing runs and nothing is released: {sorted(live)}")
-            now[0] = max(now[0], min(x[0] for x in ready))
-            continue
-        d_wait += launched.decode_waits
-        n_steps += 1
-        plan = launched.plan
-        now[0] += cost.step_s(len(plan.decode), plan.prefill_tokens)
+    flight = None      # overlap: (when the P epoch in flight ends, its launched P rows)
+
+    def finish(launched) -> None:
+        nonlocal end
         sched.apply_result(launched, {r.req.rid: (1, None) for r in launched.rows if r.samples}, now[0])
         for out in sched.outputs():
             i, k, t = live[out.rid]
@@ -118,6 +100,42 @@ def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: st
                 end = now[0]
                 if k + 1 < len(trajs[i]):
                     ready.append((now[0] + trajs[i][k + 1].get("delay_ms", 0) * scale / 1000.0, i, k + 1))
+
+    while ready or live:
+        for item in sorted(x for x in ready if x[0] <= now[0]):
+            ready.remove(item)
+            t, i, k = item
+            row = trajs[i][k]
+            ids = context[i] + synthetic_ids(seed, i, row["turn"], row["input_length"], vocab)
+            context[i] = ids
+            rid = f"{i}-{k}"
+            left = sum(r["output_length"] for r in trajs[i][k:]) if priority == "critical-path" else 0
+            sched.submit(rid, ids, SamplingParams(max_new_tokens=row["output_length"], ignore_eos=True),
+                         priority=left)
+            live[rid] = (i, k, t)
+        if flight is not None and now[0] >= flight[0]:
+            flight = finish(flight[1])
+        launched = sched.plan_step(ctl, p_busy=flight is not None)
+        if launched is None:
+            if flight is None and not ready:
+                if not live:
+                    break       # the epoch that just finished was the last work
+                raise RuntimeError(f"{mode}: nothing runs and nothing is released: {sorted(live)}")
+            now[0] = max(now[0], min([x[0] for x in ready] + ([flight[0]] if flight else [])))
+            continue
+        d_wait += launched.decode_waits
+        n_steps += 1
+        plan = launched.plan
+        if overlap and plan.prefill and plan.decode:
+            # what-if: the P epoch runs on its own stream while D steps go on as graph replays beside it
+            # (the multi-rank engine's P epoch in flight, on one GPU), no interference between them
+            d_part, p_part = launched.split()
+            flight = (now[0] + cost.step_s(0, plan.prefill_tokens), p_part)
+            now[0] += cost.step_s(len(plan.decode), 0)
+            finish(d_part)
+            continue
+        now[0] += cost.step_s(len(plan.decode), plan.prefill_tokens)
+        finish(launched)
     return {"makespan_s": end, "p99_ttft_ms": float(np.percentile(ttft, 99)),
             "mean_decode_wait_ms": 1000 * statistics.fmean(d_wait) if d_wait else 0.0, "steps": n_steps}
 
@@ -130,27 +148,35 @@ def main(argv=None) -> int:
     ap.add_argument("--pressure", default="P1")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:JSON",
-                    help='a pd planner variant: control settings plus "priority" (none|critical-path)')
+                    help='a pd planner variant: control settings plus "priority" (none|critical-path) and '
+                         '"overlap" (what-if: a P epoch on its own stream while D steps replay beside it)')
+    ap.add_argument("--p-step-ms", type=float, metavar="MS",
+                    help="what-if: the fixed cost of a step that carries P (fitted: ~17 ms), e.g. with graphs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     cost = fit(read_steps(a.steplogs))
+    if a.p_step_ms is not None:
+        cost = Cost(cost.graph, (a.p_step_ms / 1e3, *cost.eager[1:]))
     seeds = [int(s) for s in a.seeds.split(",")]
     measured = {}
     for f in sorted(glob.glob(a.measured or "")):
         d = json.loads(Path(f).read_text())
         measured[d["meta"]["seed"]] = d.get("1gpu", {})
-    variants = {"normal": ("normal", {}, "none"), "mixed": ("mixed", {}, "none"), "pd": ("pd", {}, "none")}
+    variants = {"normal": ("normal", {}, "none", False), "mixed": ("mixed", {}, "none", False),
+                "pd": ("pd", {}, "none", False)}
     for v in a.variant:
         name, _, body = v.partition(":")
         spec = json.loads(body or "{}")
-        variants[name] = ("pd", {k: x for k, x in spec.items() if k != "priority"}, spec.get("priority", "none"))
+        control = {k: x for k, x in spec.items() if k not in ("priority", "overlap")}
+        variants[name] = ("pd", control, spec.get("priority", "none"), bool(spec.get("overlap")))
     result = {"meta": {"command": " ".join(sys.argv), "preset": a.preset, "pressure": a.pressure, "seeds": seeds,
                        "nproc": 1, "topology": "1 GPU (cost model)", "cost": cost.__dict__}, "seeds": {}}
     for seed in seeds:
         rows = generate(a.preset, seed)
         per = result["seeds"][seed] = {}
-        for name, (mode, control, prio) in variants.items():
-            per[name] = simulate(rows, mode, cost, seed=seed, pressure=a.pressure, control=control, priority=prio)
+        for name, (mode, control, prio, overlap) in variants.items():
+            per[name] = simulate(rows, mode, cost, seed=seed, pressure=a.pressure, control=control, priority=prio,
+                                 overlap=overlap)
             if name in measured.get(seed, {}):
                 m = measured[seed][name]
                 per[name]["measured"] = {k: m[k] for k in ("makespan_s", "p99_ttft_ms", "mean_decode_wait_ms")}

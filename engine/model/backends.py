@@ -4,6 +4,8 @@ The model calls `backends.attention(...)` and `backends.experts(...)`; it never 
 batch to pick a kernel. The batch builder asks the attention backend which metadata it needs.
 
   attention  ReferenceAttention  ops.paged_attention per sequence (CPU: the exactness reference)
+                                 (each attention backend also owns the prologue: q/k norm, RoPE,
+                                 KV write; torch ops, or prologue.py's kernels with `qk_prologue: fused`)
              PagedAttention      CUDA: Triton paged decode kernel for the decode rows (tensor-only
                                  metadata: graph-capturable), SDPA over the gathered context for
                                  prefill segments
@@ -24,8 +26,18 @@ import torch
 from . import ops
 
 
+def torch_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slot_mapping):
+    """Qwen3's per-head q/k RMSNorm, RoPE, and the KV write: the reference ops, in transformers' order."""
+    q = ops.apply_rope(ops.rms_norm(q, q_weight, eps), cos, sin)
+    k = ops.apply_rope(ops.rms_norm(k, k_weight, eps), cos, sin)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return q
+
+
 class ReferenceAttention:
     needs_block_tables = False
+    prologue = staticmethod(torch_prologue)
 
     def __call__(self, q, k_cache, v_cache, batch, scale: float):
         return ops.paged_attention(q, k_cache, v_cache, batch.seqs, scale)
@@ -33,6 +45,13 @@ class ReferenceAttention:
 
 class PagedAttention:
     needs_block_tables = True
+
+    def __init__(self, prologue: str = "torch"):
+        if prologue == "fused":
+            from .prologue import qk_prologue
+            self.prologue = qk_prologue
+        else:
+            self.prologue = torch_prologue
 
     def __call__(self, q, k_cache, v_cache, batch, scale: float):
         from . import kernels
@@ -97,17 +116,19 @@ class Backends:
         return f"{type(self.attention).__name__}+{type(self.experts).__name__}"
 
 
-def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto") -> Backends:
-    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); CPU always runs the reference."""
+def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
+                  prologue: str = "torch") -> Backends:
+    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: torch|fused
+    (EngineConfig.qk_prologue); CPU always runs the reference."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
     if experts == "fused":
-        return Backends(PagedAttention(), FusedExperts())
+        return Backends(PagedAttention(prologue), FusedExperts())
     grouped = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     if experts == "grouped" and not grouped:
         raise ValueError(f"experts_kernel 'grouped' needs bf16 on SM90+ (have {dtype}, "
                          f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))})")
-    return Backends(PagedAttention(), GroupedExperts() if grouped else GatheredExperts())
+    return Backends(PagedAttention(prologue), GroupedExperts() if grouped else GatheredExperts())
 
 
 REFERENCE = Backends(ReferenceAttention(), ReferenceExperts())

@@ -10,7 +10,8 @@ expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are 
 3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
    of an fp32 [T·K, H] buffer; torch sums the K slots (deterministic: no atomics).
 Every weight tile an expert needs is read once per block of its rows. Tested against
-ops.experts_reference on CPU under Triton's interpreter (TRITON_INTERPRET=1) and on the GPU.
+ops.experts_reference on CPU under Triton's interpreter (tests/engine/interp_fused_moe.py) and on the
+GPU (tests/engine/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def _kernels(interpret: bool):
         h = g * tl.sigmoid(g) * u
         tl.store(act + rows[:, None] * I + cols[None, :], h.to(act.dtype.element_ty), mask=cmask[None, :])
 
+    # the same block preamble as gate_up: a jit helper would have to be a module global, and this
+    # module imports Triton only when a kernel first runs
     @triton.jit
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
              swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):

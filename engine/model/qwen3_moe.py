@@ -90,12 +90,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        # q/k norm, RoPE, the KV write (backends.py: the torch ops, or one fused kernel per operand)
+        q = self.backends.attention.prologue(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
+                                             k_cache, v_cache, batch.slot_mapping)
         o = self.backends.attention(q, k_cache, v_cache, batch, self.head_dim ** -0.5)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))   # t may be 0 on a rank
 

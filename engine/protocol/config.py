@@ -195,6 +195,7 @@ class EngineConfig(BaseModel):
     # routed experts on CUDA: grouped GEMMs, or the fused Triton path (model/fused_moe.py; opt-in until
     # measured against grouped on the GPU)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
+    qk_prologue: Literal["torch", "fused"] = "torch"       # q/k norm + RoPE + KV write (model/prologue.py)
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.

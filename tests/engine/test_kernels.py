@@ -72,9 +72,15 @@ def test_prefill_attention_matches_reference():
     assert rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("tokens,offset,num_local", [(64, 0, 128), (4096, 0, 128), (200, 32, 32)])
-def test_grouped_experts_match_reference(tokens, offset, num_local):
-    from pdrollout.engine.model.kernels import experts_grouped
+def _experts(kernel: str):
+    from pdrollout.engine.model import fused_moe, kernels
+    return {"grouped": kernels.experts_grouped, "fused": fused_moe.experts_fused}[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "fused"])
+@pytest.mark.parametrize("tokens,offset,num_local", [(1, 0, 128), (64, 0, 128), (4096, 0, 128), (200, 32, 32)])
+def test_routed_experts_match_reference(kernel, tokens, offset, num_local):
+    experts = _experts(kernel)
     g = torch.Generator(device=cuda).manual_seed(2)
     hdim, inter, top_k, total = 2048, 768, 8, 128
     x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
@@ -82,22 +88,23 @@ def test_grouped_experts_match_reference(tokens, offset, num_local):
     down = (torch.randn(num_local, hdim, inter, generator=g, device=cuda) * inter ** -0.5).to(torch.bfloat16)
     logits = torch.randn(tokens, total, generator=g, device=cuda)
     w, ids = ops.route(logits, top_k, True, torch.bfloat16)
-    out = experts_grouped(x, ids, w, gate_up, down, offset)
+    out = experts(x, ids, w, gate_up, down, offset)
     ref = ops.experts_reference(x.double(), ids, w.double(), gate_up.double(), down.double(), offset)
     assert rel(out, ref) < 2e-2
 
 
-def test_grouped_experts_capture_in_a_graph():
-    from pdrollout.engine.model.kernels import experts_grouped
+@pytest.mark.parametrize("kernel", ["grouped", "fused"])
+def test_routed_experts_capture_in_a_graph(kernel):
+    experts = _experts(kernel)
     g = torch.Generator(device=cuda).manual_seed(3)
     x = torch.randn(64, 256, generator=g, device=cuda).to(torch.bfloat16)
     gu = torch.randn(16, 128, 256, generator=g, device=cuda).to(torch.bfloat16) * 0.06
     dn = torch.randn(16, 256, 64, generator=g, device=cuda).to(torch.bfloat16) * 0.1
     w, ids = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
-    experts_grouped(x, ids, w, gu, dn)
+    experts(x, ids, w, gu, dn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = experts_grouped(x, ids, w, gu, dn)
+        out = experts(x, ids, w, gu, dn)
     w2, ids2 = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
     ids.copy_(ids2), w.copy_(w2)
     graph.replay()
@@ -115,32 +122,23 @@ def test_gathered_experts_match_reference_in_fp32():
     assert rel(out, ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), 8)) < 1e-6
 
 
-@pytest.mark.parametrize("tokens,offset,num_local", [(1, 0, 128), (64, 0, 128), (4096, 0, 128), (200, 32, 32)])
-def test_fused_experts_match_reference(tokens, offset, num_local):
-    from pdrollout.engine.model.fused_moe import experts_fused
-    g = torch.Generator(device=cuda).manual_seed(5)
-    hdim, inter, top_k, total = 2048, 768, 8, 128
-    x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
-    gate_up = (torch.randn(num_local, 2 * inter, hdim, generator=g, device=cuda) * hdim ** -0.5).to(torch.bfloat16)
-    down = (torch.randn(num_local, hdim, inter, generator=g, device=cuda) * inter ** -0.5).to(torch.bfloat16)
-    w, ids = ops.route(torch.randn(tokens, total, generator=g, device=cuda), top_k, True, torch.bfloat16)
-    out = experts_fused(x, ids, w, gate_up, down, offset)
-    ref = ops.experts_reference(x.double(), ids, w.double(), gate_up.double(), down.double(), offset)
-    assert rel(out, ref) < 2e-2
 
-
-def test_fused_experts_capture_in_a_graph():
-    from pdrollout.engine.model.fused_moe import experts_fused
-    g = torch.Generator(device=cuda).manual_seed(6)
-    x = torch.randn(64, 256, generator=g, device=cuda).to(torch.bfloat16)
-    gu = torch.randn(16, 128, 256, generator=g, device=cuda).to(torch.bfloat16) * 0.06
-    dn = torch.randn(16, 256, 64, generator=g, device=cuda).to(torch.bfloat16) * 0.1
-    w, ids = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
-    experts_fused(x, ids, w, gu, dn)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = experts_fused(x, ids, w, gu, dn)
-    w2, ids2 = ops.route(torch.randn(64, 16, generator=g, device=cuda), 4, True, torch.bfloat16)
-    ids.copy_(ids2), w.copy_(w2)
-    graph.replay()
-    assert rel(out, ops.experts_reference(x.double(), ids2, w2.double(), gu.double(), dn.double())) < 2e-2
+@pytest.mark.parametrize("tokens", [1, 64, 3000])
+def test_fused_prologue_matches_the_torch_ops(tokens):
+    """Per-head RMSNorm + RoPE + KV write (model/prologue.py) against Attention.forward's torch ops."""
+    from pdrollout.engine.model.prologue import qk_prologue
+    g = torch.Generator(device=cuda).manual_seed(7)
+    heads, kv_heads, d, nslots, eps = 32, 4, 128, 4096, 1e-6
+    q, k, v = (torch.randn(tokens, n, d, generator=g, device=cuda).to(torch.bfloat16) for n in (heads, kv_heads, kv_heads))
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g, device=cuda)).to(torch.bfloat16) for _ in range(2))
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float, device=cuda) / d))
+    cos, sin = ops.rope_cos_sin(torch.randint(0, 32768, (tokens,), generator=g, device=cuda), inv, torch.bfloat16)
+    slots = torch.randperm(nslots, generator=g, device=cuda)[:tokens]
+    kc, vc, kc2, vc2 = (torch.zeros(nslots, kv_heads, d, dtype=torch.bfloat16, device=cuda) for _ in range(4))
+    want_q = ops.apply_rope(ops.rms_norm(q, qw, eps), cos, sin)
+    kc.index_copy_(0, slots, ops.apply_rope(ops.rms_norm(k, kw, eps), cos, sin))
+    vc.index_copy_(0, slots, v)
+    got_q = qk_prologue(q.clone(), k, v, qw, kw, eps, cos, sin, kc2, vc2, slots)
+    ulp2 = 2 * 2 ** -7          # the same rounding points; the fp32 sum of squares in another order
+    assert torch.allclose(got_q.float(), want_q.float(), atol=ulp2, rtol=ulp2)
+    assert torch.allclose(kc2.float(), kc.float(), atol=ulp2, rtol=ulp2) and torch.equal(vc2, vc)

@@ -42,3 +42,16 @@ def test_priority_reaches_admission_under_contention():
     assert fcfs["p99_ttft_ms"] == pytest.approx(20 + 10 + 20, abs=0.6)     # long's: after short's P and D
     assert hint["p99_ttft_ms"] == pytest.approx(20 + 190 + 20, abs=2.1)    # short's: after all of long
     assert fcfs["makespan_s"] == pytest.approx(hint["makespan_s"]) == pytest.approx(0.24)   # the same work
+
+
+def test_overlap_lets_d_go_on_while_a_p_epoch_is_in_flight():
+    """a decodes 6 tokens; b's second turn arrives as a starts decoding. Fused, D waits out the P step
+    (50 ms) once; with the P epoch in flight, a's D steps (10 ms) go on beside it."""
+    cost = plan_sim.Cost(graph=(0.010, 0.0), eager=(0.050, 0.0, 0.0))
+    rows = [{"session_id": "a", "turn": 0, "input_length": 4, "output_length": 6},
+            {"session_id": "b", "turn": 0, "input_length": 4, "output_length": 1},
+            {"session_id": "b", "turn": 1, "input_length": 4, "output_length": 1}]
+    fused = plan_sim.simulate(rows, "pd", cost, seed=0)
+    overlap = plan_sim.simulate(rows, "pd", cost, seed=0, overlap=True)
+    assert fused["makespan_s"] == pytest.approx(0.05 + 0.05 + 4 * 0.01)
+    assert overlap["makespan_s"] == pytest.approx(0.05 + 5 * 0.01)

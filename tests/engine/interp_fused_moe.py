@@ -1,7 +1,10 @@
 """The fused Triton MoE (model/fused_moe.py) against ops.experts_reference, on CPU under Triton's
-interpreter (TRITON_INTERPRET=1: the kernels' own code, run by numpy); on the GPU,
+interpreter (TRITON_INTERPRET=1: the kernels' own code, run by numpy; test_triton_interpreted.py runs
+this file in a process of its own); on the GPU,
 tests/engine/test_kernels.py runs it compiled at the Qwen3-30B-A3B shape."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -11,8 +14,9 @@ from pdrollout.engine.model.fused_moe import BLOCK_M, align, experts_fused
 
 
 @pytest.fixture(autouse=True)
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreted():
+    assert os.environ.get("TRITON_INTERPRET") == "1", \
+        "run through tests/engine/test_triton_interpreted.py (TRITON_INTERPRET=1 before Triton's first import)"
 
 
 def rel(a, b):

@@ -1,0 +1,28 @@
+"""The Triton kernels' own code on CPU. Triton's interpreter runs a kernel with numpy, but only if
+TRITON_INTERPRET=1 is set before Triton is first imported (its standard library, `tl.sum` and the
+rest, is made interpreted then), and other tests import Triton early through transformers. So the
+interpreted tests (interp_*.py beside this file) run in a fresh pytest process each, and must all
+pass there: a count short of the expected one fails here too."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+EXPECTED = {"interp_fused_moe.py": 9, "interp_prologue.py": 5}   # tests in each file
+
+
+def test_every_interpreted_module_is_run_here():
+    assert sorted(p.name for p in HERE.glob("interp_*.py")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("module", sorted(EXPECTED))
+def test_kernels_under_the_triton_interpreter(module):
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / module)],
+                       cwd=HERE.parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"{EXPECTED[module]} passed" in r.stdout, r.stdout[-6000:] + r.stderr[-2000:]
