@@ -169,7 +169,12 @@ def main(argv=None) -> int:
         spec = json.loads(body or "{}")
         control = {k: x for k, x in spec.items() if k not in ("priority", "overlap")}
         variants[name] = ("pd", control, spec.get("priority", "none"), bool(spec.get("overlap")))
-    result = {"meta": {"command": " ".join(sys.argv), "preset": a.preset, "pressure": a.pressure, "seeds": seeds,
+    import platform
+    import subprocess
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip() or None
+    result = {"meta": {"command": " ".join(sys.argv), "commit": head, "machine": f"{platform.node()} (CPU)",
+                       "preset": a.preset, "pressure": a.pressure, "seeds": seeds,
                        "nproc": 1, "topology": "1 GPU (cost model)", "cost": cost.__dict__}, "seeds": {}}
     for seed in seeds:
         rows = generate(a.preset, seed)

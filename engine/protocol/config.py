@@ -196,6 +196,10 @@ class EngineConfig(BaseModel):
     # measured against grouped on the GPU)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
     qk_prologue: Literal["torch", "fused"] = "torch"       # q/k norm + RoPE + KV write (model/prologue.py)
+    # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
+    # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py); opt-in until
+    # measured on the GPU
+    solo_overlap: bool = False
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.

@@ -143,10 +143,11 @@ class Engine(EngineOps):
         return outs
 
     def _spans(self, plan: StepPlan) -> bool:
-        """May this step's P epoch go on under the next steps' D? pd on several ranks, P and D in
-        the step, no routing replay (a P epoch's routes must come back with its own rows)."""
-        return (self.topo.world > 1 and self.config.mode == "pd" and plan.p_any and plan.d_any
-                and not plan.routes_any)
+        """May this step's P epoch go on under the next steps' D? pd on several ranks (or on one with
+        solo_overlap), P and D in the step, no routing replay (a P epoch's routes must come back with
+        its own rows)."""
+        return ((self.topo.world > 1 or self.config.solo_overlap) and self.config.mode == "pd" and plan.p_any
+                and plan.d_any and not plan.routes_any)
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()

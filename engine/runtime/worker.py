@@ -5,7 +5,8 @@ single-GPU engine and every rank of a group.
 Per step: decode-only steps replay D's CUDA graph where there is one (every world size; on several
 ranks the graph holds D's collectives); otherwise one forward of the replica's rows (P and D fused
 on one rank, and under the normal/mixed policies), or, under pd on several ranks, P on its thread and
-D through the turnstile (pd_step.py). Replica leaders (local index 0) sample.
+D through the turnstile (pd_step.py); on one rank with `solo_overlap`, P on its thread beside the
+next steps' D (solo_p.py). Replica leaders (local index 0) sample.
 """
 from __future__ import annotations
 
@@ -126,6 +127,12 @@ class Worker:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
         elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
+        self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
+        if not self.multi and config.mode == "pd" and config.solo_overlap:
+            from .solo_p import SoloEpochs
+            self.solo = SoloEpochs(self)
+            if self.cuda:
+                self.streams = {"p": torch.cuda.Stream(self.device), "d": torch.cuda.Stream(self.device)}
         from .weight_sync import RankWeights
         self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
 
@@ -181,6 +188,12 @@ class Worker:
             logits_d, logits_p, report.graph, p_plan = self.pd.run(plan)
             report.p_pending = self.pd.flight is not None and self.pd.flight[1] == plan.step
             if plan.p_flight is not None and logits_p is not None:   # an earlier step's epoch finished
+                report.p_done = plan.p_flight
+                p_rows = list(p_plan.replicas[self.replica].prefill)
+        elif self.solo is not None and (plan.p_span or plan.p_flight is not None):
+            logits_d, logits_p, report.graph, p_plan = self.solo.run(plan)
+            report.p_pending = self.solo.flight is not None and self.solo.flight[0].step == plan.step
+            if logits_p is not None and p_plan.step != plan.step:   # an earlier step's epoch finished
                 report.p_done = plan.p_flight
                 p_rows = list(p_plan.replicas[self.replica].prefill)
         elif not plan.p_any:
