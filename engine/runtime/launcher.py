@@ -257,7 +257,11 @@ def launch_generate(a, cfg, layout: GroupLayout) -> int:
         print(f"pdrollout generate: {type(e).__name__}: {e} (exit {code}: {exit_name(code)})",
               file=sys.stderr, flush=True)
         engine.ranks.join(0)
-        return code
+        # no interpreter teardown: a collective thread of this rank may still be blocked in gloo, and
+        # finalizing under it aborts the process (SIGABRT, "terminate called without an active
+        # exception") instead of exiting with the verdict
+        sys.stdout.flush()
+        os._exit(code)
     stop_engine(engine)
     if str(cfg.device).startswith("cuda"):   # skip interpreter teardown of NCCL/NVSHMEM state
         sys.stdout.flush()
