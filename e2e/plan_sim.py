@@ -17,7 +17,9 @@ import argparse
 import glob
 import gzip
 import json
+import platform
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, Mode
 from pdrollout.engine.scheduler.request import SamplingParams
 from pdrollout.engine.scheduler.scheduler import Scheduler
 from pdrollout.engine.workload.bench import synthetic_ids
-from pdrollout.engine.workload.trace import PRESSURE, generate, sessions
+from pdrollout.engine.workload.trace import PRESSURE, generate, sessions, work_left
 
 
 @dataclass
@@ -109,7 +111,7 @@ def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: st
             ids = context[i] + synthetic_ids(seed, i, row["turn"], row["input_length"], vocab)
             context[i] = ids
             rid = f"{i}-{k}"
-            left = sum(r["output_length"] for r in trajs[i][k:]) if priority == "critical-path" else 0
+            left = work_left(trajs[i], k) if priority == "critical-path" else 0
             sched.submit(rid, ids, SamplingParams(max_new_tokens=row["output_length"], ignore_eos=True),
                          priority=left)
             live[rid] = (i, k, t)
@@ -169,8 +171,6 @@ def main(argv=None) -> int:
         spec = json.loads(body or "{}")
         control = {k: x for k, x in spec.items() if k not in ("priority", "overlap")}
         variants[name] = ("pd", control, spec.get("priority", "none"), bool(spec.get("overlap")))
-    import platform
-    import subprocess
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).parent).stdout.strip() or None
     result = {"meta": {"command": " ".join(sys.argv), "commit": head, "machine": f"{platform.node()} (CPU)",

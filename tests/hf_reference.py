@@ -7,6 +7,8 @@ from functools import lru_cache
 
 import torch
 
+from pdrollout.engine.scheduler.request import SamplingParams
+
 MARGIN = 1e-5
 
 
@@ -49,3 +51,19 @@ def assert_matches_reference(ours: list[int], ref: list[int], margins: list[floa
             raise AssertionError(f"{what}: token {i} differs: ours {a}, transformers {b} "
                                  f"(top-2 margin {margins[i]:.3g}); ours={ours} ref={ref}")
     assert len(ours) == len(ref), f"{what}: lengths differ: ours {len(ours)}, transformers {len(ref)}"
+
+
+# Prompts of different lengths (1 to 70 tokens) for the engine-vs-transformers tests.
+PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
+           [(i * 11) % 509 + 2 for i in range(70)]]
+
+
+def run_all(engine, prompts, max_new, **sp) -> dict[str, list[int]]:
+    """Greedy outputs of every prompt through `engine`'s own step loop, by rid r<i>."""
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0, **sp))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    return out

@@ -16,9 +16,10 @@ GPU (tests/engine/test_kernels.py).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .kernels import triton_interpreting
 
 BLOCK_M = 16     # rows per block: tl.dot's minimum, and ~ the rows an expert sees at decode
 SORT_FREE_MAX = 1 << 20   # pairs × experts up to which `align` counts instead of sorting
@@ -57,10 +58,6 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     first = torch.arange(blocks, device=dev) * block_m
     block_expert = torch.searchsorted(pend, first, right=True).to(torch.int32)   # num_local: past the end
     return sorted_ids[:rows], block_expert, blocks
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache
@@ -144,14 +141,15 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset)
     act = torch.empty(blocks * BLOCK_M, inter, dtype=gate_up.dtype, device=x.device)
     y = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
-    k_gate_up, k_down = _kernels(_interpreting())
+    interpret = triton_interpreting()
+    k_gate_up, k_down = _kernels(interpret)
     xs = x.to(gate_up.dtype).contiguous()
     k_gate_up[(blocks, triton.cdiv(inter, block_n))](
         xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
         xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        BM=BLOCK_M, BN=block_n, BK=block_k, F32=_interpreting())
+        BM=BLOCK_M, BN=block_n, BK=block_k, F32=interpret)
     w = topk_weights.reshape(-1).contiguous()
     k_down[(blocks, triton.cdiv(hidden, block_n))](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
-        down.stride(0), down.stride(1), down.stride(2), BM=BLOCK_M, BN=block_n, BK=block_k, F32=_interpreting())
+        down.stride(0), down.stride(1), down.stride(2), BM=BLOCK_M, BN=block_n, BK=block_k, F32=interpret)
     return y.view(t, k, hidden).sum(1).to(x.dtype)

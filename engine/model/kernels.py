@@ -9,9 +9,15 @@ Triton is imported lazily: CPU-only installs never need it.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
+
+
+def triton_interpreting() -> bool:
+    """Triton's CPU interpreter is on (tests: TRITON_INTERPRET=1 before Triton's first import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache

@@ -8,9 +8,10 @@ interpreter on CPU and compiled on the GPU; opt-in (`qk_prologue: fused`) until 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .kernels import triton_interpreting
 
 
 @functools.cache
@@ -51,7 +52,7 @@ def _norm_rope(x, w, cos, sin, out, slots, eps: float) -> None:
     if t == 0:
         return
     to_slots = slots is not None
-    _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(t, heads)](
+    _kernel(triton_interpreting())[(t, heads)](
         x, w, cos, sin, out, slots if to_slots else x, eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), D=d, TO_SLOTS=to_slots)
 

@@ -40,6 +40,3 @@ class SoloEpochs:
             return d, None, graph, None
         self.flight = None
         return d, p.result(), graph, started
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

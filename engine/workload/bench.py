@@ -17,11 +17,10 @@ import aiohttp
 import numpy as np
 
 from .measures import BenchError, RequestRecord, metric_sums, summarize
-from .trace import PRESSURE, sessions
+from .trace import PRESSURE, PRIORITY_HINTS, sessions, work_left
 
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
 WATCH_S = 0.5                                   # how often the replay checks that its server lives
-PRIORITY_HINTS = ("none", "critical-path")      # what the bench sends as /generate's `priority`
 
 
 def synthetic_ids(seed: int, session_index: int, turn: int, n: int, vocab_size: int) -> list[int]:
@@ -134,9 +133,7 @@ class Replay:
         context: list[int] = []
         prev_done = None
         for k, row in enumerate(turns):
-            # critical-path hint: the trajectory's output tokens still to come, this turn's included
-            # (what an RL client knows as its turn and token budget left)
-            left = sum(r["output_length"] for r in turns[k:]) if self.priority == "critical-path" else None
+            left = work_left(turns, k) if self.priority == "critical-path" else None
             if prev_done is not None:
                 ready = prev_done + row.get("delay_ms", 0) * self.wait_scale / 1000.0
                 await asyncio.sleep(max(0.0, ready - self.now()))

@@ -87,7 +87,7 @@ def add_trace_parser(subparsers) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    from .trace import PRESETS, PRESSURE
+    from .trace import PRESETS, PRESSURE, PRIORITY_HINTS
 
     b = subparsers.add_parser("bench", help="closed-loop replay of a trace; side-by-side modes")
     b.add_argument("--modes", help="comma list of normal,mixed,pd (default: all three); with "
@@ -104,7 +104,7 @@ def add_bench_parser(subparsers) -> None:
     b.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `pdrollout serve` (repeatable; {mode} becomes the mode, "
                         "e.g. --serve-arg=--step-log --serve-arg=logs/{mode})")
-    b.add_argument("--priority", choices=["none", "critical-path"], default="none",
+    b.add_argument("--priority", choices=PRIORITY_HINTS, default="none",
                    help="/generate's `priority`: critical-path sends each turn its trajectory's output "
                         "tokens still to come (what an RL client knows), so long trajectories go first")
     b.add_argument("--out", required=True, help="directory for results.json, records and plots")

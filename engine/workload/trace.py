@@ -160,6 +160,16 @@ def read_jsonl(path: str) -> list[dict]:
     return sorted(rows, key=lambda r: (order[r["session_id"]], r["turn"]))
 
 
+# What a replay sends as /generate's `priority`: nothing, or the critical-path hint (`work_left`).
+PRIORITY_HINTS = ("none", "critical-path")
+
+
+def work_left(turns: list[dict], k: int) -> int:
+    """The critical-path hint of turn k: its trajectory's output tokens still to come, this turn's
+    included (what an RL client knows as its turn and token budget left)."""
+    return sum(r["output_length"] for r in turns[k:])
+
+
 def sessions(rows: list[dict]) -> dict[str, list[dict]]:
     """Rows grouped by session_id (insertion order), each list ordered by turn."""
     out: dict[str, list[dict]] = {}

@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_config
-from hf_reference import assert_matches_reference, hf_greedy
+from hf_reference import PROMPTS, assert_matches_reference, hf_greedy, run_all
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
 
 MODES = ["normal", "mixed", "pd"]
-PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
-           [(i * 11) % 509 + 2 for i in range(70)]]
 
 # Configs covering: both expert layouts, norm_topk_prob both ways, decoder_sparse_step > 1,
 # a dense layer in mlp_only_layers, tied embeddings, attention bias.
@@ -35,16 +33,6 @@ def engine_for(model_dir, mode, **kw) -> Engine:
     control = ControlSettings(prefill_budget_tokens=kw.pop("budget", 24), span=kw.pop("span", "auto"))
     return Engine(EngineConfig(model=str(model_dir), mode=mode, block_size=4, num_blocks=kw.pop("num_blocks", 256),
                                mixed_chunk_tokens=20, control=control, **kw))
-
-
-def run_all(engine: Engine, prompts, max_new, **sp) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0, **sp))
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    return out
 
 
 @pytest.mark.parametrize("mode", MODES)

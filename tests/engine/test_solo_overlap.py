@@ -7,27 +7,14 @@ import time
 
 import pytest
 
-from hf_reference import assert_matches_reference, hf_greedy
+from hf_reference import PROMPTS, assert_matches_reference, hf_greedy, run_all
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.protocol.plan import Phase
 from pdrollout.engine.protocol.topology import Topology
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.runtime.worker import RankOptions, Worker
-from pdrollout.engine.scheduler.request import SamplingParams
 
 P_DELAY_S = 0.05    # each P forward takes this much longer: D steps (milliseconds here) go on meanwhile
-PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
-           [(i * 11) % 509 + 2 for i in range(70)]]
-
-
-def run_all(engine: Engine, prompts, max_new: int) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    return out
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -44,7 +31,7 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
         return forward(phase, plan, pick, **kw)
     worker.forward = slow_p
     engine = Engine(cfg, worker)
-    out = run_all(engine, PROMPTS, max_new=10)
+    out = run_all(engine, PROMPTS, max_new=10, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 10)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"solo_overlap={overlap} prompt {i}")
