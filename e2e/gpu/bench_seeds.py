@@ -1,0 +1,187 @@
+"""`pdrollout bench` over several trace seeds and engine variants, spread over the GPUs of one host,
+then one table: each figure the median over the seeds with the min–max beside it (issue 19).
+
+A job is (variant, pressure, seed): one `pdrollout bench` (a fresh server per mode) pinned to one GPU
+by CUDA_VISIBLE_DEVICES; each GPU runs its jobs one after another. Ratios are taken per seed against
+the `normal` and `mixed` of the baseline variant (the first one, which must run both) in the same
+call, then summarized.
+
+    python3 e2e/gpu/bench_seeds.py OUT --seeds 0,1,2,3,4 --pressures P1,trace \
+        --variant base:normal,mixed,pd:{} --variant overlap:pd:'{"solo_overlap": true}' [--gpus 0,1]
+    python3 e2e/gpu/bench_seeds.py OUT --summarize      # the table again from OUT
+    DEVICE=cpu ... --preset tiny                         # dry run on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 40 << 30, "max_running": 64}
+MEASURES = ("makespan_s", "p99_ttft_ms", "mean_decode_wait_ms")
+
+
+def parse_variant(text: str) -> dict:
+    name, modes, extra = text.split(":", 2)
+    return {"name": name, "modes": modes, "extra": json.loads(extra or "{}")}
+
+
+def write_model(path: Path, layers: int, preset: str) -> None:
+    from pdrollout.engine.protocol.config import load_preset
+    cfg = load_preset(preset)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def run_job(job: dict, gpu: str | None, args, log) -> None:
+    out = Path(args.out) / job["variant"]["name"] / f"{job['pressure']}-s{job['seed']}"
+    config = {**BASE_CONFIG, **job["variant"]["extra"]}
+    if os.environ.get("DEVICE") == "cpu":
+        config = {k: v for k, v in config.items() if k != "kv_cache_bytes"}
+        config["dtype"] = "float32"
+    cmd = ["pdrollout", "bench", "--modes", job["variant"]["modes"], "--model", args.model,
+           "--preset", args.preset, "--seed", str(job["seed"]), "--pressure", job["pressure"],
+           "--device", "cpu" if os.environ.get("DEVICE") == "cpu" else "cuda",
+           "--serve-arg=--engine-config", f"--serve-arg={json.dumps(config)}", "--no-progress", "--out", str(out)]
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    t = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "bench.log", "w") as f:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.job_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    log(f"gpu {gpu} {job['variant']['name']} {job['pressure']} seed {job['seed']}: rc {rc} in {time.time() - t:.0f} s")
+
+
+def run_all(args, variants: list[dict]) -> None:
+    jobs = [{"variant": v, "pressure": p, "seed": s}
+            for s in args.seeds for p in args.pressures for v in variants]
+    q: queue.Queue = queue.Queue()
+    for j in jobs:
+        q.put(j)
+    lock = threading.Lock()
+
+    def log(msg):
+        with lock:
+            print(msg, flush=True)
+
+    def worker(gpu):
+        while True:
+            try:
+                job = q.get_nowait()
+            except queue.Empty:
+                return
+            run_job(job, gpu, args, log)
+
+    gpus = args.gpus.split(",") if args.gpus else [None]
+    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def spread(xs: list[float]) -> dict | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summarize(out: Path) -> dict:
+    """{pressure: {variant/mode: {measure: spread, 'vs_normal': spread, 'vs_mixed': spread, seeds}}}."""
+    runs = {}   # (variant, pressure, seed) -> modes
+    for res in sorted(out.glob("*/*-s*/results.json")):
+        variant, tail = res.parent.parent.name, res.parent.name
+        pressure, seed = tail.rsplit("-s", 1)
+        runs[(variant, pressure, int(seed))] = json.loads(res.read_text())["modes"]
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    base = meta.get("variants", [{}])[0].get("name", "base")
+    table: dict = {}
+    for (variant, pressure, seed), modes in sorted(runs.items()):
+        ref = runs.get((base, pressure, seed), {})
+        for mode, r in modes.items():
+            row = table.setdefault(pressure, {}).setdefault(f"{variant}/{mode}", {"per_seed": {}})
+            per = {m: r.get(m) for m in MEASURES}
+            for against in ("normal", "mixed"):
+                if against in ref:
+                    per[f"makespan_vs_{against}"] = r["makespan_s"] / ref[against]["makespan_s"]
+                    per[f"p99_ttft_vs_{against}"] = r["p99_ttft_ms"] / ref[against]["p99_ttft_ms"]
+            row["per_seed"][seed] = per
+    for rows in table.values():
+        for row in rows.values():
+            keys = sorted({k for per in row["per_seed"].values() for k in per})
+            for k in keys:
+                row[k] = spread([per.get(k) for per in row["per_seed"].values()])
+    return {"meta": meta, "table": table}
+
+
+def markdown(summary: dict) -> str:
+    def cell(s, fmt):
+        return "–" if s is None else f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])})"
+    lines = []
+    for pressure, rows in summary["table"].items():
+        lines += [f"**{pressure}** (median over seeds, min–max)", "",
+                  "| variant/mode | seeds | makespan s | vs normal | vs mixed | p99 TTFT ms | p99 TTFT vs normal | D wait ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, row in rows.items():
+            r2 = lambda x: f"{x:.3f}"
+            lines.append(f"| {name} | {len(row['per_seed'])} | {cell(row.get('makespan_s'), lambda x: f'{x:.2f}')} | "
+                         f"{cell(row.get('makespan_vs_normal'), r2)} | {cell(row.get('makespan_vs_mixed'), r2)} | "
+                         f"{cell(row.get('p99_ttft_ms'), lambda x: f'{x:.0f}')} | {cell(row.get('p99_ttft_vs_normal'), r2)} | "
+                         f"{cell(row.get('mean_decode_wait_ms'), lambda x: f'{x:.2f}')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--pressures", default="P1")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:MODES:ENGINE_CONFIG_JSON")
+    ap.add_argument("--gpus", default="", help="comma list; one job per GPU at a time")
+    ap.add_argument("--preset", default="gpu")
+    ap.add_argument("--model-preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
+    ap.add_argument("--model", default="/tmp/pdrollout-bench-model")
+    ap.add_argument("--job-timeout", type=float, default=600)
+    ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if not args.summarize:
+        variants = [parse_variant(v) for v in args.variant] or [parse_variant("base:normal,mixed,pd:{}")]
+        if not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):
+            ap.error("the first variant is the baseline: it must run normal and mixed")
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+        args.pressures = args.pressures.split(",")
+        write_model(Path(args.model), args.layers, args.model_preset)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"command": " ".join(sys.argv), "commit": os.environ.get("COMMIT", "unknown"),
+                "machine": os.environ.get("MACHINE", "unknown"), "seeds": args.seeds,
+                "pressures": args.pressures, "preset": args.preset, "model_preset": args.model_preset,
+                "nproc": 1, "topology": "one GPU per engine (EP1/ADP1); jobs spread over GPUs " + (args.gpus or "-"),
+                "engine_config": BASE_CONFIG, "variants": variants}
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        run_all(args, variants)
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown(summary))
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
