@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
-    ap.add_argument("--qk-prologue", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     bw, peak = measure_ceilings()

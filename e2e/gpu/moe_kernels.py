@@ -3,7 +3,8 @@
 graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
 touches. Decides `experts_kernel`'s default (issue 19).
 
-    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,256,2048,8192]
+    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep]
+    (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach)
     DEVICE=cpu python3 e2e/gpu/moe_kernels.py OUT.json   # dry run: a tiny shape, Triton's interpreter
 """
 from __future__ import annotations
@@ -38,6 +39,23 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def sweep(run, ref, flops: float) -> list[dict]:
+    """Every tile/warp/stage combination that compiles and agrees with the reference, fastest first."""
+    import itertools
+    out = []
+    for bm, (bn, bk), warps, stages in itertools.product((16, 32, 64, 128), ((64, 64), (128, 64), (64, 128)),
+                                                         (4, 8), (3, 4)):
+        cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        try:
+            err = ((run(**cfg).double() - ref).norm() / ref.norm()).item()
+            us = timed(lambda: run(**cfg), 20) * 1e6
+        except Exception as exc:   # a shape past shared memory or registers: reported, not fatal
+            out.append({"config": cfg, "error": str(exc).splitlines()[0][:120]})
+            continue
+        out.append({"config": cfg, "us": us, "tflops": flops / us / 1e6, "rel_err": err})
+    return sorted(out, key=lambda r: r["us"] if r.get("rel_err", 1) < 2e-2 else float("inf"))
+
+
 def copy_bw(dev) -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
@@ -47,7 +65,8 @@ def copy_bw(dev) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--tokens", default="1,8,32,64,256,2048,8192")
+    ap.add_argument("--tokens", default="1,8,32,64,128,256,2048,8192")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
     dev = torch.device("cpu" if cpu else "cuda")
@@ -72,6 +91,12 @@ def main() -> int:
                        floor_us=floor * 1e6)
             row["fused_over_grouped"] = row["fused_us"] / row["grouped_us"]
             row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
+            flops = 2 * t * top_k * 3 * hidden * inter
+            row["grouped_tflops"] = flops / row["grouped_us"] / 1e6
+            if a.sweep:
+                row["sweep"] = sweep(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops)
+                best = row["sweep"][0]
+                row["best_fused_us"], row["best_config"] = best["us"], best["config"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "copy_bw_tbs": bw and bw / 1e12,

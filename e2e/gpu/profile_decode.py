@@ -1,6 +1,8 @@
 """Where a decode step's GPU time goes: torch.profiler over eager decode forwards (the same kernels the
 CUDA graph replays) of the Qwen3-30B-A3B shape at batch 64. Prints the top kernels by GPU time.
-Usage: python3 e2e/gpu/profile_decode.py [--layers 48] [--batch 64] [--ctx 2048] --out profile.txt
+With --prefill: one engine step that prefills an 8k-token chunk (4 prompts of 2,048) instead.
+Usage: python3 e2e/gpu/profile_decode.py [--layers 48] [--batch 64] [--ctx 2048] [--prefill]
+           [--experts-kernel auto] [--qk-prologue auto] --out profile.txt
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--out", default="profile.txt")
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--experts-kernel", default="auto")
+    ap.add_argument("--qk-prologue", default="auto")
     a = ap.parse_args()
     cfg = load_preset("qwen3-30b-a3b")
     cfg["num_hidden_layers"] = a.layers
@@ -31,8 +36,11 @@ def main():
     (tmp / "config.json").write_text(json.dumps(cfg))
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, cuda_graphs=False,
+                            experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue,
                             control=ControlSettings(prefill_budget_tokens=8192)))
     g = torch.Generator().manual_seed(0)
+    if a.prefill:
+        return profile_prefill(e, cfg, g, a)
     for i in range(a.batch):
         e.submit(f"r{i}", torch.randint(2, cfg["vocab_size"], (a.ctx,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
@@ -52,6 +60,24 @@ def main():
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
     text = f"3 eager decode forwards, batch {a.batch}, ctx {a.ctx}, {a.layers} layers (table totals are for all 3)\n" + table
+    Path(a.out).write_text(text)
+    print(text)
+
+
+def profile_prefill(e, cfg, g, a):
+    """Three 8k chunks: the first two compile and warm, the third is profiled."""
+    for i in range(12):
+        e.submit(f"p{i}", torch.randint(2, cfg["vocab_size"], (2048,), generator=g).tolist(),
+                 SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    e.step(), e.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    total = sum(k.self_device_time_total for k in prof.key_averages()) / 1e3
+    text = (f"one engine step prefilling 8,192 tokens (4 × 2,048), {a.layers} layers, experts "
+            f"{e.worker.backends.name}: {total:.1f} ms of kernel time\n" + table)
     Path(a.out).write_text(text)
     print(text)
 

@@ -13,6 +13,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
                                  16 rows per expert (fused_moe.py; `experts_kernel: fused`)
+             AutoExperts         fused up to FUSED_MAX_PAIRS routed pairs (decode), grouped above
+                                 (bf16 on SM90+: `experts_kernel: auto`)
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
 The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
 received rows, D's fixed receive slots, a single rank's top-k rows.
@@ -99,6 +101,19 @@ class FusedExperts(_Experts):
         return fused_moe.experts_fused
 
 
+# Routed (token, expert) pairs up to which the fused path beats the grouped GEMMs on the H200 for the
+# Qwen3-30B-A3B expert shape (e2e/gpu/moe_kernels.py, docs/PERF.md): 64 tokens × top-8 was 0.87× grouped,
+# 256 × 8 was 1.43×. Decided from shapes alone, so a captured graph keeps its choice.
+FUSED_MAX_PAIRS = 512
+
+
+class AutoExperts(_Experts):
+    def fn(self, x, topk_ids, *args):
+        from . import fused_moe, kernels
+        small = topk_ids.numel() <= FUSED_MAX_PAIRS
+        return (fused_moe.experts_fused if small else kernels.experts_grouped)(x, topk_ids, *args)
+
+
 class GatheredExperts(_Experts):
     @property
     def fn(self):
@@ -117,18 +132,23 @@ class Backends:
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "torch") -> Backends:
-    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: torch|fused
-    (EngineConfig.qk_prologue); CPU always runs the reference."""
+                  prologue: str = "auto") -> Backends:
+    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
+    (EngineConfig.qk_prologue); CPU always runs the reference. Auto picks the fused kernels only in
+    bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch prologue)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
+    if prologue == "auto":
+        prologue = "fused" if dtype == torch.bfloat16 else "torch"
     if experts == "fused":
         return Backends(PagedAttention(prologue), FusedExperts())
     grouped = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     if experts == "grouped" and not grouped:
         raise ValueError(f"experts_kernel 'grouped' needs bf16 on SM90+ (have {dtype}, "
                          f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))})")
-    return Backends(PagedAttention(prologue), GroupedExperts() if grouped else GatheredExperts())
+    if not grouped:
+        return Backends(PagedAttention(prologue), GatheredExperts())
+    return Backends(PagedAttention(prologue), AutoExperts() if experts == "auto" else GroupedExperts())
 
 
 REFERENCE = Backends(ReferenceAttention(), ReferenceExperts())

@@ -67,7 +67,8 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
-                sx, swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+                sx, swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                IEEE: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
@@ -90,8 +91,12 @@ def _kernels(interpret: bool):
             wu = tl.load(base + (cols + I)[None, :] * swn, mask=wmask, other=0.0)
             if F32:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 are exact
                 a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_g += tl.dot(a, wg)
-            acc_u += tl.dot(a, wu)
+            if IEEE:   # fp32 weights: no TF32 rounding (the exact path)
+                acc_g += tl.dot(a, wg, input_precision="ieee")
+                acc_u += tl.dot(a, wu, input_precision="ieee")
+            else:
+                acc_g += tl.dot(a, wg)
+                acc_u += tl.dot(a, wu)
         # the reference rounds gate and up to the weights' dtype before SiLU; so do we
         g = acc_g.to(act.dtype.element_ty).to(tl.float32)
         u = acc_u.to(act.dtype.element_ty).to(tl.float32)
@@ -102,7 +107,8 @@ def _kernels(interpret: bool):
     # module imports Triton only when a kernel first runs
     @triton.jit
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
-             swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+             swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+             IEEE: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
@@ -121,7 +127,10 @@ def _kernels(interpret: bool):
                          mask=kmask[:, None] & cmask[None, :], other=0.0)
             if F32:
                 a, wt = a.to(tl.float32), wt.to(tl.float32)
-            acc += tl.dot(a, wt)
+            if IEEE:
+                acc += tl.dot(a, wt, input_precision="ieee")
+            else:
+                acc += tl.dot(a, wt)
         # the reference rounds each expert's output to the weights' dtype before weighting it
         acc = acc.to(act.dtype.element_ty).to(tl.float32)
         rw = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)
@@ -131,25 +140,29 @@ def _kernels(interpret: bool):
 
 
 def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
-                  block_n: int = 64, block_k: int = 64):
-    """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]."""
+                  block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                  num_stages: int = 3):
+    """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]. The tile
+    arguments are for e2e/gpu/moe_kernels.py's sweep; the engine runs the defaults."""
     import triton
     t, k = topk_ids.shape
     e_local, two_i, hidden = gate_up.shape
     inter = two_i // 2
     n = t * k
-    sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset)
-    act = torch.empty(blocks * BLOCK_M, inter, dtype=gate_up.dtype, device=x.device)
+    sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset, block_m)
+    act = torch.empty(blocks * block_m, inter, dtype=gate_up.dtype, device=x.device)
     y = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     interpret = triton_interpreting()
     k_gate_up, k_down = _kernels(interpret)
     xs = x.to(gate_up.dtype).contiguous()
+    ieee = gate_up.dtype == torch.float32 and not interpret
+    tiles = dict(BM=block_m, BN=block_n, BK=block_k, F32=interpret, IEEE=ieee)
+    launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
     k_gate_up[(blocks, triton.cdiv(inter, block_n))](
         xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
-        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        BM=BLOCK_M, BN=block_n, BK=block_k, F32=interpret)
+        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), **tiles, **launch)
     w = topk_weights.reshape(-1).contiguous()
     k_down[(blocks, triton.cdiv(hidden, block_n))](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
-        down.stride(0), down.stride(1), down.stride(2), BM=BLOCK_M, BN=block_n, BK=block_k, F32=interpret)
+        down.stride(0), down.stride(1), down.stride(2), **tiles, **launch)
     return y.view(t, k, hidden).sum(1).to(x.dtype)

@@ -192,20 +192,25 @@ class EngineConfig(BaseModel):
     mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
     seed: int = 0
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
-    # routed experts on CUDA: grouped GEMMs, or the fused Triton path (model/fused_moe.py; opt-in until
-    # measured against grouped on the GPU)
+    # routed experts on CUDA: grouped GEMMs, the fused Triton path (model/fused_moe.py), or auto: fused
+    # at decode sizes, grouped above (the crossover measured on the H200, backends.py)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
-    qk_prologue: Literal["torch", "fused"] = "torch"       # q/k norm + RoPE + KV write (model/prologue.py)
+    # q/k norm + RoPE + KV write: torch ops, one Triton kernel per operand (model/prologue.py), or auto:
+    # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
+    qk_prologue: Literal["auto", "torch", "fused"] = "auto"
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
-    # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py); opt-in until
-    # measured on the GPU
-    solo_overlap: bool = False
+    # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
+    # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
+    solo_overlap: bool | None = None
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
     speculative: Literal["ngram", "draft", "mtp"] | None = None
     speculative_k: int = 4                                # draft tokens proposed per decode row
     draft_model: str | None = None                        # checkpoint of speculative="draft"
+
+    def solo_overlap_on(self, device_type: str) -> bool:
+        return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"
 
     @field_validator("speculative_k")
     @classmethod

@@ -52,6 +52,7 @@ class Engine(EngineOps):
         self._flight: tuple[int, list] | None = None
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
         self.closed = False
+        self._solo_overlap = config.solo_overlap_on(worker.device.type)
         self._init_ops()
         self._first_step()
 
@@ -146,7 +147,7 @@ class Engine(EngineOps):
         """May this step's P epoch go on under the next steps' D? pd on several ranks (or on one with
         solo_overlap), P and D in the step, no routing replay (a P epoch's routes must come back with
         its own rows)."""
-        return ((self.topo.world > 1 or self.config.solo_overlap) and self.config.mode == "pd" and plan.p_any
+        return ((self.topo.world > 1 or self._solo_overlap) and self.config.mode == "pd" and plan.p_any
                 and plan.d_any and not plan.routes_any)
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:

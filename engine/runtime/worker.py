@@ -128,7 +128,7 @@ class Worker:
         elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
-        if not self.multi and config.mode == "pd" and config.solo_overlap:
+        if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
             self.solo = SoloEpochs(self)
             if self.cuda:

@@ -30,3 +30,24 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {mode} prompt {i}")
+
+
+@pytest.mark.parametrize("kernels", ["fused", "auto"])
+def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kernels):
+    """The fused Triton experts and prologue (fp32: IEEE dots), and pd's P epoch on its own stream beside
+    D's graph replays (solo_overlap, on by default on CUDA), inside the margin rule."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="pd", block_size=4,
+                            num_blocks=512, max_running=8, experts_kernel=kernels, qk_prologue=kernels,
+                            control=ControlSettings(prefill_budget_tokens=24, activation="on")))
+    assert e.worker.solo is not None
+    for i, p in enumerate(PROMPTS):
+        e.submit(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    out, spans = {}, 0
+    while e.has_unfinished():
+        spans += e._flight is not None or e.worker.solo.flight is not None
+        for o in e.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert spans, "no P epoch ran beside D"
+    for i, p in enumerate(PROMPTS):
+        ref, margins = hf_greedy(tiny_model, p, 12)
+        assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
