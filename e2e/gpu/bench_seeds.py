@@ -1,8 +1,8 @@
 """`pdrollout bench` over several trace seeds and engine variants, spread over the GPUs of one host,
 then one table: each figure the median over the seeds with the min–max beside it (issue 19).
 
-A job is (variant, pressure, seed): one `pdrollout bench` (a fresh server per mode) pinned to one GPU
-by CUDA_VISIBLE_DEVICES; each GPU runs its jobs one after another. Ratios are taken per seed against
+A job is (variant, pressure, seed, mode): one `pdrollout bench` of one mode (a fresh server) pinned to
+one GPU by CUDA_VISIBLE_DEVICES; each GPU takes the next job when its last one ends. Ratios are taken per seed against
 the `normal` and `mixed` of the baseline variant (the first one, which must run both) in the same
 call, then summarized.
 
@@ -43,12 +43,12 @@ def write_model(path: Path, layers: int, preset: str) -> None:
 
 
 def run_job(job: dict, gpu: str | None, args, log) -> None:
-    out = Path(args.out) / job["variant"]["name"] / f"{job['pressure']}-s{job['seed']}"
+    out = Path(args.out) / job["variant"]["name"] / f"{job['pressure']}-s{job['seed']}" / job["mode"]
     config = {**BASE_CONFIG, **job["variant"]["extra"]}
     if os.environ.get("DEVICE") == "cpu":
         config = {k: v for k, v in config.items() if k != "kv_cache_bytes"}
         config["dtype"] = "float32"
-    cmd = ["pdrollout", "bench", "--modes", job["variant"]["modes"], "--model", args.model,
+    cmd = ["pdrollout", "bench", "--modes", job["mode"], "--model", args.model,
            "--preset", args.preset, "--seed", str(job["seed"]), "--pressure", job["pressure"],
            "--device", "cpu" if os.environ.get("DEVICE") == "cpu" else "cuda",
            "--serve-arg=--engine-config", f"--serve-arg={json.dumps(config)}", "--no-progress", "--out", str(out)]
@@ -62,12 +62,14 @@ def run_job(job: dict, gpu: str | None, args, log) -> None:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.job_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    log(f"gpu {gpu} {job['variant']['name']} {job['pressure']} seed {job['seed']}: rc {rc} in {time.time() - t:.0f} s")
+    log(f"gpu {gpu} {job['variant']['name']} {job['pressure']} seed {job['seed']} {job['mode']}: rc {rc} "
+        f"in {time.time() - t:.0f} s")
 
 
 def run_all(args, variants: list[dict]) -> None:
-    jobs = [{"variant": v, "pressure": p, "seed": s}
-            for s in args.seeds for p in args.pressures for v in variants]
+    jobs = [{"variant": v, "pressure": p, "seed": s, "mode": m}
+            for s in args.seeds for p in args.pressures for v in variants for m in v["modes"].split(",")]
+    jobs.sort(key=lambda j: j["pressure"] != "trace")   # the long ones first: the GPUs end together
     q: queue.Queue = queue.Queue()
     for j in jobs:
         q.put(j)
@@ -103,10 +105,10 @@ def spread(xs: list[float]) -> dict | None:
 def summarize(out: Path) -> dict:
     """{pressure: {variant/mode: {measure: spread, 'vs_normal': spread, 'vs_mixed': spread, seeds}}}."""
     runs = {}   # (variant, pressure, seed) -> modes
-    for res in sorted(out.glob("*/*-s*/results.json")):
-        variant, tail = res.parent.parent.name, res.parent.name
+    for res in sorted(out.glob("*/*-s*/*/results.json")):
+        variant, tail = res.parent.parent.parent.name, res.parent.parent.name
         pressure, seed = tail.rsplit("-s", 1)
-        runs[(variant, pressure, int(seed))] = json.loads(res.read_text())["modes"]
+        runs.setdefault((variant, pressure, int(seed)), {}).update(json.loads(res.read_text())["modes"])
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     base = meta.get("variants", [{}])[0].get("name", "base")
     table: dict = {}

@@ -13,8 +13,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
                                  16 rows per expert (fused_moe.py; `experts_kernel: fused`)
-             AutoExperts         fused up to FUSED_MAX_PAIRS routed pairs (decode), grouped above
-                                 (bf16 on SM90+: `experts_kernel: auto`)
+             AutoExperts         fused with 16-row blocks at decode sizes, grouped between, fused with
+                                 128-row tiles for long prefill (bf16 on SM90+: `experts_kernel: auto`)
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
 The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
 received rows, D's fixed receive slots, a single rank's top-k rows.
@@ -101,17 +101,25 @@ class FusedExperts(_Experts):
         return fused_moe.experts_fused
 
 
-# Routed (token, expert) pairs up to which the fused path beats the grouped GEMMs on the H200 for the
-# Qwen3-30B-A3B expert shape (e2e/gpu/moe_kernels.py, docs/PERF.md): 64 tokens × top-8 was 0.87× grouped,
-# 256 × 8 was 1.43×. Decided from shapes alone, so a captured graph keeps its choice.
+# Routed (token, expert) pairs up to which the 16-row fused path beats the grouped GEMMs on the H200
+# for the Qwen3-30B-A3B expert shape (e2e/gpu/moe_kernels.py --sweep, docs/PERF.md): 64 tokens × top-8
+# 0.87× grouped, 256 × 8 1.40× (no tile shape of the sweep won there). From FUSED_LARGE_PAIRS on, the
+# fused kernels with 128-row tiles win again: 2,048 tokens 0.71×, 8,192 tokens 0.64× grouped. Decided
+# from shapes alone, so a captured graph keeps its choice.
 FUSED_MAX_PAIRS = 512
+FUSED_LARGE_PAIRS = 8192
+FUSED_LARGE_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 class AutoExperts(_Experts):
     def fn(self, x, topk_ids, *args):
         from . import fused_moe, kernels
-        small = topk_ids.numel() <= FUSED_MAX_PAIRS
-        return (fused_moe.experts_fused if small else kernels.experts_grouped)(x, topk_ids, *args)
+        pairs = topk_ids.numel()
+        if pairs <= FUSED_MAX_PAIRS:
+            return fused_moe.experts_fused(x, topk_ids, *args)
+        if pairs >= FUSED_LARGE_PAIRS:
+            return fused_moe.experts_fused(x, topk_ids, *args, **FUSED_LARGE_TILES)
+        return kernels.experts_grouped(x, topk_ids, *args)
 
 
 class GatheredExperts(_Experts):

@@ -25,6 +25,9 @@ def _spec_counts(launched) -> dict:
     return {"spec_verify": v, "spec_proposed": p, "spec_accepted": a}
 
 
+SOLO_P_WAIT_BOUND_MS = 200.0   # pd on one CUDA rank: the default TTFT bound (ControlSettings.p_wait_bound_ms)
+
+
 class Engine(EngineOps):
     def __init__(self, config: EngineConfig, worker=None) -> None:
         """`worker`: this rank's Worker (a multi-rank group's rank 0); None builds a world of one."""
@@ -41,7 +44,12 @@ class Engine(EngineOps):
                          for _ in range(self.topo.adp)]
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
+        self._solo_overlap = config.solo_overlap_on(worker.device.type)
         self.control = config.control
+        if self._solo_overlap and self.topo.world == 1 and config.mode == "pd" and self.control.p_wait_bound_ms is None:
+            # P epochs beside D's graphs no longer stall D, so a long-waiting P may take the whole
+            # budget: the TTFT bound is on unless the config says otherwise (docs/PERF.md)
+            self.control = self.control.model_copy(update={"p_wait_bound_ms": SOLO_P_WAIT_BOUND_MS})
         self._pending_control: ControlSettings | None = None
         self.records: list[StepRecord] = []          # drained by the server's metrics
         self._new: list[NewRequest] = []
@@ -52,7 +60,6 @@ class Engine(EngineOps):
         self._flight: tuple[int, list] | None = None
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
         self.closed = False
-        self._solo_overlap = config.solo_overlap_on(worker.device.type)
         self._init_ops()
         self._first_step()
 

@@ -47,3 +47,11 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
     assert sum(s["decode_rows"] > 0 for s in during) >= len(started)   # D went on beside every epoch
     for s in during:
         assert max(x for x in started if x < s["step"]) == s["p_flight"]
+
+
+@pytest.mark.parametrize("mode,overlap,bound,want", [("pd", True, None, 200.0), ("pd", True, 50.0, 50.0),
+                                                      ("pd", False, None, None), ("mixed", True, None, None)])
+def test_the_ttft_bound_is_on_by_default_only_where_p_epochs_run_beside_d(tiny_model, mode, overlap, bound, want):
+    cfg = EngineConfig(model=str(tiny_model), mode=mode, block_size=4, num_blocks=64, solo_overlap=overlap,
+                       control=ControlSettings(p_wait_bound_ms=bound))
+    assert Engine(cfg).control.p_wait_bound_ms == want
