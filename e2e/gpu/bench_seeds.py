@@ -29,8 +29,11 @@ MEASURES = ("makespan_s", "p99_ttft_ms", "mean_decode_wait_ms")
 
 
 def parse_variant(text: str) -> dict:
+    """NAME[@PRESSURE,...]:MODES:ENGINE_CONFIG_JSON (@: only at those pressures)."""
     name, modes, extra = text.split(":", 2)
-    return {"name": name, "modes": modes, "extra": json.loads(extra or "{}")}
+    name, _, only = name.partition("@")
+    return {"name": name, "modes": modes, "extra": json.loads(extra or "{}"),
+            "pressures": only.split(",") if only else None}
 
 
 def write_model(path: Path, layers: int, preset: str) -> None:
@@ -68,7 +71,8 @@ def run_job(job: dict, gpu: str | None, args, log) -> None:
 
 def run_all(args, variants: list[dict]) -> None:
     jobs = [{"variant": v, "pressure": p, "seed": s, "mode": m}
-            for s in args.seeds for p in args.pressures for v in variants for m in v["modes"].split(",")]
+            for s in args.seeds for p in args.pressures for v in variants for m in v["modes"].split(",")
+            if v["pressures"] is None or p in v["pressures"]]
     jobs.sort(key=lambda j: j["pressure"] != "trace")   # the long ones first: the GPUs end together
     q: queue.Queue = queue.Queue()
     for j in jobs:
@@ -153,7 +157,7 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--pressures", default="P1")
-    ap.add_argument("--variant", action="append", default=[], help="NAME:MODES:ENGINE_CONFIG_JSON")
+    ap.add_argument("--variant", action="append", default=[], help="NAME[@PRESSURES]:MODES:ENGINE_CONFIG_JSON")
     ap.add_argument("--gpus", default="", help="comma list; one job per GPU at a time")
     ap.add_argument("--preset", default="gpu")
     ap.add_argument("--model-preset", default="qwen3-30b-a3b")
