@@ -143,7 +143,7 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
                   block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
                   num_stages: int = 3):
     """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]. The tile
-    arguments are for e2e/gpu/moe_kernels.py's sweep; the engine runs the defaults."""
+    arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep."""
     import triton
     t, k = topk_ids.shape
     e_local, two_i, hidden = gate_up.shape

@@ -3,7 +3,7 @@ RoPE, and k's write into the paged cache (v is one copy), in place of the ~15 el
 the torch ops take per layer at decode. The same rounding points as the reference ops (normalize in
 fp32; weight, each RoPE product and the sum in the activations' dtype), so the reference and this
 path differ only by the order of the fp32 sum of squares. Tested under Triton's
-interpreter on CPU and compiled on the GPU; opt-in (`qk_prologue: fused`) until timed on the H200.
+interpreter on CPU and compiled on the GPU; on by default in bf16 on CUDA (`qk_prologue: auto`, docs/PERF.md).
 """
 from __future__ import annotations
 

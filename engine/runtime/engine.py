@@ -44,9 +44,9 @@ class Engine(EngineOps):
                          for _ in range(self.topo.adp)]
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
-        self._solo_overlap = config.solo_overlap_on(worker.device.type)
+        self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D
         self.control = config.control
-        if self._solo_overlap and self.topo.world == 1 and config.mode == "pd" and self.control.p_wait_bound_ms is None:
+        if self._solo_overlap and self.control.p_wait_bound_ms is None:
             # P epochs beside D's graphs no longer stall D, so a long-waiting P may take the whole
             # budget: the TTFT bound is on unless the config says otherwise (docs/PERF.md)
             self.control = self.control.model_copy(update={"p_wait_bound_ms": SOLO_P_WAIT_BOUND_MS})
