@@ -95,6 +95,9 @@ class Multiplexing(_Model):
     p_gather_ms: float | None = Field(
         default=None, ge=1, description="pd: P below the top request priority waits up to this long to share "
                                         "one P-carrying step (unset: never).")
+    p_burst_first: bool | None = Field(
+        default=None, description="pd: while more requests wait for their first token than rows decode, P runs "
+                                  "alone as under normal (unset: the engine's default, on with one-rank P epochs).")
 
     @field_validator("span")
     @classmethod
@@ -107,7 +110,8 @@ class Multiplexing(_Model):
         """The engine's /control body (validated by the engine's own model)."""
         return ControlSettings(activation=self.activation, span=self.span,
                                prefill_budget_tokens=self.prefill_budget_tokens, ordering=self.ordering,
-                               p_wait_bound_ms=self.p_wait_bound_ms, p_gather_ms=self.p_gather_ms)
+                               p_wait_bound_ms=self.p_wait_bound_ms, p_gather_ms=self.p_gather_ms,
+                               p_burst_first=self.p_burst_first)
 
 
 class Nvshmem(_Model):

@@ -161,6 +161,10 @@ class ControlSettings(BaseModel):
     p_wait_bound_ms: float | None = Field(default=None, gt=0)
     # pd: P below the top priority waits up to this long to share one P-carrying step (None: never)
     p_gather_ms: float | None = Field(default=None, gt=0)
+    # pd: when more requests wait for their first token than rows decode (a burst: a rollout's first
+    # turns, many trajectories back at once), P runs alone as under `normal` — the backlog is where
+    # trajectories stand still. None: the engine's default (on for P epochs beside D, runtime/engine.py)
+    p_burst_first: bool | None = None
 
     @field_validator("span", mode="before")
     @classmethod
@@ -203,6 +207,10 @@ class EngineConfig(BaseModel):
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
+    # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
+    # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
+    # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)
+    prefill_warmup: bool | None = None
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
     # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.

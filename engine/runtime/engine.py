@@ -10,6 +10,7 @@ replica with the fewest unfinished requests and stays there (its KV and prefix b
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from ..protocol.config import ControlSettings, EngineConfig
@@ -25,6 +26,9 @@ def _spec_counts(launched) -> dict:
     return {"spec_verify": v, "spec_proposed": p, "spec_accepted": a}
 
 
+# prefill warm-up (warm_prefill): step sizes in tokens, odd and aligned, below the budget; row length
+WARM_P_TOKENS = (1, 37, 256, 999, 2048, 4099, 8192, 16384)
+WARM_ROW = 2048
 SOLO_P_WAIT_BOUND_MS = 200.0   # pd on one CUDA rank: the default TTFT bound (ControlSettings.p_wait_bound_ms)
 
 
@@ -46,10 +50,14 @@ class Engine(EngineOps):
         self.replica_of: dict[str, int] = {}
         self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D
         self.control = config.control
-        if self._solo_overlap and self.control.p_wait_bound_ms is None:
+        if self._solo_overlap:
             # P epochs beside D's graphs no longer stall D, so a long-waiting P may take the whole
-            # budget: the TTFT bound is on unless the config says otherwise (docs/PERF.md)
-            self.control = self.control.model_copy(update={"p_wait_bound_ms": SOLO_P_WAIT_BOUND_MS})
+            # budget, and a burst of first turns runs alone as under `normal`: both on unless the
+            # config says otherwise (docs/PERF.md)
+            c = self.control
+            self.control = c.model_copy(update={
+                "p_wait_bound_ms": SOLO_P_WAIT_BOUND_MS if c.p_wait_bound_ms is None else c.p_wait_bound_ms,
+                "p_burst_first": True if c.p_burst_first is None else c.p_burst_first})
         self._pending_control: ControlSettings | None = None
         self.records: list[StepRecord] = []          # drained by the server's metrics
         self._new: list[NewRequest] = []
@@ -195,9 +203,40 @@ class Engine(EngineOps):
         row = lambda kind: RowSpec("warmup", kind, 0, (0,), (null,), samples=False)
         work = tuple(ReplicaWork(decode=(row(Phase.DECODE),), prefill=(row(Phase.PREFILL),)) for _ in self.schedulers)
         self._exchange(StepPlan(0, self.control.model_dump(), work, multiplexing=self.config.mode == "pd"))
+        warm = self.config.prefill_warmup
+        if warm or (warm is None and self.topo.world == 1 and self.worker.cuda):
+            self.warm_prefill()
         self.step_id = 1
         for s in self.schedulers:
             s.step_id = 1
+
+    def warm_prefill(self, totals: tuple[int, ...] | None = None) -> int:
+        """Prefill-only steps of growing size before serving (EngineConfig.prefill_warmup): every
+        regime of the prefill kernels runs once — odd and 16-aligned token counts (Triton specializes
+        on both), the MoE path's tile choices by routed rows, up to the whole budget. Rows are split
+        like prompts (≤ WARM_ROW tokens), write only KV blocks no request holds yet, sample nothing;
+        on one rank only (several ranks warm their GEMMs in member.py). Returns the steps run."""
+        budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
+        totals = totals or tuple(t for t in WARM_P_TOKENS if t < budget) + (budget,)
+        bs, free = self.config.block_size, self.worker.num_blocks
+        t0, n = time.monotonic(), 0
+        for total in totals:
+            rows, block = [], 0
+            while total > 0:
+                length = min(total, WARM_ROW)
+                need = -(-length // bs)
+                if block + need > free:
+                    break                      # a small KV cache: warm what fits
+                rows.append(RowSpec("warmup", Phase.PREFILL, 0, (0,) * length,
+                                    tuple(range(block, block + need)), samples=False))
+                block, total = block + need, total - length
+            if rows:
+                work = tuple(ReplicaWork(prefill=tuple(rows)) for _ in self.schedulers)
+                self._exchange(StepPlan(0, self.control.model_dump(), work))
+                n += 1
+        print(f"prefill warm-up: {n} steps up to {max(totals)} tokens, {time.monotonic() - t0:.2f} s",
+              file=sys.stderr, flush=True)
+        return n
 
     def drain(self) -> None:
         """Finish a P epoch in flight (before an op or a shutdown): steps with no new rows, whose

@@ -180,7 +180,10 @@ class PDPolicy:
     `auto` picks the span from D occupancy and P pressure with the turnstile's rule (one rule for
     one rank and many). Once the oldest request without its first token has waited past
     `p_wait_bound_ms`, the segment is the whole budget until it has its token: the bound on the
-    TTFT tail that a fixed small segment cannot give under a long P backlog."""
+    TTFT tail that a fixed small segment cannot give under a long P backlog. With `p_burst_first`,
+    while more requests wait for their first token than rows decode, P runs alone (`normal`'s
+    step): a burst of first turns gets the GPU to itself, as under `normal`, instead of sharing it
+    with the few rows that finished first."""
     name = "pd"
 
     def plan(self, step, s, control):
@@ -192,6 +195,12 @@ class PDPolicy:
         if not b.decode:
             b.take_prefill(budget)
             return b.build(step, control, SPAN_MAX, control.activation == "on")
+        if control.p_burst_first and control.activation == "auto" and \
+                len(s.waiting) + len(s.prefilling) > len(b.decode):
+            p_only = _Builder(s)
+            p_only.take_prefill(budget)
+            if p_only.segments:
+                return p_only.build(step, control)
         if self._defer_p(s, control):
             return b.build(step, control, 1, control.activation == "on")
         pending = sum(r.prefill_remaining for r in s.prefilling) + sum(len(r.tokens) for r in s.waiting)

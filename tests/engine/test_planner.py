@@ -121,6 +121,21 @@ def test_pd_runs_whole_budget_segments_once_the_oldest_prefill_waited_past_its_b
     assert make_policy("pd").plan(0, s, control(span=1, p_wait_bound_ms=500)).prefill_tokens == unit
 
 
+def test_pd_runs_a_burst_of_first_turns_alone_when_it_outnumbers_the_decode_rows():
+    burst = [req(f"w{i}", 20, t=0.01 * i) for i in range(3)]
+    plan = make_policy("pd").plan(0, snap(burst, decoding=decoding(2)), control(span=1, p_burst_first=True))
+    assert plan.decode == () and [x.rid for x in plan.prefill] == ["w0", "w1", "w2"] and not plan.multiplexing
+    # as many decode rows as waiting requests: decode first, P in its segment
+    plan = make_policy("pd").plan(0, snap(burst, decoding=decoding(3)), control(span=1, p_burst_first=True))
+    assert len(plan.decode) == 3 and plan.prefill_tokens == 64 // SEGMENT_UNITS
+    # off (the default on CPU), and never under activation "on" (multiplexing forced)
+    for c in (control(span=1), control(span=1, p_burst_first=True, activation="on")):
+        assert len(make_policy("pd").plan(0, snap(burst, decoding=decoding(2)), c).decode) == 2
+    # nothing fits in KV: decode, so memory frees up
+    plan = make_policy("pd").plan(0, snap(burst, decoding=decoding(2), free=4), control(span=1, p_burst_first=True))
+    assert len(plan.decode) == 2
+
+
 def test_pd_gathers_p_with_slack_but_never_the_critical_paths():
     """A step that carries P is dearer than a decode-only one: P below the top priority waits up to
     p_gather_ms for company; the top priority's P (or, with no priorities, anyone's) never waits."""

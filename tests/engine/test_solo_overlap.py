@@ -55,3 +55,25 @@ def test_the_ttft_bound_is_on_by_default_only_where_p_epochs_run_beside_d(tiny_m
     cfg = EngineConfig(model=str(tiny_model), mode=mode, block_size=4, num_blocks=64, solo_overlap=overlap,
                        control=ControlSettings(p_wait_bound_ms=bound))
     assert Engine(cfg).control.p_wait_bound_ms == want
+
+
+@pytest.mark.parametrize("overlap,given,want", [(True, None, True), (True, False, False), (False, None, None)])
+def test_a_burst_runs_alone_by_default_only_where_p_epochs_run_beside_d(tiny_model, overlap, given, want):
+    cfg = EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64, solo_overlap=overlap,
+                       control=ControlSettings(p_burst_first=given))
+    assert Engine(cfg).control.p_burst_first is want
+
+
+def test_prefill_warmup_runs_every_size_and_changes_no_output(tiny_model, capfd):
+    """The warm-up (on by default on one CUDA rank) writes KV blocks no request holds yet and samples
+    nothing: the requests after it equal transformers' and the pool is whole again."""
+    cfg = EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=256, prefill_warmup=True,
+                       mixed_chunk_tokens=20, control=ControlSettings(prefill_budget_tokens=64))
+    engine = Engine(cfg)
+    assert "prefill warm-up: 3 steps up to 64 tokens" in capfd.readouterr().err   # 1, 37, the budget
+    assert engine.warm_prefill((3, 70)) == 2
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.step_id == 1
+    out = run_all(engine, PROMPTS, max_new=6, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        ref, margins = hf_greedy(tiny_model, p, 6)
+        assert_matches_reference(out[f"r{i}"], ref, margins, f"after the warm-up, prompt {i}")

@@ -237,7 +237,7 @@ def test_multiplexing_is_not_in_the_pod_template():
     assert builders.configmap("r", "ns", base) != builders.configmap("r", "ns", changed)
     cfg = json.loads(builders.configmap("r", "ns", changed)["data"]["engine-config.json"])
     assert cfg["control"] == {"activation": "on", "span": 3, "prefill_budget_tokens": 32768,
-                              "ordering": "global-enqueue", "p_wait_bound_ms": None, "p_gather_ms": None}
+                              "ordering": "global-enqueue", "p_wait_bound_ms": None, "p_gather_ms": None, "p_burst_first": None}
 
 
 def test_engine_config_is_accepted_by_the_engine_and_args_point_at_it():

@@ -84,7 +84,8 @@ def test_two_pod_group_through_the_operator(cluster, operator, namespace, tiny_m
         wait("node 0's /control to change",
              lambda: http(f"{urls[0]}/control")[1] == {"activation": "on", "span": 3, "prefill_budget_tokens": 64,
                                                        "ordering": "global-enqueue", "p_wait_bound_ms": None,
-                                                       "p_gather_ms": None}, timeout=30, interval=0.3)
+                                                       "p_gather_ms": None, "p_burst_first": None},
+             timeout=30, interval=0.3)
         code, out = http(f"{urls[0]}/generate", {"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 3}})
         assert code == 200 and all(p.proc.poll() is None for p in procs)
         assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in running()} == uids

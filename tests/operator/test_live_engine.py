@@ -132,7 +132,7 @@ def test_multiplexing_change_reaches_engine_without_restart(cluster, live, wait)
     cluster.kubectl("patch", "pdrollout", name, "-n", ns, "--type=merge", "-p", json.dumps(
         {"spec": {"multiplexing": {"activation": "on", "span": 2, "ordering": "global-enqueue"}}}))
     want = {"activation": "on", "span": 2, "prefill_budget_tokens": 32768, "ordering": "global-enqueue",
-            "p_wait_bound_ms": None, "p_gather_ms": None}
+            "p_wait_bound_ms": None, "p_gather_ms": None, "p_burst_first": None}
     wait("the engine's /control to change", lambda: http(f"{engine.url}/control") == want, timeout=20,
          interval=0.2)
     # Same pod, same engine process, same StatefulSet template; the ConfigMap carries it for restarts.

@@ -349,7 +349,7 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
     c.kubectl("patch", "pdrollout", name, "-n", ns, "--type=merge",
               "-p", json.dumps({"spec": {"multiplexing": {"span": 3, "ordering": "global-enqueue"}}}))
     want = {"activation": mux["activation"], "span": 3, "prefill_budget_tokens": mux["prefillBudgetTokens"],
-            "ordering": "global-enqueue", "p_wait_bound_ms": None, "p_gather_ms": None}
+            "ordering": "global-enqueue", "p_wait_bound_ms": None, "p_gather_ms": None, "p_burst_first": None}
     wait("node 0's /control to change", lambda: c.http(f"http://{node0}:{port}/control")[1]
          and json.loads(c.http(f"http://{node0}:{port}/control")[1]) == want, timeout=30)
     st = wait("status.control", lambda: (s := _status(c, ns, name)).get("control", {}).get("span") == 3 and s,

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 DEFAULT = {"activation": "auto", "span": "auto", "prefill_budget_tokens": 32768, "ordering": "fine-grained",
-           "p_wait_bound_ms": None, "p_gather_ms": None}
+           "p_wait_bound_ms": None, "p_gather_ms": None, "p_burst_first": None}
 BODY = {"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
 
 
@@ -40,7 +40,8 @@ def test_control_changes_apply_live(server, restore_control):
     r = server.http.put("/control", json={"activation": "off", "span": "auto", "prefill_budget_tokens": 4096,
                                           "p_wait_bound_ms": 250})
     assert r.json() == {"activation": "off", "span": "auto", "prefill_budget_tokens": 4096,
-                        "ordering": "global-enqueue", "p_wait_bound_ms": 250, "p_gather_ms": None}
+                        "ordering": "global-enqueue", "p_wait_bound_ms": 250, "p_gather_ms": None,
+                        "p_burst_first": None}
 
 
 @pytest.mark.parametrize("bad, needle", [

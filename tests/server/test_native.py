@@ -162,7 +162,7 @@ def test_flush_cache_health_and_info(server):
     si = server.http.get("/get_server_info").json()
     assert si["mode"] == "pd" and si["port"] == int(server.url.rsplit(":", 1)[1])
     assert set(si["control"]) == {"activation", "span", "prefill_budget_tokens", "ordering", "p_wait_bound_ms",
-                                "p_gather_ms"}
+                                "p_gather_ms", "p_burst_first"}
 
 
 def test_priority_orders_admission(start_server):
