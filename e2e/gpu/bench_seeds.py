@@ -55,6 +55,8 @@ def run_job(job: dict, gpu: str | None, args, log) -> None:
            "--preset", args.preset, "--seed", str(job["seed"]), "--pressure", job["pressure"],
            "--device", "cpu" if os.environ.get("DEVICE") == "cpu" else "cuda",
            "--serve-arg=--engine-config", f"--serve-arg={json.dumps(config)}", "--no-progress", "--out", str(out)]
+    if args.step_logs:   # the server's per-step log (plan sizes, epochs, wall time) beside the results
+        cmd += ["--serve-arg=--step-log", f"--serve-arg={out / 'steps'}"]
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
@@ -164,6 +166,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
     ap.add_argument("--model", default="/tmp/pdrollout-bench-model")
     ap.add_argument("--job-timeout", type=float, default=600)
+    ap.add_argument("--step-logs", action="store_true", help="each server writes its step log under OUT")
     ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
     args = ap.parse_args()
     out = Path(args.out)

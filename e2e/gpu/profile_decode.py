@@ -1,14 +1,16 @@
 """Where a decode step's GPU time goes: torch.profiler over eager decode forwards (the same kernels the
 CUDA graph replays) of the Qwen3-30B-A3B shape at batch 64. Prints the top kernels by GPU time.
-With --prefill: one engine step that prefills an 8k-token chunk (4 prompts of 2,048) instead.
+With --prefill: one engine step that prefills --rows prompts of --row-tokens each instead (default
+an 8k-token chunk, 4 × 2,048), with its wall time beside its kernel time (the gap is host work).
 Usage: python3 e2e/gpu/profile_decode.py [--layers 48] [--batch 64] [--ctx 2048] [--prefill]
-           [--experts-kernel auto] [--qk-prologue auto] --out profile.txt
+           [--rows 4 --row-tokens 2048] [--experts-kernel auto] [--qk-prologue auto] --out profile.txt
 """
 from __future__ import annotations
 
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +29,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--out", default="profile.txt")
     ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--row-tokens", type=int, default=2048)
     ap.add_argument("--experts-kernel", default="auto")
     ap.add_argument("--qk-prologue", default="auto")
     a = ap.parse_args()
@@ -37,7 +41,7 @@ def main():
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, cuda_graphs=False,
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue,
-                            control=ControlSettings(prefill_budget_tokens=8192)))
+                            control=ControlSettings(prefill_budget_tokens=a.rows * a.row_tokens)))
     g = torch.Generator().manual_seed(0)
     if a.prefill:
         return profile_prefill(e, cfg, g, a)
@@ -65,19 +69,25 @@ def main():
 
 
 def profile_prefill(e, cfg, g, a):
-    """Three 8k chunks: the first two compile and warm, the third is profiled."""
-    for i in range(12):
-        e.submit(f"p{i}", torch.randint(2, cfg["vocab_size"], (2048,), generator=g).tolist(),
+    """Four steps of the same shape: two compile and warm, one is timed, the last is profiled."""
+    for i in range(4 * a.rows):
+        e.submit(f"p{i}", torch.randint(2, cfg["vocab_size"], (a.row_tokens,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     e.step(), e.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    e.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         e.step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     total = sum(k.self_device_time_total for k in prof.key_averages()) / 1e3
-    text = (f"one engine step prefilling 8,192 tokens (4 × 2,048), {a.layers} layers, experts "
-            f"{e.worker.backends.name}: {total:.1f} ms of kernel time\n" + table)
+    tokens = a.rows * a.row_tokens
+    text = (f"one engine step prefilling {tokens:,} tokens ({a.rows} × {a.row_tokens:,}), {a.layers} layers, "
+            f"experts {e.worker.backends.name}: {wall:.1f} ms wall (unprofiled), {total:.1f} ms of kernel time\n"
+            + table)
     Path(a.out).write_text(text)
     print(text)
 
