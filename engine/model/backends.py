@@ -12,7 +12,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
   experts    ReferenceExperts    one expert at a time (CPU)
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
-                                 16 rows per expert (fused_moe.py; `experts_kernel: fused`)
+                                 16 rows per expert (fused_moe.py; `experts_kernel: fused`); FP8
+                                 experts stay e4m3 in HBM, dequantized per tile in registers
              AutoExperts         fused with 16-row blocks at decode sizes, grouped between, fused with
                                  128-row tiles for long prefill (bf16 on SM90+: `experts_kernel: auto`)
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
@@ -69,18 +70,20 @@ class PagedAttention:
 
 class _Experts:
     fn = staticmethod(ops.experts_reference)
+    fp8_in_kernel = False   # takes e4m3 expert weights and their block scales as they are (`fp8=`)
 
-    def __call__(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0):
+    def __call__(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0, **fp8):
         if x.shape[0] == 0:   # a rank may receive no rows this step (the shapes below need some)
             return x.new_zeros(0, down.shape[1])
-        return self.fn(x, topk_ids, topk_weights, gate_up, down, expert_offset)
+        return self.fn(x, topk_ids, topk_weights, gate_up, down, expert_offset, **fp8)
 
-    def routed(self, rows, local_ids, gate_up, down):
+    def routed(self, rows, local_ids, gate_up, down, **fp8):
         """Each row through its one local expert (id -1: an empty slot, output 0): what an expert
         all-to-all delivers. No host read, so D can run it inside a graph."""
         one = local_ids[:, None]
-        weight = torch.ones(one.shape, dtype=gate_up.dtype, device=rows.device)
-        return self(rows.to(gate_up.dtype), one, weight, gate_up, down)
+        dtype = rows.dtype if fp8 else gate_up.dtype    # FP8 weights: the activations' dtype
+        weight = torch.ones(one.shape, dtype=dtype, device=rows.device)
+        return self(rows.to(dtype), one, weight, gate_up, down, **fp8)
 
 
 class ReferenceExperts(_Experts):
@@ -95,6 +98,8 @@ class GroupedExperts(_Experts):
 
 
 class FusedExperts(_Experts):
+    fp8_in_kernel = True    # FP8 checkpoints: each weight tile dequantized in registers (fused_moe.py)
+
     @property
     def fn(self):
         from . import fused_moe

@@ -67,8 +67,8 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
-                sx, swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
-                IEEE: tl.constexpr):
+                sx, swe, swn, swk, ws, sse, ssn, ssk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
@@ -89,6 +89,12 @@ def _kernels(interpret: bool):
             wmask = kmask[:, None] & cmask[None, :]
             wg = tl.load(base + cols[None, :] * swn, mask=wmask, other=0.0)
             wu = tl.load(base + (cols + I)[None, :] * swn, mask=wmask, other=0.0)
+            if QB:   # FP8 weights: a tile lies in one block column of scales; gate's and up's block rows apart
+                sbase = ws + e * sse + (k0 // QB) * ssk
+                s_g = tl.load(sbase + (cols // QB) * ssn, mask=cmask, other=0.0)
+                s_u = tl.load(sbase + ((I + QB - 1) // QB + cols // QB) * ssn, mask=cmask, other=0.0)
+                wg = (wg.to(tl.float32) * s_g[None, :]).to(act.dtype.element_ty)
+                wu = (wu.to(tl.float32) * s_u[None, :]).to(act.dtype.element_ty)
             if F32:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 are exact
                 a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             if IEEE:   # fp32 weights: no TF32 rounding (the exact path)
@@ -107,8 +113,8 @@ def _kernels(interpret: bool):
     # module imports Triton only when a kernel first runs
     @triton.jit
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
-             swe, swn, swk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
-             IEEE: tl.constexpr):
+             swe, swn, swk, ws, sse, ssn, ssk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
@@ -125,6 +131,9 @@ def _kernels(interpret: bool):
             a = tl.load(act + rows[:, None] * I + ks[None, :], mask=kmask[None, :], other=0.0)
             wt = tl.load(w + e * swe + cols[None, :] * swn + ks[:, None] * swk,
                          mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if QB:
+                sc = tl.load(ws + e * sse + (cols // QB) * ssn + (k0 // QB) * ssk, mask=cmask, other=0.0)
+                wt = (wt.to(tl.float32) * sc[None, :]).to(act.dtype.element_ty)
             if F32:
                 a, wt = a.to(tl.float32), wt.to(tl.float32)
             if IEEE:
@@ -141,28 +150,41 @@ def _kernels(interpret: bool):
 
 def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
                   block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                  num_stages: int = 3):
+                  num_stages: int = 3, fp8: tuple | None = None):
     """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]. The tile
-    arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep."""
+    arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep.
+    `fp8` = (gate_up scale_inv, down scale_inv, quant block) with e4m3 weights (fp8.py's layout: gate's
+    and up's block rows quantized apart): each weight tile is dequantized in registers, exactly as
+    fp8.dequantize would (fp32 product, cast to x's dtype), so the weights cross HBM as FP8."""
     import triton
     t, k = topk_ids.shape
     e_local, two_i, hidden = gate_up.shape
     inter = two_i // 2
     n = t * k
     sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset, block_m)
-    act = torch.empty(blocks * block_m, inter, dtype=gate_up.dtype, device=x.device)
+    wdtype = x.dtype if fp8 is not None else gate_up.dtype
+    act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
     y = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
     interpret = triton_interpreting()
     k_gate_up, k_down = _kernels(interpret)
-    xs = x.to(gate_up.dtype).contiguous()
-    ieee = gate_up.dtype == torch.float32 and not interpret
-    tiles = dict(BM=block_m, BN=block_n, BK=block_k, F32=interpret, IEEE=ieee)
+    xs = x.to(wdtype).contiguous()
+    ieee = wdtype == torch.float32 and not interpret
+    if fp8 is None:
+        qb, s_gu, s_dn = 0, gate_up, down    # unused scale pointers
+        st_gu = st_dn = (0, 0, 0)
+    else:
+        s_gu, s_dn, block = fp8
+        qb = block[0]
+        if block[0] != block[1] or qb % block_k:
+            raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({block_k}) divides, got {block}")
+        st_gu, st_dn = s_gu.stride(), s_dn.stride()
+    tiles = dict(BM=block_m, BN=block_n, BK=block_k, F32=interpret, IEEE=ieee, QB=qb)
     launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
     k_gate_up[(blocks, triton.cdiv(inter, block_n))](
         xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
-        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), **tiles, **launch)
+        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gu, *st_gu, **tiles, **launch)
     w = topk_weights.reshape(-1).contiguous()
     k_down[(blocks, triton.cdiv(hidden, block_n))](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
-        down.stride(0), down.stride(1), down.stride(2), **tiles, **launch)
+        down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, **tiles, **launch)
     return y.view(t, k, hidden).sum(1).to(x.dtype)

@@ -169,10 +169,22 @@ class MoEBlock(nn.Module):
 
     def local_experts(self, x, topk_ids, topk_weights):
         """This shard's experts for rows routed by global expert id (foreign experts add nothing)."""
-        if self.experts.block is not None and not x.is_cuda:   # FP8: dequantized per routed expert (fp8.py)
-            return fp8.experts_forward(x, topk_ids, topk_weights, self.experts, self.expert_offset)
+        e = self.experts
+        if self._fp8_in_kernel():
+            return self.backends.experts(x, topk_ids, topk_weights, e.gate_up_proj, e.down_proj,
+                                         self.expert_offset, fp8=self._fp8_scales())
+        if e.block is not None and not x.is_cuda:   # FP8: dequantized per routed expert (fp8.py)
+            return fp8.experts_forward(x, topk_ids, topk_weights, e, self.expert_offset)
         gate_up, down = self._expert_tensors(x.dtype)
         return self.backends.experts(x, topk_ids, topk_weights, gate_up, down, self.expert_offset)
+
+    def _fp8_in_kernel(self) -> bool:
+        """FP8 experts handed to a kernel that dequantizes tiles itself (the fused Triton MoE)."""
+        return self.experts.block is not None and self.backends.experts.fp8_in_kernel
+
+    def _fp8_scales(self):
+        e = self.experts
+        return e.gate_up_proj_scale_inv, e.down_proj_scale_inv, e.block
 
     def _expert_tensors(self, dtype):
         """The expert backend's weights. FP8 on CUDA: the layer's local experts dequantized for this
@@ -184,6 +196,9 @@ class MoEBlock(nn.Module):
 
     def routed_experts(self, rows, local_ids):
         """Each row through its one local expert (-1: empty, output 0): what an all-to-all delivers."""
+        if self._fp8_in_kernel():
+            e = self.experts
+            return self.backends.experts.routed(rows, local_ids, e.gate_up_proj, e.down_proj, fp8=self._fp8_scales())
         if self.experts.block is not None and not rows.is_cuda:
             ones = torch.ones(local_ids.shape[0], 1, dtype=rows.dtype, device=rows.device)
             return fp8.experts_forward(rows, local_ids[:, None], ones, self.experts)

@@ -85,3 +85,89 @@ def test_align_counts_and_sorts_to_the_same_layout(monkeypatch):
     monkeypatch.setattr(fm, "SORT_FREE_MAX", 0)
     sorted_ = align(ids, num_local=32, expert_offset=4)
     assert all(torch.equal(a, b) for a, b in zip(counted[:2], sorted_[:2])) and counted[2] == sorted_[2]
+
+
+def _fp8_experts(num_local, hidden, inter, block, seed):
+    """FP8 experts in fp8.py's layout: gate and up quantized apart (their block rows restart at I)."""
+    from types import SimpleNamespace
+    from pdrollout.engine.model import fp8
+    g = torch.Generator().manual_seed(seed)
+    gu_q, gu_s, dn_q, dn_s = [], [], [], []
+    for _ in range(num_local):
+        gate, up = (torch.randn(2, inter, hidden, generator=g) * hidden ** -0.5).unbind(0)
+        (qg, sg), (qu, su) = fp8.quantize(gate, block), fp8.quantize(up, block)
+        q, sd = fp8.quantize(torch.randn(hidden, inter, generator=g) * inter ** -0.5, block)
+        gu_q.append(torch.cat([qg, qu])), gu_s.append(torch.cat([sg, su])), dn_q.append(q), dn_s.append(sd)
+    return SimpleNamespace(gate_up_proj=torch.stack(gu_q), gate_up_proj_scale_inv=torch.stack(gu_s),
+                           down_proj=torch.stack(dn_q), down_proj_scale_inv=torch.stack(dn_s),
+                           inter=inter, block=block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,total,num_local,offset", [(1, 8, 16, 16, 0), (29, 4, 16, 8, 8)])
+def test_fp8_fused_experts_dequantize_each_tile_exactly_as_the_reference(dtype, t, k, total, num_local, offset):
+    """e4m3 weights with 128×128 block scales (partial last blocks: I = 192, H = 160): the kernel's
+    in-register dequantization gives the same bits as running it on fp8.dequantize's weights (in
+    fp32: the interpreter's fp32->bf16 cast does not round to nearest, the GPU test checks bf16's
+    bits), and the result matches the reference FP8 path (fp8.experts_forward)."""
+    from pdrollout.engine.model import fp8
+    hidden, inter, block = 160, 192, (128, 128)
+    ex = _fp8_experts(num_local, hidden, inter, block, seed=t)
+    g = torch.Generator().manual_seed(100 + t)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    w, ids = ops.route(torch.randn(t, total, generator=g), k, True, dtype)
+    out = experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, offset, block_n=32, block_k=64,
+                        fp8=(ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, block))
+    gu, dn = fp8.expert_weights(ex, slice(None), dtype)
+    same = experts_fused(x, ids, w, gu, dn, offset, block_n=32, block_k=64)
+    assert torch.equal(out, same) if dtype == torch.float32 else rel(out, same) < 2e-2
+    if dtype == torch.float32:
+        assert rel(out, fp8.experts_forward(x, ids, w, ex, offset)) < 1e-6
+    else:   # against the exact function of the FP8 weights (bf16 roundings, truncated here, ~1 % each)
+        gu, dn = fp8.expert_weights(ex, slice(None), torch.float64)
+        assert rel(out, ops.experts_reference(x.double(), ids, w.double(), gu, dn, offset)) < 3e-2
+    assert out.dtype == dtype
+
+
+def test_fp8_fused_experts_reject_a_k_tile_across_scale_blocks():
+    ex = _fp8_experts(2, 160, 192, (128, 128), seed=0)
+    x, ids, w = torch.randn(2, 160), torch.tensor([[0], [1]]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="block_k"):
+        experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, block_k=96,
+                      fp8=(ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, (128, 128)))
+
+
+def test_an_fp8_model_through_the_fused_experts_equals_the_reference_path():
+    """MoEBlock hands FP8 experts to the fused kernels as they are (`experts_kernel: fused`), for
+    top-k rows and for routed rows (what an all-to-all delivers): the same logits as the
+    per-expert dequantizing reference, in fp32."""
+    from pdrollout.engine.model.backends import REFERENCE, Backends, FusedExperts, ReferenceAttention
+    from pdrollout.engine.model.checkpoint import random_model
+    from pdrollout.engine.model.kv_cache import KVCache
+    from pdrollout.engine.protocol.config import ModelConfig
+    from pdrollout.engine.runtime.batch import ForwardBatch, SeqSlice
+    cfg = ModelConfig.from_dict({"vocab_size": 384, "hidden_size": 256, "intermediate_size": 384,
+                                 "moe_intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
+                                 "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 512,
+                                 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                         "activation_scheme": "dynamic",
+                                                         "weight_block_size": [128, 128]}})
+    fused = Backends(ReferenceAttention(), FusedExperts())
+    prompt = [(i * 37) % 380 + 2 for i in range(11)]
+    logits = []
+    for backends in (REFERENCE, fused):
+        model = random_model(cfg, torch.device("cpu"), torch.float32, seed=4, backends=backends)
+        n = len(prompt)
+        kv = KVCache(2, 1, n, 2, 128, torch.float32, "cpu")
+        slots = torch.arange(n)
+        batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=slots,
+                             seqs=[SeqSlice(0, n, n, slots)], logits_indices=torch.arange(n))
+        logits.append(model(batch, kv))
+        moe = model.model.layers[0].mlp
+        assert moe.experts.down_proj.dtype == torch.float8_e4m3fn and moe._fp8_in_kernel() == (backends is fused)
+    assert rel(logits[1], logits[0]) < 1e-5
+    rows, ids = torch.randn(5, 256), torch.tensor([3, -1, 0, 7, 3])
+    got = moe.routed_experts(rows, ids)
+    moe.backends = REFERENCE
+    assert rel(got, moe.routed_experts(rows, ids)) < 1e-6 and torch.equal(got[1], torch.zeros(256))

@@ -93,6 +93,30 @@ def test_routed_experts_match_reference(kernel, tokens, offset, num_local):
     assert rel(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_fp8_fused_experts_equal_the_fused_kernel_on_dequantized_weights(tokens):
+    """e4m3 experts with 128×128 block scales at the Qwen3-30B-A3B expert shape: each tile
+    dequantized in registers gives the bits of fp8.dequantize's bf16 weights (round to nearest,
+    as torch casts), so the two runs of the fused kernel are equal."""
+    from pdrollout.engine.model import fp8, fused_moe
+    g = torch.Generator(device=cuda).manual_seed(3)
+    hdim, inter, top_k, e = 2048, 768, 8, 128
+    block = (128, 128)
+    qs = [fp8.quantize(torch.randn(rows, cols, generator=g, device=cuda) * cols ** -0.5, block)
+          for _ in range(e) for rows, cols in ((inter, hdim), (inter, hdim), (hdim, inter))]
+    gu = torch.stack([torch.cat([qs[3 * i][0], qs[3 * i + 1][0]]) for i in range(e)])
+    gu_s = torch.stack([torch.cat([qs[3 * i][1], qs[3 * i + 1][1]]) for i in range(e)])
+    dn, dn_s = torch.stack([qs[3 * i + 2][0] for i in range(e)]), torch.stack([qs[3 * i + 2][1] for i in range(e)])
+    x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
+    w, ids = ops.route(torch.randn(tokens, e, generator=g, device=cuda), top_k, True, torch.bfloat16)
+    out = fused_moe.experts_fused(x, ids, w, gu, dn, fp8=(gu_s, dn_s, block))
+    half = inter // block[0]     # gate's and up's block rows: quantized apart
+    gu16 = torch.cat([fp8.dequantize(gu[:, :inter], gu_s[:, :half], block, torch.bfloat16),
+                      fp8.dequantize(gu[:, inter:], gu_s[:, half:], block, torch.bfloat16)], 1)
+    dn16 = fp8.dequantize(dn, dn_s, block, torch.bfloat16)
+    assert torch.equal(out, fused_moe.experts_fused(x, ids, w, gu16, dn16))
+
+
 @pytest.mark.parametrize("kernel", ["grouped", "fused"])
 def test_routed_experts_capture_in_a_graph(kernel):
     experts = _experts(kernel)
