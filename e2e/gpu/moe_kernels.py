@@ -3,8 +3,11 @@
 graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
 touches. Decides `experts_kernel`'s default (issue 19).
 
-    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep]
-    (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach)
+    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--fp8]
+    (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach;
+     --fp8: the same experts as e4m3 with 128×128 block scales — the fused kernel dequantizing tiles in
+     registers against today's CUDA FP8 path (the layer dequantized, then grouped GEMMs), its FP8
+     floor, and the bf16 and FP8 GEMM peaks measured in the same call (issue 23))
     DEVICE=cpu python3 e2e/gpu/moe_kernels.py OUT.json   # dry run: a tiny shape, Triton's interpreter
 """
 from __future__ import annotations
@@ -62,11 +65,66 @@ def copy_bw(dev) -> float:
     return 2 * a.numel() / timed(lambda: b.copy_(a), 20)
 
 
+def peaks(dev) -> dict:
+    """TFLOP/s of one 8k×8k×8k GEMM in bf16 and in FP8 (torch._scaled_mm, per-tensor scales)."""
+    n = 8192
+    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    b = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    bf16 = 2 * n ** 3 / timed(lambda: a @ b, 10) / 1e12
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()   # column-major second operand
+    one = torch.ones((), device=dev)
+    f8 = 2 * n ** 3 / timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 10) / 1e12
+    return {"bf16_tflops": bf16, "fp8_tflops": f8}
+
+
+def fp8_experts(gate_up, down, block=(128, 128)):
+    """e4m3 copies in fp8.py's layout: gate's and up's block rows quantized apart."""
+    from pdrollout.engine.model import fp8
+    inter = gate_up.shape[1] // 2
+    parts = [[fp8.quantize(w[r], block) for r in range(w.shape[0])]
+             for w in (gate_up[:, :inter], gate_up[:, inter:], down)]
+    gu = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(parts[0], parts[1])])
+    gu_s = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(parts[0], parts[1])])
+    dn, dn_s = torch.stack([d[0] for d in parts[2]]), torch.stack([d[1] for d in parts[2]])
+    return gu, dn, (gu_s, dn_s, block)
+
+
+def fp8_row(x, ids, w, q, bw, top_k, cpu: bool) -> dict:
+    """The FP8 experts: fused with in-register dequantization, against the reference on the same
+    weights and (GPU) against dequantize + grouped GEMMs; floor = the touched experts' FP8 bytes."""
+    from types import SimpleNamespace
+    from pdrollout.engine.model import fp8
+    gu, dn, scales = q
+    ex = SimpleNamespace(gate_up_proj=gu, gate_up_proj_scale_inv=scales[0], down_proj=dn,
+                         down_proj_scale_inv=scales[1], inter=dn.shape[2], block=scales[2])
+    out = experts_fused(x, ids, w, gu, dn, fp8=scales)
+    g64, d64 = fp8.expert_weights(ex, slice(None), torch.float64)
+    ref = ops.experts_reference(x.double(), ids, w.double(), g64, d64)
+    row = {"fp8_fused_rel_err": ((out.double() - ref).norm() / ref.norm()).item()}
+    if cpu:
+        return row
+    from pdrollout.engine.model.kernels import experts_grouped
+
+    def dequant_grouped():
+        g16, d16 = fp8.expert_weights(ex, slice(None), torch.bfloat16)
+        return experts_grouped(x, ids, w, g16, d16)
+    hidden, inter = dn.shape[1], dn.shape[2]
+    touched = int(ids.unique().numel())
+    scale_bytes = scales[0][0].numel() * 4 + scales[1][0].numel() * 4
+    row.update(fp8_fused_us=timed(lambda: experts_fused(x, ids, w, gu, dn, fp8=scales), 50) * 1e6,
+               fp8_dequant_grouped_us=timed(dequant_grouped, 20) * 1e6,
+               fp8_floor_us=touched * (3 * hidden * inter + scale_bytes) / bw * 1e6)
+    row["fp8_fused_over_floor"] = row["fp8_fused_us"] / row["fp8_floor_us"]
+    row["fp8_fused_tflops"] = 2 * x.shape[0] * top_k * 3 * hidden * inter / row["fp8_fused_us"] / 1e6
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1,8,32,64,128,256,2048,8192")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
     dev = torch.device("cpu" if cpu else "cuda")
@@ -75,6 +133,7 @@ def main() -> int:
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device=dev) * hidden ** -0.5).to(torch.bfloat16)
     down = (torch.randn(experts, hidden, inter, generator=g, device=dev) * inter ** -0.5).to(torch.bfloat16)
     bw = None if cpu else copy_bw(dev)
+    q = fp8_experts(gate_up.float(), down.float()) if a.fp8 else None
     rows = []
     for t in [int(x) for x in a.tokens.split(",")][:2 if cpu else None]:
         x = torch.randn(t, hidden, generator=g, device=dev).to(torch.bfloat16)
@@ -97,14 +156,18 @@ def main() -> int:
                 row["sweep"] = sweep(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops)
                 best = row["sweep"][0]
                 row["best_fused_us"], row["best_config"] = best["us"], best["config"]
+        if q is not None:
+            row.update(fp8_row(x, ids, w, q, bw, top_k, cpu))
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "copy_bw_tbs": bw and bw / 1e12,
             "shape": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
-            "command": "python3 e2e/gpu/moe_kernels.py " + " ".join(sys.argv[1:])}
+            "command": "python3 e2e/gpu/moe_kernels.py " + " ".join(sys.argv[1:]),
+            **({"peaks": peaks(dev)} if a.fp8 and not cpu else {})}
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    bad = [r["tokens"] for r in rows if r["fused_rel_err"] > 2e-2]
+    # FP8: against the exact function of the e4m3 weights, one bf16 rounding of the weights more
+    bad = [r["tokens"] for r in rows if r["fused_rel_err"] > 2e-2 or r.get("fp8_fused_rel_err", 0) > 3e-2]
     if bad:
         print(f"fused experts differ from the reference at tokens {bad}", file=sys.stderr)
         return 1
