@@ -204,6 +204,9 @@ class Engine(EngineOps):
         work = tuple(ReplicaWork(decode=(row(Phase.DECODE),), prefill=(row(Phase.PREFILL),)) for _ in self.schedulers)
         self._exchange(StepPlan(0, self.control.model_dump(), work, multiplexing=self.config.mode == "pd"))
         warm = self.config.prefill_warmup
+        if warm and self.topo.world > 1:
+            raise ValueError("prefill_warmup runs on one rank; several ranks warm their GEMM shapes at start "
+                             "(runtime/warmup.py): leave it unset")
         if warm or (warm is None and self.topo.world == 1 and self.worker.cuda):
             self.warm_prefill()
         self.step_id = 1
