@@ -9,6 +9,7 @@ call, then summarized.
     python3 e2e/gpu/bench_seeds.py OUT --seeds 0,1,2,3,4 --pressures P1,trace \
         --variant base:normal,mixed,pd:{} --variant overlap:pd:'{"solo_overlap": true}' [--gpus 0,1]
     python3 e2e/gpu/bench_seeds.py OUT --summarize      # the table again from OUT
+    ... --step-logs                                      # each server's step log under OUT/.../steps
     DEVICE=cpu ... --preset tiny                         # dry run on CPU
 """
 from __future__ import annotations
