@@ -63,8 +63,9 @@ class Live:
 
 @contextlib.contextmanager
 def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
-          extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0):
-    """Start the server, wait for GET /health 200, yield it (Live); SIGTERM and wait on exit."""
+          extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0, env: dict | None = None):
+    """Start the server, wait for GET /health 200, yield it (Live); SIGTERM and wait on exit.
+    `env`: the server's environment (default: this process's), e.g. its CUDA_VISIBLE_DEVICES."""
     port = free_port()
     # the bench is the server's only client: a stop (the bench done or interrupted) need not wait long
     drain = [] if "--drain-timeout" in extra_args else ["--drain-timeout", "2"]
@@ -74,7 +75,7 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
     with open(log_path, "ab") as log:
         # its own session: the whole tree (ranks included) can be ended by its process group
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + startup_timeout_s
         while not _healthy(url):

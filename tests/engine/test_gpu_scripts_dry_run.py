@@ -19,3 +19,31 @@ def test_moe_kernels_dry_run_checks_bf16_and_fp8_experts_against_the_reference(t
     rows = json.loads(out.read_text())["rows"]
     assert [row["tokens"] for row in rows] == [1, 8]
     assert all(row["fused_rel_err"] < 2e-2 and 0 < row["fp8_fused_rel_err"] < 3e-2 for row in rows), rows
+
+
+def _bench_seeds(out, *extra):
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(out), "--seeds", "0",
+                        "--preset", "tiny", "--model-preset", "tiny", "--model", str(out) + "-model",
+                        "--job-timeout", "120", "--variant", "base:normal,mixed:{}", *extra],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _cached(out, pressure, mode):
+    res = json.loads((out / "base" / f"{pressure}-s0" / mode / "results.json").read_text())
+    return res["modes"][mode]["total_cached_tokens"], res["modes"][mode]["completed"]
+
+
+def test_bench_seeds_reuses_one_server_per_mode_and_flushes_its_cache_between_runs(tmp_path):
+    """Two pressures of one seed send the same prompts: on a reused server the second run finds no
+    prefix of the first (the cache was flushed), so it caches what a fresh server's run does."""
+    reused, fresh = tmp_path / "reused", tmp_path / "fresh"
+    log = _bench_seeds(reused, "--pressures", "P1,P2", "--reuse-server")
+    assert log.count("server up") == 2 and log.count(": rc 0 in") == 4, log
+    _bench_seeds(fresh, "--pressures", "P2")
+    for mode in ("normal", "mixed"):
+        assert _cached(reused, "P2", mode) == _cached(fresh, "P2", mode)
+    summary = json.loads((reused / "summary.json").read_text())
+    assert summary["meta"]["servers"].startswith("one per (variant, mode)")
+    assert set(summary["table"]) == {"P1", "P2"}
