@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
     ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
+    ap.add_argument("--add-norm", choices=["torch", "fused"], default="torch")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     bw, peak = measure_ceilings()
@@ -71,7 +72,7 @@ def main():
     t0 = time.perf_counter()
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
-                            experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue,
+                            experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in e.worker.model.parameters())
@@ -118,7 +119,7 @@ def main():
     attn_flops = 4 * a.chunk * a.ctx / 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     chunk_flops = 2 * active * a.chunk + attn_flops
     res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
-           "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue,
+           "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,

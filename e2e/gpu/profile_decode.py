@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--row-tokens", type=int, default=2048)
     ap.add_argument("--experts-kernel", default="auto")
     ap.add_argument("--qk-prologue", default="auto")
+    ap.add_argument("--add-norm", default="torch")
     a = ap.parse_args()
     cfg = load_preset("qwen3-30b-a3b")
     cfg["num_hidden_layers"] = a.layers
@@ -40,7 +41,7 @@ def main():
     (tmp / "config.json").write_text(json.dumps(cfg))
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, cuda_graphs=False,
-                            experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue,
+                            experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             control=ControlSettings(prefill_budget_tokens=a.rows * a.row_tokens)))
     g = torch.Generator().manual_seed(0)
     if a.prefill:

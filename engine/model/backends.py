@@ -138,19 +138,34 @@ class GatheredExperts(_Experts):
 class Backends:
     attention: object
     experts: object
+    add_norm: object = None     # (x, y|None, weight, eps) -> (x+y, rms_norm(x+y)); None: the torch ops
+
+    def residual_norm(self, x, y, weight, eps: float):
+        from . import norms
+        return (self.add_norm or norms.torch_add_norm)(x, y, weight, eps)
 
     @property
     def name(self) -> str:
-        return f"{type(self.attention).__name__}+{type(self.experts).__name__}"
+        norm = "+FusedAddNorm" if self.add_norm is not None else ""
+        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}"
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto") -> Backends:
+                  prologue: str = "auto", add_norm: str = "torch") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
-    (EngineConfig.qk_prologue); CPU always runs the reference. Auto picks the fused kernels only in
-    bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch prologue)."""
+    (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); CPU always runs the
+    reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on the exact paths
+    (gathered experts, torch prologue)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
+    backends = _cuda_backends(device, dtype, experts, prologue)
+    if add_norm == "fused":
+        from .norms import fused_add_norm
+        backends = Backends(backends.attention, backends.experts, fused_add_norm)
+    return backends
+
+
+def _cuda_backends(device: torch.device, dtype: torch.dtype, experts: str, prologue: str) -> Backends:
     if prologue == "auto":
         prologue = "fused" if dtype == torch.bfloat16 else "torch"
     if experts == "fused":

@@ -255,11 +255,20 @@ class Qwen3MoeModel(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
         col = self.collectives
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
+        layers = self.model.layers
+        # each residual add and the norm after it are one call (backends.add_norm may fuse them)
+        norm = self.backends.residual_norm
+        ln = layers[0].input_layernorm
+        x, h = norm(x, None, ln.weight, ln.eps)
+        for i, layer in enumerate(layers):
             h = layer.self_attn(h, cos, sin, kv.k[i], kv.v[i], batch)
-            x = x + col.attn_reduce(h, batch.phase)
-            h = layer.post_attention_layernorm(x)
-            x = x + layer.mlp(h, batch, col)
+            ln = layer.post_attention_layernorm
+            x, h = norm(x, col.attn_reduce(h, batch.phase), ln.weight, ln.eps)
+            h = layer.mlp(h, batch, col)
+            if i + 1 < len(layers):
+                ln = layers[i + 1].input_layernorm
+                x, h = norm(x, h, ln.weight, ln.eps)
+            else:
+                x = x + h
         x = self.model.norm(x.index_select(0, batch.logits_indices))
         return self.lm_head(x).float()

@@ -203,6 +203,8 @@ class EngineConfig(BaseModel):
     # q/k norm + RoPE + KV write: torch ops, one Triton kernel per operand (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
+    # residual add + RMSNorm in one Triton pass (model/norms.py) on CUDA; opt-in until timed on the H200
+    add_norm: Literal["torch", "fused"] = "torch"
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores

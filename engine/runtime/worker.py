@@ -102,7 +102,8 @@ class Worker:
         # random weights stand for a benchmark shape: bf16 unless told otherwise
         dtype = torch.bfloat16 if config.random_weights and config.dtype == "auto" else \
             resolve_dtype(config.dtype, self.cfg)
-        self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue)
+        self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
+                                      config.add_norm)
         shard = shard_of(topo, rank)
         if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
             self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends)

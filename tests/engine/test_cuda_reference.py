@@ -34,10 +34,11 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
 
 @pytest.mark.parametrize("kernels", ["fused", "auto"])
 def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kernels):
-    """The fused Triton experts and prologue (fp32: IEEE dots), and pd's P epoch on its own stream beside
-    D's graph replays (solo_overlap, on by default on CUDA), inside the margin rule."""
+    """The fused Triton experts, prologue and residual add + norm (fp32: IEEE dots), and pd's P epoch on
+    its own stream beside D's graph replays (solo_overlap, on by default on CUDA), inside the margin rule."""
     e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="pd", block_size=4,
                             num_blocks=512, max_running=8, experts_kernel=kernels, qk_prologue=kernels,
+                            add_norm="fused" if kernels == "fused" else "torch",
                             control=ControlSettings(prefill_budget_tokens=24, activation="on")))
     assert e.worker.solo is not None
     for i, p in enumerate(PROMPTS):
