@@ -8,7 +8,9 @@ expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are 
 2. gate/up kernel: per block of BLOCK_M pairs and BLOCK_N intermediate columns, the gate and up
    tiles accumulate together over H and SiLU(gate)·up is written once (no [rows, 2I] round trip).
 3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
-   of an fp32 [T·K, H] buffer; torch sums the K slots (deterministic: no atomics).
+   of an fp32 [T·K, H] buffer (deterministic: no atomics).
+4. combine kernel: each token's K slots summed in order, slots of another rank's experts skipped
+   (their rows are never written, so the buffer needs no zero fill), cast once to the output dtype.
 Every weight tile an expert needs is read once per block of its rows. Tested against
 ops.experts_reference on CPU under Triton's interpreter (tests/engine/interp_fused_moe.py) and on the
 GPU (tests/engine/test_kernels.py).
@@ -145,7 +147,23 @@ def _kernels(interpret: bool):
         rw = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)
         tl.store(y + pair[:, None] * H + cols[None, :], acc * rw[:, None], mask=valid[:, None] & cmask[None, :])
 
-    return gate_up, down
+    @triton.jit
+    def combine(y, topk_ids, out, expert_offset, num_local, H: tl.constexpr, K: tl.constexpr,
+                BH: tl.constexpr):
+        t, hb = tl.program_id(0), tl.program_id(1)
+        cols = hb * BH + tl.arange(0, BH)
+        cmask = cols < H
+        acc = tl.zeros((BH,), dtype=tl.float32)
+        for k in range(K):
+            e = tl.load(topk_ids + t * K + k) - expert_offset
+            owned = (e >= 0) & (e < num_local)
+            acc += tl.load(y + (t * K + k) * H + cols, mask=cmask & owned, other=0.0)
+        tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+    return gate_up, down, combine
+
+
+COMBINE_BH = 512    # hidden columns per combine program
 
 
 def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
@@ -164,9 +182,9 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset, block_m)
     wdtype = x.dtype if fp8 is not None else gate_up.dtype
     act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
-    y = torch.zeros(n, hidden, dtype=torch.float32, device=x.device)
+    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)   # owned pairs' rows: all written
     interpret = triton_interpreting()
-    k_gate_up, k_down = _kernels(interpret)
+    k_gate_up, k_down, k_combine = _kernels(interpret)
     xs = x.to(wdtype).contiguous()
     ieee = wdtype == torch.float32 and not interpret
     if fp8 is None:
@@ -187,4 +205,8 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     k_down[(blocks, triton.cdiv(hidden, block_n))](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
         down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, **tiles, **launch)
-    return y.view(t, k, hidden).sum(1).to(x.dtype)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    ids = topk_ids.contiguous()
+    k_combine[(t, triton.cdiv(hidden, COMBINE_BH))](y, ids, out, expert_offset, e_local, hidden, k,
+                                                    COMBINE_BH, **({} if interpret else dict(num_warps=4)))
+    return out

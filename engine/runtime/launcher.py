@@ -233,6 +233,15 @@ def prepare(a, cfg, layout: GroupLayout, command: str):
     return options, None
 
 
+def _exit_now(code: int) -> None:
+    """No interpreter teardown: a collective thread of this rank may still be blocked in gloo, and
+    finalizing under it aborts the process (SIGABRT, "terminate called without an active
+    exception") instead of exiting with the verdict."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def launch_generate(a, cfg, layout: GroupLayout) -> int:
     """`pdrollout generate` on several ranks: results on stdout in input order, as with one rank.
     On node k > 0 this process only runs its node's ranks."""
@@ -247,8 +256,12 @@ def launch_generate(a, cfg, layout: GroupLayout) -> int:
     try:
         engine = start_engine(cfg, layout, options)
     except BaseException as e:
-        print(f"pdrollout generate: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return exit_code(e)
+        code = exit_code(e)
+        print(f"pdrollout generate: {type(e).__name__}: {e} (exit {code}: {exit_name(code)})",
+              file=sys.stderr, flush=True)
+        if hasattr(e, "exit_code"):   # the group had formed: a collective thread may still be blocked
+            _exit_now(code)           # (step 0 stalls too), and teardown under it aborts (see below)
+        return code
     try:
         for rec in run_requests(engine, lines, sequential=a.sequential):
             print(json.dumps(rec), flush=True)
@@ -257,14 +270,8 @@ def launch_generate(a, cfg, layout: GroupLayout) -> int:
         print(f"pdrollout generate: {type(e).__name__}: {e} (exit {code}: {exit_name(code)})",
               file=sys.stderr, flush=True)
         engine.ranks.join(0)
-        # no interpreter teardown: a collective thread of this rank may still be blocked in gloo, and
-        # finalizing under it aborts the process (SIGABRT, "terminate called without an active
-        # exception") instead of exiting with the verdict
-        sys.stdout.flush()
-        os._exit(code)
+        _exit_now(code)
     stop_engine(engine)
     if str(cfg.device).startswith("cuda"):   # skip interpreter teardown of NCCL/NVSHMEM state
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now(0)
     return 0
