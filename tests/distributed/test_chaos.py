@@ -215,6 +215,8 @@ class Aborted(Exception):
 def _greedy(url: str, i: int) -> list[int]:
     r = httpx.post(url + "/generate", json={"input_ids": prompt(i, 24), "sampling_params": {
         "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    if r.status_code == 503:   # the group failed and the server says so until it exits
+        raise Aborted(f"HTTP 503: {r.text[:300]}")
     fr = r.json()["meta_info"]["finish_reason"]
     if fr["type"] == "abort":
         raise Aborted(fr.get("message", ""))
@@ -265,9 +267,15 @@ def test_loss_on_the_ranks_links_is_carried_or_ends_with_a_documented_code(serve
     assert not runner.is_alive(), f"an answer still open {HEALED_ANSWER_S:.0f}s after the links healed\n{srv.tail()}"
     assert not got.get("wrong"), "an answer under loss differs from the one before it"
     answers, failure = got["answers"], got["failure"]
+    healed = None
+    if failure is None:
+        try:   # the retransmits may outlast the watchdog just after the window: the group gives up then
+            healed = _greedy(srv.url, 0)
+        except (httpx.HTTPError, Aborted) as e:
+            failure, got["t_fail"] = e, time.monotonic()
     if failure is None:
         assert srv.proc.poll() is None, f"the server exited ({srv.proc.returncode}) with every answer right\n{srv.tail()}"
-        assert _greedy(srv.url, 0) == reference[0], "the first answer on healed links differs"
+        assert healed == reference[0], "the first answer on healed links differs"
         rounds = metric(srv.url, "pdrollout:turnstile_rounds_total") - rounds0
         CHAOS_TABLE.append({"fault": f"{loss:.0%} loss on the ranks' links for {LOSS_WINDOW_S:.0f}s",
                             "expected": "carry on",
