@@ -4,6 +4,9 @@ Builds the Qwen3-30B-A3B shape with random bf16 weights on the device (no checkp
 prefills a batch through the engine in `normal` mode (8k-token chunks), then times decode steps
 (CUDA-graph replay alone, and whole engine steps with planning and sampling).
 Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] --out results.json
+  --fp8                  block-FP8 weights (the config's quantization_config, as FP8 releases declare)
+  --speculative-k K      n-gram speculation, K drafts per decode row: the decode steps are then
+                         verify steps, and tokens per row per step are reported beside their time
 """
 from __future__ import annotations
 
@@ -61,11 +64,16 @@ def main():
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
     ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--add-norm", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
+    ap.add_argument("--speculative-k", type=int, default=0, help="n-gram speculation with K drafts (0: off)")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     bw, peak = measure_ceilings()
     cfg_d = load_preset("qwen3-30b-a3b")
     cfg_d["num_hidden_layers"] = a.layers
+    if a.fp8:
+        from pdrollout.engine.model.checkpoint import FP8_CONFIG
+        cfg_d["quantization_config"] = dict(FP8_CONFIG)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(cfg_d))
     cfg = ModelConfig.from_dict(cfg_d)
@@ -73,9 +81,12 @@ def main():
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
+                            **({"speculative": "ngram", "speculative_k": a.speculative_k} if a.speculative_k else {}),
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in e.worker.model.parameters())
+    # parameters, not bytes (FP8 weights are one byte; their scales are counted in the bytes only)
+    weight_params = sum(p.numel() for n, p in e.worker.model.named_parameters() if not n.endswith("scale_inv"))
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
         ids = torch.randint(2, cfg.vocab_size, (a.ctx,), generator=g).tolist()
@@ -93,24 +104,32 @@ def main():
     for _ in range(3):
         e.step()
     torch.cuda.synchronize()
+    n_records = len(e.records)
+    tokens = 0
     t = time.perf_counter()
     for _ in range(a.steps):
-        e.step()
+        tokens += sum(len(o.new_token_ids) for o in e.step())
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / a.steps
-    graph, _ = e.worker.graphs.graphs[a.batch]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(a.steps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_s = start.elapsed_time(end) / 1e3 / a.steps
+    recs = e.records[n_records:]
+    spec = {"speculative_k": a.speculative_k, "tokens_per_row_step": tokens / a.steps / a.batch,
+            "spec_verify_steps": sum(1 for r in recs if r.spec_verify),
+            "spec_proposed": sum(r.spec_proposed for r in recs), "spec_accepted": sum(r.spec_accepted for r in recs)}
+    replay_s = float("nan")
+    if a.batch in getattr(e.worker.graphs, "graphs", {}):
+        graph, _ = e.worker.graphs.graphs[a.batch]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.steps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay_s = start.elapsed_time(end) / 1e3 / a.steps
     # Floors. Decode: every weight is read (64×8 routed rows touch ~all 128 experts) + the KV read.
     ctx_now = a.ctx + 3 + a.steps
     kv_bytes = a.batch * ctx_now * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     decode_floor = (weight_bytes + kv_bytes) / bw
-    active = (weight_bytes / 2 - cfg.vocab_size * cfg.hidden_size * 2 -
+    active = (weight_params - cfg.vocab_size * cfg.hidden_size * 2 -
               cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size) + \
         cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size + \
         cfg.vocab_size * cfg.hidden_size / a.chunk * 4          # lm_head only on the last rows
@@ -119,11 +138,13 @@ def main():
     attn_flops = 4 * a.chunk * a.ctx / 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     chunk_flops = 2 * active * a.chunk + attn_flops
     res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
+           "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,
-           "decode_step_over_floor": step_s / decode_floor, "prefill_chunk_tokens": a.chunk,
+           "decode_step_over_floor": step_s / decode_floor,
+           "decode_ms_per_token": step_s / max(spec["tokens_per_row_step"], 1e-9) * 1e3, "prefill_chunk_tokens": a.chunk,
            "prefill_chunk_ms": chunk_s * 1e3, "prefill_tflops": chunk_flops / chunk_s / 1e12,
            "prefill_fraction_of_peak": chunk_flops / chunk_s / peak}
     Path(a.out).write_text(json.dumps(res, indent=1))

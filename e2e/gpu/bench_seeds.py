@@ -11,6 +11,9 @@ call, then summarized.
     python3 e2e/gpu/bench_seeds.py OUT --summarize      # the table again from OUT
     ... --step-logs                                      # each server's step log under OUT/.../steps
     ... --reuse-server                                   # one server per (variant, mode) for all its runs
+    --variant fp8:pd:'{"weights": "fp8"}'               # block-FP8 weights (a config with
+                                                         # quantization_config); "weights" is not an
+                                                         # engine field: FP8 is read from the model
 
 --reuse-server: a (variant, mode) keeps one server for every (pressure, seed), its prefix cache
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start
@@ -35,18 +38,30 @@ MEASURES = ("makespan_s", "p99_ttft_ms", "mean_decode_wait_ms")
 
 
 def parse_variant(text: str) -> dict:
-    """NAME[@PRESSURE,...]:MODES:ENGINE_CONFIG_JSON (@: only at those pressures)."""
+    """NAME[@PRESSURE,...]:MODES:ENGINE_CONFIG_JSON (@: only at those pressures); the JSON's
+    "weights" ("bf16" or "fp8") picks the model's weights, the rest are EngineConfig fields."""
     name, modes, extra = text.split(":", 2)
     name, _, only = name.partition("@")
-    return {"name": name, "modes": modes, "extra": json.loads(extra or "{}"),
+    extra = json.loads(extra or "{}")
+    weights = extra.pop("weights", "bf16")
+    if weights not in ("bf16", "fp8"):
+        raise ValueError(f"variant {name}: weights must be 'bf16' or 'fp8', got {weights!r}")
+    return {"name": name, "modes": modes, "extra": extra, "weights": weights,
             "pressures": only.split(",") if only else None}
 
 
-def write_model(path: Path, layers: int, preset: str) -> None:
+def model_dir(args, variant: dict) -> str:
+    return args.model if variant.get("weights", "bf16") == "bf16" else f"{args.model}-{variant['weights']}"
+
+
+def write_model(path: Path, layers: int, preset: str, weights: str = "bf16") -> None:
     from pdrollout.engine.protocol.config import load_preset
     cfg = load_preset(preset)
     if layers:
         cfg["num_hidden_layers"] = layers
+    if weights == "fp8":   # random e4m3 weights with block scales, as FP8 releases declare them
+        from pdrollout.engine.model.checkpoint import FP8_CONFIG
+        cfg["quantization_config"] = dict(FP8_CONFIG)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
 
@@ -82,7 +97,7 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None) -> No
     if url:
         cmd += ["--url", url]
     else:
-        cmd += ["--model", args.model, "--device", device(), "--serve-arg=--engine-config",
+        cmd += ["--model", model_dir(args, job["variant"]), "--device", device(), "--serve-arg=--engine-config",
                 f"--serve-arg={json.dumps(engine_config(job['variant']))}"]
         if args.step_logs:   # the server's per-step log (plan sizes, epochs, wall time) beside the results
             cmd += ["--serve-arg=--step-log", f"--serve-arg={out / 'steps'}"]
@@ -133,7 +148,7 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     left = list(jobs)
     while left:
         t = time.time()
-        with serve(args.model, mode, str(log_path), device=device(), extra_args=extra, env=gpu_env(gpu)) as live:
+        with serve(model_dir(args, variant), mode, str(log_path), device=device(), extra_args=extra, env=gpu_env(gpu)) as live:
             log(f"gpu {gpu} {variant['name']} {mode}: server up in {time.time() - t:.0f} s")
             first = True
             while left and live.died() is None:
@@ -260,7 +275,8 @@ def main() -> int:
             ap.error("the first variant is the baseline: it must run normal and mixed")
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.pressures = args.pressures.split(",")
-        write_model(Path(args.model), args.layers, args.model_preset)
+        for weights in sorted({v["weights"] for v in variants}):
+            write_model(Path(model_dir(args, {"weights": weights})), args.layers, args.model_preset, weights)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"command": " ".join(sys.argv), "commit": os.environ.get("COMMIT", "unknown"),
                 "machine": os.environ.get("MACHINE", "unknown"), "seeds": args.seeds,

@@ -15,7 +15,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
                                  16 rows per expert (fused_moe.py; `experts_kernel: fused`); FP8
                                  experts stay e4m3 in HBM, dequantized per tile in registers
              AutoExperts         fused with 16-row blocks at decode sizes, grouped between, fused with
-                                 128-row tiles for long prefill (bf16 on SM90+: `experts_kernel: auto`)
+                                 128-row tiles for long prefill (bf16 on SM90+: `experts_kernel: auto`);
+                                 FP8 experts fused at every size
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
 The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
 received rows, D's fixed receive slots, a single rank's top-k rows.
@@ -117,13 +118,17 @@ FUSED_LARGE_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_
 
 
 class AutoExperts(_Experts):
-    def fn(self, x, topk_ids, *args):
+    # FP8 experts: the fused kernels at every size. The grouped GEMMs would need the layer's experts
+    # dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms fused.
+    fp8_in_kernel = True
+
+    def fn(self, x, topk_ids, *args, fp8=None):
         from . import fused_moe, kernels
         pairs = topk_ids.numel()
-        if pairs <= FUSED_MAX_PAIRS:
-            return fused_moe.experts_fused(x, topk_ids, *args)
         if pairs >= FUSED_LARGE_PAIRS:
-            return fused_moe.experts_fused(x, topk_ids, *args, **FUSED_LARGE_TILES)
+            return fused_moe.experts_fused(x, topk_ids, *args, **FUSED_LARGE_TILES, fp8=fp8)
+        if pairs <= FUSED_MAX_PAIRS or fp8 is not None:
+            return fused_moe.experts_fused(x, topk_ids, *args, fp8=fp8)
         return kernels.experts_grouped(x, topk_ids, *args)
 
 

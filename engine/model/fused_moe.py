@@ -37,11 +37,13 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     blocks = -(-(n + min(num_local, n) * (block_m - 1)) // block_m)     # the most any routing needs
     rows = blocks * block_m
     if n * (num_local + 1) <= SORT_FREE_MAX:
-        # sort-free (decode): a pair's rank among its expert's pairs from a running count per expert
-        onehot = torch.nn.functional.one_hot(key, num_local + 1)
-        seen = torch.cumsum(onehot, 0)
-        counts = seen[-1, :num_local]
-        rank = seen.gather(1, key[:, None]).squeeze(1) - 1
+        # sort-free (decode): a pair's rank among its expert's pairs from a running count per expert,
+        # laid out expert-major so the count is an innermost-dim scan (an outer-dim one cost 95 µs
+        # a layer at 64 tokens on the H200: 15 % of a decode step)
+        onehot = key[None, :] == torch.arange(num_local + 1, device=dev)[:, None]
+        seen = torch.cumsum(onehot, 1, dtype=torch.int32)
+        counts = seen[:num_local, -1].long()
+        rank = seen.gather(0, key[None, :]).squeeze(0).long() - 1
         pair, skey = torch.arange(n, device=dev), key
     else:   # long prefill: n × E counters would outweigh one sort
         pair = torch.argsort(key, stable=True)

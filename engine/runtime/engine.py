@@ -317,4 +317,7 @@ class Engine(EngineOps):
                 "mode": self.config.mode, "is_generation": True, "nproc": self.topo.world, "adp": self.topo.adp,
                 "ep": self.topo.ep, "atp": self.topo.atp, "backends": self.worker.backends.name,
                 "speculative": self.config.speculative,
-                "speculative_k": self.config.speculative_k if self.config.speculative else 0}
+                "speculative_k": self.config.speculative_k if self.config.speculative else 0,
+                # block-FP8 weights (the checkpoint's quantization_config), else the activations' dtype
+                "weights": f"fp8-e4m3-{c.fp8_block[0]}x{c.fp8_block[1]}" if c.fp8_block else
+                           str(self.worker.dtype).removeprefix("torch.")}

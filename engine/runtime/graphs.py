@@ -12,6 +12,11 @@ rendezvous. Splitting the graph around each collective would cost a host round t
 collective (dozens per step) and give the turnstile dozens of enqueues to order instead of one.
 Each replica pads its rows to the bucket; `forward(batch, bucket)` tells the collectives that every
 replica has `bucket` rows, so the shapes are fixed and rank-shared.
+
+A graph row is one token read through a block table, so a speculative verify step replays the same
+graphs: each verify row's k + 1 positions become k + 1 one-token rows with the row's table and
+lengths start + 1 .. start + k + 1 (causal by length; every layer writes all new K/V before its
+attention reads). The logits come back one per position, in the batch builder's order.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 
 from ..model.qwen3_moe import ForwardBatch
 from ..protocol.plan import Phase, RowSpec
+from .batch import forward_order
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -75,21 +81,28 @@ class DecodeGraphs:
         return next(x for x in self.buckets if x >= n)
 
     def replay(self, rows: list[RowSpec], bucket: int) -> torch.Tensor:
-        """Logits of `rows` (decode rows of this rank's replica, at most `bucket`); the replay is
-        enqueued on the current stream. Inputs go up in one copy from a pinned buffer, reused only
-        after the step synchronized (its logits were sampled)."""
-        n, bs, b = len(rows), self.block_size, bucket
+        """Logits of `rows` (decode and verify rows of this rank's replica, at most `bucket` tokens),
+        one per token in forward_order; the replay is enqueued on the current stream. Inputs go up
+        in one copy from a pinned buffer, reused only after the step synchronized (its logits were
+        sampled)."""
+        rows = forward_order(rows)
+        bs, b = self.block_size, bucket
+        n = sum(r.length for r in rows)
         width = max((len(r.blocks) for r in rows), default=1)
         host = self._host[:4 * b + b * width]
         host.zero_()
         ids, pos, slots, lens = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:4 * b]
         slots[n:] = self.null_slot
         tables = host[4 * b:].view(b, width)
-        for i, r in enumerate(rows):
-            p = r.start
-            ids[i], pos[i], lens[i] = r.tokens[0], p, p + 1
-            slots[i] = r.blocks[p // bs] * bs + p % bs
-            tables[i, :len(r.blocks)] = torch.tensor(r.blocks)
+        i = 0
+        for r in rows:
+            table = torch.tensor(r.blocks)
+            for j in range(r.length):
+                p = r.start + j
+                ids[i], pos[i], lens[i] = r.tokens[j], p, p + 1
+                slots[i] = r.blocks[p // bs] * bs + p % bs
+                tables[i, :len(r.blocks)] = table
+                i += 1
         flat = host.to(self.input_ids.device, non_blocking=True)
         self.input_ids[:b].copy_(flat[:b])
         self.positions[:b].copy_(flat[b:2 * b])

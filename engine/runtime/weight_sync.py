@@ -113,6 +113,9 @@ class RankWeights:
             self._backup = self._host_copy(params) if w.cuda else {n: p.data for n, p in params}
             for _, p in params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            for m in w.model.modules():   # copies derived from the weights (fp8.Fp8Linear's)
+                if hasattr(m, "drop_derived"):
+                    m.drop_derived()
         if "kv_cache" in tags and "kv_cache" not in self.released:
             kv = w.kv
             kv.k = [torch.empty(0, dtype=t.dtype, device=t.device) for t in kv.k]

@@ -150,7 +150,10 @@ class Worker:
         from .graphs import DecodeGraphs
         self._capture_forward = forward
         max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
-        self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, self.config.max_running,
+        rows = self.config.max_running
+        if self.config.speculative and not self.multi:   # verify steps replay too: k + 1 tokens per row
+            rows *= 1 + self.config.speculative_k
+        self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, rows,
                                    -(-max_ctx // self.config.block_size), self.kv.null_slot)
         # On a stream of the graphs' own: the watchdog's thread queries the worker's streams, and a
         # query of a stream under capture invalidates the capture.
@@ -291,8 +294,11 @@ class Worker:
         """The D iteration: a graph replay for the rank-shared bucket when one is captured (every
         rank replays it, rows or not: its collectives need every rank), else an eager forward."""
         n = max(w.decode_rows for w in plan.replicas)
-        # a graph keeps no ids, and holds one token per row (verify rows run eagerly: not captured yet)
-        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or plan.spec_any:
+        if plan.spec_any:   # a graph row is a token: verify rows take k + 1 (graphs.py)
+            n = max(sum(r.length for r in w.decode) for w in plan.replicas)
+        # A graph keeps no routing ids. On several ranks the graphs' collectives are sized for one
+        # token per row, so verify steps run eagerly there.
+        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or (plan.spec_any and self.multi):
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
         with torch.cuda.stream(s):

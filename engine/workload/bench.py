@@ -215,7 +215,8 @@ def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]
 
 
 def speculation_of(url: str) -> dict:
-    """Which speculation the server ran (its /get_model_info), for the results: off, or the proposer and k."""
+    """Which speculation and weights the server ran (its /get_model_info), for the results: off, or the
+    proposer and k; the weights' format (block-FP8 or a dtype)."""
     import json
     import urllib.request
     try:
@@ -223,7 +224,8 @@ def speculation_of(url: str) -> dict:
             info = json.loads(resp.read())
     except (OSError, ValueError) as e:
         raise BenchError(f"GET {url}/get_model_info failed: {e}") from e
-    return {"speculative": info.get("speculative") or "off", "speculative_k": info.get("speculative_k", 0)}
+    return {"speculative": info.get("speculative") or "off", "speculative_k": info.get("speculative_k", 0),
+            "weights": info.get("weights", "unknown")}
 
 
 def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,

@@ -171,3 +171,18 @@ def test_an_fp8_model_through_the_fused_experts_equals_the_reference_path():
     got = moe.routed_experts(rows, ids)
     moe.backends = REFERENCE
     assert rel(got, moe.routed_experts(rows, ids)) < 1e-6 and torch.equal(got[1], torch.zeros(256))
+
+
+def test_auto_experts_keep_fp8_weights_in_the_fused_kernels_between_the_fused_ranges():
+    """AutoExperts takes grouped GEMMs between its two fused ranges in bf16, but FP8 experts stay in
+    the fused kernels there (the grouped path would dequantize the whole layer per forward)."""
+    from pdrollout.engine.model.backends import FUSED_LARGE_PAIRS, FUSED_MAX_PAIRS, AutoExperts
+    ex = _fp8_experts(8, 256, 128, (128, 128), seed=2)
+    t, k = 80, 8
+    assert FUSED_MAX_PAIRS < t * k < FUSED_LARGE_PAIRS and AutoExperts.fp8_in_kernel
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(t, 256, generator=g)
+    w, ids = ops.route(torch.randn(t, 8, generator=g), k, True, torch.float32)
+    fp8 = (ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, (128, 128))
+    got = AutoExperts()(x, ids, w, ex.gate_up_proj, ex.down_proj, fp8=fp8)
+    assert torch.equal(got, experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, fp8=fp8))

@@ -52,3 +52,33 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
+
+
+@pytest.mark.parametrize("mode", ["normal", "mixed", "pd"])
+def test_cuda_verify_steps_replay_the_decode_graphs(tmp_path, mode):
+    """n-gram speculation on CUDA (fp32): a verify step replays D's graphs, its k + 1 positions per
+    row as one-token graph rows (graphs.py), and greedy tokens equal those without speculation."""
+    from conftest import tiny_config
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    model = write_checkpoint(tiny_config(vocab_size=24), tmp_path, seed=0)   # loops: drafts accepted
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+    def run(spec_k):
+        spec = {"speculative": "ngram", "speculative_k": spec_k} if spec_k else {}
+        e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode=mode, block_size=4,
+                                num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec,
+                                control=ControlSettings(prefill_budget_tokens=24)))
+        for i, p in enumerate(prompts):
+            e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        out = {}
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+        return out, e.records
+
+    base, _ = run(0)
+    got, records = run(3)
+    assert got == base
+    graphed = [r for r in records if r.spec_verify and r.graph]
+    assert graphed, "no verify step replayed a graph"
+    assert sum(r.spec_accepted for r in graphed) > 0, "no draft accepted on a graphed verify step"

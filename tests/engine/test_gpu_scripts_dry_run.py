@@ -47,3 +47,17 @@ def test_bench_seeds_reuses_one_server_per_mode_and_flushes_its_cache_between_ru
     summary = json.loads((reused / "summary.json").read_text())
     assert summary["meta"]["servers"].startswith("one per (variant, mode)")
     assert set(summary["table"]) == {"P1", "P2"}
+
+
+def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
+    """"weights": "fp8" is the model's, not an engine field: the variant's server loads a config
+    with quantization_config, and its results say so beside the baseline's."""
+    out = tmp_path / "fp8"
+    _bench_seeds(out, "--pressures", "P2", "--layers", "1", "--variant", 'fp8:mixed:{"weights": "fp8"}')
+    base = json.loads((out / "base" / "P2-s0" / "mixed" / "results.json").read_text())["modes"]["mixed"]
+    fp8 = json.loads((out / "fp8" / "P2-s0" / "mixed" / "results.json").read_text())["modes"]["mixed"]
+    assert base["weights"] == "float32" and fp8["weights"] == "fp8-e4m3-128x128"
+    assert fp8["completed"] == base["completed"] > 0
+    assert "quantization_config" in json.loads((tmp_path / "fp8-model-fp8" / "config.json").read_text())
+    table = json.loads((out / "summary.json").read_text())["table"]["P2"]
+    assert table["fp8/mixed"]["makespan_vs_mixed"]["n"] == 1

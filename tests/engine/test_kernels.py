@@ -109,9 +109,11 @@ def test_fused_add_norm_matches_the_torch_ops(rows):
 
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_fp8_fused_experts_equal_the_fused_kernel_on_dequantized_weights(tokens):
-    """e4m3 experts with 128×128 block scales at the Qwen3-30B-A3B expert shape: each tile
-    dequantized in registers gives the bits of fp8.dequantize's bf16 weights (round to nearest,
-    as torch casts), so the two runs of the fused kernel are equal."""
+    """e4m3 experts with 128×128 block scales at the Qwen3-30B-A3B expert shape: each tile is
+    dequantized in registers to fp8.dequantize's bf16 weights (bit-equal under the interpreter,
+    interp_fused_moe.py). Compiled, the FP8 kernel's MMAs take the tile from registers and may sum
+    in another order than the bf16 kernel's (seen on the H200: not bit-equal), so here both runs
+    must agree to bf16 rounding and be equally far from the fp64 product on the dequantized weights."""
     from pdrollout.engine.model import fp8, fused_moe
     g = torch.Generator(device=cuda).manual_seed(3)
     hdim, inter, top_k, e = 2048, 768, 8, 128
@@ -128,7 +130,10 @@ def test_fp8_fused_experts_equal_the_fused_kernel_on_dequantized_weights(tokens)
     gu16 = torch.cat([fp8.dequantize(gu[:, :inter], gu_s[:, :half], block, torch.bfloat16),
                       fp8.dequantize(gu[:, inter:], gu_s[:, half:], block, torch.bfloat16)], 1)
     dn16 = fp8.dequantize(dn, dn_s, block, torch.bfloat16)
-    assert torch.equal(out, fused_moe.experts_fused(x, ids, w, gu16, dn16))
+    out16 = fused_moe.experts_fused(x, ids, w, gu16, dn16)
+    ref = ops.experts_reference(x.double(), ids, w.double(), gu16.double(), dn16.double())
+    assert rel(out, out16) < 4e-3
+    assert rel(out, ref) < 1.25 * rel(out16, ref) + 1e-4
 
 
 @pytest.mark.parametrize("kernel", ["grouped", "fused"])
@@ -180,3 +185,23 @@ def test_fused_prologue_matches_the_torch_ops(tokens):
     ulp2 = 2 * 2 ** -7          # the same rounding points; the fp32 sum of squares in another order
     assert torch.allclose(got_q.float(), want_q.float(), atol=ulp2, rtol=ulp2)
     assert torch.allclose(kc2.float(), kc.float(), atol=ulp2, rtol=ulp2) and torch.equal(vc2, vc)
+
+
+def test_fp8_linear_dequantizes_once_per_weight_storage_on_cuda():
+    """Fp8Linear on CUDA keeps one dequantized copy: the output equals the per-call path, a second
+    call reuses it, and new weight storage (a memory resume, a load) is dequantized again."""
+    from pdrollout.engine.model import fp8
+    g = torch.Generator(device=cuda).manual_seed(5)
+    lin = fp8.Fp8Linear(512, 384, (128, 128)).to(cuda)
+    q, s = fp8.quantize(torch.randn(384, 512, generator=g, device=cuda) * 0.05, (128, 128))
+    lin.weight.data, lin.weight_scale_inv.data = q, s
+    x = torch.randn(7, 512, generator=g, device=cuda).to(torch.bfloat16)
+    first = lin(x)
+    assert torch.equal(first, fp8.linear(x, q, s, (128, 128)))
+    copy = lin.dequantized(torch.bfloat16)
+    assert lin.dequantized(torch.bfloat16) is copy
+    q2, s2 = fp8.quantize(torch.randn(384, 512, generator=g, device=cuda) * 0.05, (128, 128))
+    lin.weight.data, lin.weight_scale_inv.data = q2, s2
+    assert torch.equal(lin(x), fp8.linear(x, q2, s2, (128, 128))) and not torch.equal(lin(x), first)
+    lin.drop_derived()
+    assert lin._dequantized is None
