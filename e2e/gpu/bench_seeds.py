@@ -11,6 +11,7 @@ call, then summarized.
     python3 e2e/gpu/bench_seeds.py OUT --summarize      # the table again from OUT
     ... --step-logs                                      # each server's step log under OUT/.../steps
     ... --reuse-server                                   # one server per (variant, mode) for all its runs
+    ... --skip-existing                                  # only jobs without results in OUT (resume)
     --variant fp8:pd:'{"weights": "fp8"}'               # block-FP8 weights (a config with
                                                          # quantization_config); "weights" is not an
                                                          # engine field: FP8 is read from the model
@@ -162,6 +163,10 @@ def run_all(args, variants: list[dict]) -> None:
     jobs = [{"variant": v, "pressure": p, "seed": s, "mode": m}
             for s in args.seeds for p in args.pressures for v in variants for m in v["modes"].split(",")
             if v["pressures"] is None or p in v["pressures"]]
+    if args.skip_existing:   # resume: a job whose results are in OUT already is not run again
+        done = [j for j in jobs if (job_dir(args, j) / "results.json").exists()]
+        jobs = [j for j in jobs if j not in done]
+        print(f"{len(done)} jobs have results in {args.out} already: skipped", flush=True)
     jobs.sort(key=lambda j: j["pressure"] != "trace")   # the long ones first: the GPUs end together
     q: queue.Queue = queue.Queue()
     if args.reuse_server:   # a unit of work is a (variant, mode) and all its runs
@@ -266,6 +271,8 @@ def main() -> int:
     ap.add_argument("--step-logs", action="store_true", help="each server writes its step log under OUT")
     ap.add_argument("--reuse-server", action="store_true",
                     help="one server per (variant, mode) for all its runs, prefix cache flushed between")
+    ap.add_argument("--skip-existing", action="store_true",
+                    help="run only the jobs without results in OUT (resume a run cut short)")
     ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
     args = ap.parse_args()
     out = Path(args.out)

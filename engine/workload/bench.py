@@ -158,6 +158,8 @@ class Replay:
                 release_s=release, first_token_s=res["first"], done_s=done,
                 prompt_tokens=n_in, completion_tokens=n_out,
                 cached_tokens=int(meta.get("cached_tokens", 0) or 0), finish_reason=reason,
+                **{k: int(meta[k]) for k in ("spec_verify_ct", "spec_proposed_drafts", "spec_accepted_drafts")
+                   if meta.get(k) is not None},
                 output_ids=res["ids"]))
             context = ids + res["ids"]
             prev_done = done

@@ -32,6 +32,10 @@ class RequestRecord:
     completion_tokens: int
     cached_tokens: int = 0
     finish_reason: str | None = None
+    # speculation (meta_info's spec_* keys; absent without it): D iterations, drafts proposed, accepted
+    spec_verify_ct: int | None = None
+    spec_proposed_drafts: int | None = None
+    spec_accepted_drafts: int | None = None
     output_ids: list[int] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
@@ -111,6 +115,7 @@ def summarize(records: list[RequestRecord], before: dict | None = None,
         "total_input_tokens": tin,
         "total_output_tokens": tout,
         "total_cached_tokens": sum(r.cached_tokens for r in records),
+        **_speculation(records),
         "request_throughput": rate(len(records)),
         "input_throughput": rate(tin),
         "output_throughput": rate(tout),
@@ -183,3 +188,17 @@ def check_same_work(results: dict[str, dict]) -> None:
         detail = "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in zip(keys, t))
                            for m, t in seen.items())
         raise BenchError(f"modes did different work (token totals differ): {detail}")
+
+
+def _speculation(records) -> dict:
+    """Acceptance over the run, from the requests' meta_info (nothing without speculation):
+    accept rate = accepted / proposed drafts; accept length = output tokens per D iteration."""
+    spec = [r for r in records if r.spec_verify_ct is not None]
+    if not spec:
+        return {}
+    proposed = sum(r.spec_proposed_drafts or 0 for r in spec)
+    accepted = sum(r.spec_accepted_drafts or 0 for r in spec)
+    verify = sum(r.spec_verify_ct for r in spec)
+    return {"spec_proposed_drafts": proposed, "spec_accepted_drafts": accepted,
+            "spec_accept_rate": accepted / proposed if proposed else None,
+            "spec_accept_length": sum(r.completion_tokens for r in spec) / verify if verify else None}

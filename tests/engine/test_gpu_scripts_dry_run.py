@@ -53,7 +53,12 @@ def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
     """"weights": "fp8" is the model's, not an engine field: the variant's server loads a config
     with quantization_config, and its results say so beside the baseline's."""
     out = tmp_path / "fp8"
-    _bench_seeds(out, "--pressures", "P2", "--layers", "1", "--variant", 'fp8:mixed:{"weights": "fp8"}')
+    _bench_seeds(out, "--pressures", "P2", "--layers", "1")
+    (out / "base" / "P2-s0" / "normal" / "results.json").unlink()
+    log = _bench_seeds(out, "--pressures", "P2", "--layers", "1", "--skip-existing",
+                       "--variant", 'fp8:mixed:{"weights": "fp8"}')
+    # resumed: only the jobs without results ran
+    assert "1 jobs have results" in log and log.count(": rc 0 in") == 2 and "base P2 seed 0 normal" in log, log
     base = json.loads((out / "base" / "P2-s0" / "mixed" / "results.json").read_text())["modes"]["mixed"]
     fp8 = json.loads((out / "fp8" / "P2-s0" / "mixed" / "results.json").read_text())["modes"]["mixed"]
     assert base["weights"] == "float32" and fp8["weights"] == "fp8-e4m3-128x128"

@@ -90,3 +90,21 @@ def test_bench_fails_fast_with_the_log_when_its_server_dies(tiny_model, tmp_path
     assert took < 15, f"the bench took {took:.1f}s to notice"
     assert "bench failed: the server exited with -9 during the replay" in stderr, stderr
     assert "ready on http://" in stderr, "the server's log tail is missing"
+
+
+def test_bench_results_carry_the_servers_speculation_and_its_acceptance(tiny_model, tmp_path):
+    """A server with n-gram speculation: the results name it and sum the requests' meta_info
+    acceptance (drafts proposed and accepted, output tokens per D iteration); the work is the same."""
+    out = tmp_path / "bench"
+    r = _pdrollout("bench", "--modes", "pd", "--model", str(tiny_model), "--preset", "tiny", "--pressure", "P2",
+                   "--device", "cpu", "--no-progress", "--out", str(out), "--serve-arg=--speculative",
+                   "--serve-arg=ngram", "--serve-arg=--speculative-k", "--serve-arg=3", timeout=600)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    m = json.loads((out / "results.json").read_text())["modes"]["pd"]
+    want = stats(generate("tiny", 0))
+    assert (m["speculative"], m["speculative_k"], m["weights"]) == ("ngram", 3, "float32")
+    assert m["total_output_tokens"] == want["output_tokens"]
+    assert 0 <= m["spec_accepted_drafts"] <= m["spec_proposed_drafts"]
+    assert m["spec_accept_rate"] == m["spec_accepted_drafts"] / m["spec_proposed_drafts"]
+    # each D iteration emits its target token plus the accepted drafts
+    assert 1.0 <= m["spec_accept_length"] <= 4.0
