@@ -99,6 +99,16 @@ def test_greedy_identical_with_mtp_speculation(mtp_model, mode):
             assert proposed > 0 and o.completion_tokens == NEW and verify_ct + accepted == NEW - 1
 
 
+def test_mtp_with_p_epochs_beside_d_and_a_tight_pool(mtp_model):
+    """pd with solo_overlap (P on a thread of its own: its hidden states arrive steps later) and a
+    pool that barely holds the requests (drafts shrink to the free blocks): outputs unchanged."""
+    for mode, kw, k in (("pd", {"solo_overlap": True}, 3), ("mixed", {"num_blocks": 24}, 2)):
+        want = run_all(engine_for(mtp_model, mode, **kw), PROMPTS)[0]
+        eng = engine_for(mtp_model, mode, k, **kw)
+        assert run_all(eng, PROMPTS, check=check_invariants)[0] == want, mode
+        assert_idle(eng)
+
+
 # --- the drafts against a reference computation -------------------------------------------------
 
 def _rms(x, w, eps):
