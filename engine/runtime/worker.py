@@ -288,7 +288,8 @@ class Worker:
         t0 = 0
         with self._hidden_lock:
             for r in forward_order(rows):
-                self._hidden.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
+                if not r.routes:   # a routed request gets no drafts (scheduler): nothing would consume them
+                    self._hidden.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
                 t0 += r.length
 
     def take_hidden(self) -> dict[str, list]:
