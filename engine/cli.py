@@ -14,7 +14,13 @@ def _cmd_checkpoint(a) -> int:
     if a.dequantized_twin and a.dtype != "fp8":
         print("pdrollout checkpoint: --dequantized-twin needs --dtype fp8", file=sys.stderr)
         return 2
-    out = write_checkpoint(load_preset(a.config), a.out, seed=a.seed, dtype=a.dtype, layout=a.layout)
+    if a.mtp_layers < 0:
+        print("pdrollout checkpoint: --mtp-layers must be >= 0", file=sys.stderr)
+        return 2
+    config = load_preset(a.config)
+    if a.mtp_layers:
+        config = {**config, "num_nextn_predict_layers": a.mtp_layers}
+    out = write_checkpoint(config, a.out, seed=a.seed, dtype=a.dtype, layout=a.layout)
     print(f"wrote {out}", file=sys.stderr)
     if a.dequantized_twin:
         print(f"wrote {write_dequantized(out, a.dequantized_twin)}", file=sys.stderr)
@@ -69,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dequantized-twin", metavar="DIR",
                    help="with --dtype fp8: also write the same model dequantized to float32 (an ordinary checkpoint)")
     c.add_argument("--layout", choices=["per-expert", "fused"], default="per-expert")
+    c.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                   help="also write an MTP head of N layers (Qwen3-Next's mtp.* tensors; --speculative mtp)")
     c.set_defaults(func=_cmd_checkpoint)
 
     g = sub.add_parser("generate", help="run a JSONL file of /generate-shaped requests")

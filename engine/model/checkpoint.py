@@ -25,7 +25,7 @@ from . import fp8
 Layout = Literal["per-expert", "fused"]
 SHARD_BYTES = 4 << 30
 # The linears an FP8 release quantizes; embeddings, norms, the router (mlp.gate) and lm_head stay bf16.
-FP8_KEYS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+FP8_KEYS = re.compile(r"^(model|mtp)\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               "weight_block_size": list(FP8_BLOCK)}
 
@@ -41,44 +41,56 @@ def random_tensors(cfg: ModelConfig, seed: int, dtype: torch.dtype,
     def norm_weight(dim):
         return (1.0 + 0.1 * torch.randn(dim, generator=g)).to(dtype)
 
-    h, d = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     yield "model.embed_tokens.weight", normal(cfg.vocab_size, h, std=1.0)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", norm_weight(h)
-        yield p + "post_attention_layernorm.weight", norm_weight(h)
-        yield p + "self_attn.q_proj.weight", normal(cfg.num_attention_heads * d, h, std=h ** -0.5)
-        yield p + "self_attn.k_proj.weight", normal(cfg.num_key_value_heads * d, h, std=h ** -0.5)
-        yield p + "self_attn.v_proj.weight", normal(cfg.num_key_value_heads * d, h, std=h ** -0.5)
-        yield p + "self_attn.o_proj.weight", normal(h, cfg.num_attention_heads * d,
-                                                    std=(cfg.num_attention_heads * d) ** -0.5)
-        if cfg.attention_bias:
-            for n, rows in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads),
-                            ("v", cfg.num_key_value_heads)):
-                yield p + f"self_attn.{n}_proj.bias", normal(rows * d, std=0.1)
-        yield p + "self_attn.q_norm.weight", norm_weight(d)
-        yield p + "self_attn.k_norm.weight", norm_weight(d)
-        if cfg.is_moe_layer(i):
-            e, inter = cfg.num_experts, cfg.moe_intermediate_size
-            yield p + "mlp.gate.weight", normal(e, h, std=2.0 * h ** -0.5)
-            gate_up = normal(e, 2 * inter, h, std=h ** -0.5)
-            down = normal(e, h, inter, std=inter ** -0.5)
-            if layout == "fused":
-                yield p + "mlp.experts.gate_up_proj", gate_up
-                yield p + "mlp.experts.down_proj", down
-            else:
-                for x in range(e):
-                    yield p + f"mlp.experts.{x}.gate_proj.weight", gate_up[x, :inter].clone()
-                    yield p + f"mlp.experts.{x}.up_proj.weight", gate_up[x, inter:].clone()
-                    yield p + f"mlp.experts.{x}.down_proj.weight", down[x].clone()
-        else:
-            inter = cfg.intermediate_size
-            yield p + "mlp.gate_proj.weight", normal(inter, h, std=h ** -0.5)
-            yield p + "mlp.up_proj.weight", normal(inter, h, std=h ** -0.5)
-            yield p + "mlp.down_proj.weight", normal(h, inter, std=inter ** -0.5)
+        yield from _layer(cfg, i, f"model.layers.{i}.", normal, norm_weight, layout)
     yield "model.norm.weight", norm_weight(h)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", normal(cfg.vocab_size, h, std=2.0 * h ** -0.5)
+    if cfg.num_nextn_predict_layers:   # last: the target's tensors are the same with or without them
+        yield "mtp.pre_fc_norm_embedding.weight", norm_weight(h)
+        yield "mtp.pre_fc_norm_hidden.weight", norm_weight(h)
+        yield "mtp.fc.weight", normal(h, 2 * h, std=(2 * h) ** -0.5)
+        for j in range(cfg.num_nextn_predict_layers):
+            yield from _layer(cfg, cfg.num_hidden_layers + j, f"mtp.layers.{j}.", normal, norm_weight, layout)
+        yield "mtp.norm.weight", norm_weight(h)
+
+
+def _layer(cfg: ModelConfig, i: int, p: str, normal, norm_weight, layout: Layout):
+    """One decoder layer's tensors under key prefix p (layer index i decides MoE or dense)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    yield p + "input_layernorm.weight", norm_weight(h)
+    yield p + "post_attention_layernorm.weight", norm_weight(h)
+    yield p + "self_attn.q_proj.weight", normal(cfg.num_attention_heads * d, h, std=h ** -0.5)
+    yield p + "self_attn.k_proj.weight", normal(cfg.num_key_value_heads * d, h, std=h ** -0.5)
+    yield p + "self_attn.v_proj.weight", normal(cfg.num_key_value_heads * d, h, std=h ** -0.5)
+    yield p + "self_attn.o_proj.weight", normal(h, cfg.num_attention_heads * d,
+                                                std=(cfg.num_attention_heads * d) ** -0.5)
+    if cfg.attention_bias:
+        for n, rows in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads),
+                        ("v", cfg.num_key_value_heads)):
+            yield p + f"self_attn.{n}_proj.bias", normal(rows * d, std=0.1)
+    yield p + "self_attn.q_norm.weight", norm_weight(d)
+    yield p + "self_attn.k_norm.weight", norm_weight(d)
+    if cfg.is_moe_layer(i):
+        e, inter = cfg.num_experts, cfg.moe_intermediate_size
+        yield p + "mlp.gate.weight", normal(e, h, std=2.0 * h ** -0.5)
+        gate_up = normal(e, 2 * inter, h, std=h ** -0.5)
+        down = normal(e, h, inter, std=inter ** -0.5)
+        if layout == "fused":
+            yield p + "mlp.experts.gate_up_proj", gate_up
+            yield p + "mlp.experts.down_proj", down
+        else:
+            for x in range(e):
+                yield p + f"mlp.experts.{x}.gate_proj.weight", gate_up[x, :inter].clone()
+                yield p + f"mlp.experts.{x}.up_proj.weight", gate_up[x, inter:].clone()
+                yield p + f"mlp.experts.{x}.down_proj.weight", down[x].clone()
+    else:
+        inter = cfg.intermediate_size
+        yield p + "mlp.gate_proj.weight", normal(inter, h, std=h ** -0.5)
+        yield p + "mlp.up_proj.weight", normal(inter, h, std=h ** -0.5)
+        yield p + "mlp.down_proj.weight", normal(h, inter, std=inter ** -0.5)
 
 
 def _save(tensors, config: dict, out: Path, torch_dtype: str) -> Path:
@@ -182,7 +194,7 @@ def _init_std(name: str, shape) -> float:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, shard=None, collectives=None,
-                 backends=None):
+                 backends=None, mtp: bool = False):
     """Builds the model directly on `device` with random weights of the same scales as
     `random_tensors` (other values): a 30B-parameter benchmark model needs no checkpoint on disk."""
     from .backends import REFERENCE
@@ -191,9 +203,9 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3MoeModel(cfg, shard or Shard(), collectives, backends or REFERENCE)
+            model = Qwen3MoeModel(cfg, shard or Shard(), collectives, backends or REFERENCE, mtp=mtp)
         with torch.device("meta"):   # full shapes: which tensors this shard splits
-            full = {n: p.shape for n, p in Qwen3MoeModel(cfg, Shard(), None).named_parameters()}
+            full = {n: p.shape for n, p in Qwen3MoeModel(cfg, Shard(), None, mtp=mtp).named_parameters()}
     finally:
         torch.set_default_dtype(prev)
     shard = shard or Shard()

@@ -21,7 +21,7 @@ from . import fp8
 from .backends import REFERENCE, Backends
 from .qwen3_moe import Qwen3MoeModel, Shard
 
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 
 
 class CheckpointError(ValueError):
@@ -84,13 +84,17 @@ def _scale_part(name: str, part: slice, full: int, block: int) -> slice:
 
 
 def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
-               shard: Shard = Shard(), collectives=None, backends: Backends = REFERENCE) -> Qwen3MoeModel:
+               shard: Shard = Shard(), collectives=None, backends: Backends = REFERENCE,
+               mtp: bool = False) -> Qwen3MoeModel:
+    """`mtp`: also load the MTP head (`mtp.*`, when config.json declares num_nextn_predict_layers);
+    otherwise those tensors are left on disk. `mtp.*` tensors without the field are an error: the
+    config is what says how many layers they hold."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.load(model_dir)
     files = _files(model_dir)
     reader = _Reader(files)
     with torch.device("meta"):
-        model = Qwen3MoeModel(cfg, shard, collectives, backends)
+        model = Qwen3MoeModel(cfg, shard, collectives, backends, mtp=mtp)
     if dtype is None:
         dtype = resolve_dtype("auto", cfg)
 
@@ -134,7 +138,9 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
             else:
                 raise CheckpointError(f"checkpoint is missing tensor {name!r} (or its per-expert keys)")
         elif name not in files:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+            hint = f" (config.json declares num_nextn_predict_layers={cfg.num_nextn_predict_layers})" \
+                if name.startswith("mtp.") else ""
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}{hint}")
         elif "self_attn." in name and proj in sliced_rows:
             rows = _head_rows(sliced_rows[proj], d, shard)
             if kind == "weight_scale_inv":
@@ -162,6 +168,12 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
 
     known = set(params) | {got for pre in per_expert for e in per_expert[pre] for got in per_expert[pre][e].values()}
     for key in files:
+        if key.startswith("mtp."):
+            if not cfg.num_nextn_predict_layers:
+                raise CheckpointError(f"tensor {key!r} is part of an MTP head, but config.json declares no "
+                                      f"num_nextn_predict_layers (set it to the number of mtp.layers.*)")
+            if model.mtp is None:
+                continue   # the MTP head is loaded only for --speculative mtp
         if key not in known:
             hint = " (an FP8 scale, but config.json declares no quantization_config)" \
                 if key.endswith("weight_scale_inv") and block is None else ""

@@ -44,6 +44,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None       # int32 [num_decode]
     block_size: int = 16
     routes: list | None = None   # when a list: each MoE layer appends its top-k ids [T, k] (routing replay)
+    want_hidden: bool = False    # keep every row's final hidden state in `hidden` (the MTP proposer's input)
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -230,9 +232,26 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class MTPHead(nn.Module):
+    """Qwen3-Next's multi-token-prediction module (checkpoint keys `mtp.*`) over this model's own
+    layer kind: fc(concat(norm(embed(token i+1)), norm(hidden i))) -> decoder layers -> norm; the
+    embedding and lm_head are the target's. It predicts token i+2."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
+        super().__init__()
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        # layer index past the target's: MoE unless decoder_sparse_step / mlp_only_layers say otherwise
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.num_hidden_layers + j, shard, backends)
+                                    for j in range(cfg.num_nextn_predict_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+
 class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), collectives: Collectives | None = None,
-                 backends: Backends = REFERENCE):
+                 backends: Backends = REFERENCE, mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.shard = shard
@@ -240,6 +259,8 @@ class Qwen3MoeModel(nn.Module):
         self.backends = backends
         self.model = Backbone(cfg, shard, backends)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # built only for --speculative mtp: otherwise a checkpoint's mtp.* tensors are not loaded
+        self.mtp = MTPHead(cfg, shard, backends) if mtp and cfg.num_nextn_predict_layers else None
         for p in self.parameters():
             p.requires_grad_(False)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
@@ -254,8 +275,30 @@ class Qwen3MoeModel(nn.Module):
         """Returns fp32 logits for `batch.logits_indices` rows: [S, vocab]."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        x = self._layers(self.model.layers, x, cos, sin, kv, batch)
+        if batch.want_hidden:   # after the final norm: what vLLM's Qwen3-Next MTP is fed (docs/ARCHITECTURE.md)
+            batch.hidden = self.model.norm(x)
+            x = batch.hidden.index_select(0, batch.logits_indices)
+        else:
+            x = self.model.norm(x.index_select(0, batch.logits_indices))
+        return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, kv, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head (one rank, its own KV `kv`): row j of `batch` holds token i+1 at position i and
+        `hidden` row j the hidden state at position i. Returns (fp32 logits of token i+2, the head's
+        final hidden state) for `batch.logits_indices` rows; that hidden state stands in for the
+        target's when the head is chained on its own draft."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.model.embed_tokens(batch.input_ids))
+        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        x = m.norm(self._layers(m.layers, x, cos, sin, kv, batch).index_select(0, batch.logits_indices))
+        return self.lm_head(x).float(), x
+
+    def _layers(self, layers, x, cos, sin, kv, batch: ForwardBatch) -> torch.Tensor:
+        """Decoder layers over residual stream x (layer i's KV in kv.k[i], kv.v[i]); before the final norm."""
         col = self.collectives
-        layers = self.model.layers
         # each residual add and the norm after it are one call (backends.add_norm may fuse them)
         norm = self.backends.residual_norm
         ln = layers[0].input_layernorm
@@ -270,5 +313,4 @@ class Qwen3MoeModel(nn.Module):
                 x, h = norm(x, h, ln.weight, ln.eps)
             else:
                 x = x + h
-        x = self.model.norm(x.index_select(0, batch.logits_indices))
-        return self.lm_head(x).float()
+        return x

@@ -14,8 +14,8 @@ from ..protocol.config import ModelConfig
 from .loader import CheckpointError, _Reader, _files, _head_rows
 from .qwen3_moe import Qwen3MoeModel, Shard
 
-_PER_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^((model|mtp)\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"^(model|mtp)\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
@@ -39,7 +39,8 @@ class WeightMap:
     def __init__(self, model: Qwen3MoeModel, cfg: ModelConfig, shard: Shard) -> None:
         self.model, self.cfg, self.shard = model, cfg, shard
         with torch.device("meta"):
-            self.full = {n: tuple(p.shape) for n, p in Qwen3MoeModel(cfg, Shard()).named_parameters()}
+            full = Qwen3MoeModel(cfg, Shard(), mtp=model.mtp is not None)
+            self.full = {n: tuple(p.shape) for n, p in full.named_parameters()}
         if cfg.tie_word_embeddings:
             self.full.pop("lm_head.weight", None)
 
@@ -57,11 +58,14 @@ class WeightMap:
     def full_shape(self, name: str) -> tuple:
         """The shape a full tensor of this checkpoint key must have; CheckpointError for a key
         that is not part of this model."""
+        c = self.cfg
         m = _PER_EXPERT.match(name)
         if m:
-            layer, e, which = int(m.group(2)), int(m.group(3)), m.group(4)
-            c = self.cfg
-            if not (layer < c.num_hidden_layers and c.is_moe_layer(layer) and e < c.num_experts):
+            layer, e, which = int(m.group(3)), int(m.group(4)), m.group(5)
+            count = c.num_hidden_layers
+            if m.group(2) == "mtp":   # the MTP head's layers come after the target's
+                layer, count = layer + count, count + c.num_nextn_predict_layers
+            if not (layer < count and c.is_moe_layer(layer) and e < c.num_experts):
                 raise CheckpointError(f"unexpected tensor {name!r} (no such expert in this model)")
             i, h = c.moe_intermediate_size, c.hidden_size
             return (h, i) if which == "down" else (i, h)
@@ -69,10 +73,16 @@ class WeightMap:
             raise CheckpointError(f"unexpected tensor {name!r} (not part of a Qwen3-MoE model with this config)")
         return self.full[name]
 
+    def skipped(self, name: str) -> bool:
+        """An MTP tensor of a model that runs without its MTP head (not --speculative mtp)."""
+        return name.startswith("mtp.") and self.model.mtp is None and self.cfg.num_nextn_predict_layers > 0
+
     def check(self, shapes: dict[str, tuple]) -> None:
         """Every name known and every shape the full one."""
         self._refuse_fp8()
         for name, shape in shapes.items():
+            if self.skipped(name):
+                continue
             want = self.full_shape(name)
             if tuple(shape) != want:
                 raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, model expects {want}")
@@ -85,8 +95,8 @@ class WeightMap:
                 continue
             m = _FUSED.match(p)
             if m:
-                which = ("gate", "up") if m.group(2) == "gate_up_proj" else ("down",)
-                pre = f"model.layers.{m.group(1)}.mlp.experts"
+                which = ("gate", "up") if m.group(3) == "gate_up_proj" else ("down",)
+                pre = f"{m.group(1)}.layers.{m.group(2)}.mlp.experts"
                 missing = [f"{pre}.{e}.{w}_proj.weight" for e in range(self.cfg.num_experts) for w in which
                            if f"{pre}.{e}.{w}_proj.weight" not in names]
                 if not missing:
@@ -98,9 +108,11 @@ class WeightMap:
     def place(self, name: str, params: dict) -> Placement | None:
         """None when this shard holds no part of the key."""
         c, s = self.cfg, self.shard
+        if self.skipped(name):
+            return None
         m = _PER_EXPERT.match(name)
         if m:
-            pre, e, which = m.group(1), int(m.group(3)), m.group(4)
+            pre, e, which = m.group(1), int(m.group(4)), m.group(5)
             target = f"{pre}.{'down_proj' if which == 'down' else 'gate_up_proj'}"
             local = e - s.ep_rank * params[target].shape[0]
             if not 0 <= local < params[target].shape[0]:

@@ -42,6 +42,8 @@ class ModelConfig:
     # Block-wise FP8 weights (HF `quantization_config`, quant_method "fp8"): the [out, in] block of
     # one scale; None for an unquantized checkpoint.
     fp8_block: tuple[int, int] | None = None
+    # Multi-token-prediction layers (Qwen3-Next's `mtp.*` tensors): the --speculative mtp proposer
+    num_nextn_predict_layers: int = 0
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -88,6 +90,7 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", False)),
                 eos_token_ids=eos_ids,
                 fp8_block=fp8_block,
+                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
                 raw=dict(d),
             )
         except KeyError as e:
@@ -179,6 +182,10 @@ class ControlSettings(BaseModel):
         return ControlSettings.model_validate({**self.model_dump(), **changes})
 
 
+MTP_ONE_RANK = ("speculative='mtp' runs on one rank only: its proposer on rank 0 needs every row's hidden "
+                "states, which live on the other ranks (use --speculative ngram or draft with --nproc > 1)")
+
+
 class EngineConfig(BaseModel):
     """Static engine settings (fixed for the life of an engine)."""
 
@@ -230,15 +237,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
         return v
 
-    @field_validator("speculative")
-    @classmethod
-    def _spec(cls, v):
-        if v == "mtp":   # a selectable name of the issue; no checkpoint here has an MTP head
-            raise ValueError(f"speculative={v!r} is not implemented on this engine yet (use 'ngram' or 'draft')")
-        return v
-
     @model_validator(mode="after")
     def _draft(self):
+        if self.speculative == "mtp" and ModelConfig.load(self.model).num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative='mtp' needs an MTP head: {self.model}/config.json declares no "
+                             f"num_nextn_predict_layers >= 1 (and so no mtp.* tensors)")
         if self.speculative != "draft":
             if self.draft_model is not None:
                 raise ValueError("draft_model is only used by speculative='draft'")

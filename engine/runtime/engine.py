@@ -41,11 +41,16 @@ class Engine(EngineOps):
         self.config, self.worker, self.topo = config, worker, worker.topo
         self.model_config = worker.cfg
         proposers = [None] * self.topo.adp
+        spare = config.max_running * -(-config.speculative_k // config.block_size)
+        self.mtp = None   # the MTP proposer: fed the target's hidden states after every step (_exchange)
         if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan
             from .draft import DraftProposer
-            spare = config.max_running * -(-config.speculative_k // config.block_size)
             proposers = [DraftProposer(config, worker.device, worker.num_blocks + spare).propose
                          for _ in range(self.topo.adp)]
+        elif config.speculative == "mtp":   # one rank (Worker refuses more): the head is the target's
+            from .mtp import MTPProposer
+            self.mtp = MTPProposer(config, worker, worker.num_blocks + spare)
+            proposers = [self.mtp.propose]
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D
@@ -254,6 +259,8 @@ class Engine(EngineOps):
         """Every rank executes the plan; returns this rank's report and every rank's."""
         if self.topo.world == 1:
             mine = self.worker.execute(plan)
+            if self.mtp is not None:
+                self.mtp.add(self.worker.take_hidden())
             return mine, [mine]
         import torch.distributed as dist
         dist.broadcast_object_list([plan], src=0)

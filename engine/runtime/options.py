@@ -64,7 +64,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (docs/ARCHITECTURE.md, 'Speculation')")
     g.add_argument("--speculative", choices=["ngram", "draft", "mtp"], default=None,
                    help="propose draft tokens per decode row and verify them in the same D iteration "
-                        "(ngram: prompt lookup, no model; draft: --draft-model on rank 0; mtp: not implemented yet)")
+                        "(ngram: prompt lookup, no model; draft: --draft-model on rank 0; mtp: the checkpoint's own "
+                        "MTP head (config num_nextn_predict_layers, mtp.* tensors), one rank)")
     g.add_argument("--speculative-k", type=int, default=None, metavar="K",
                    help="draft tokens per decode row (1..8, default 4)")
     g.add_argument("--draft-model", default=None, metavar="DIR", help="draft checkpoint of --speculative draft")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..model.checkpoint import random_model
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model, resolve_dtype
 from ..model.qwen3_moe import Shard
-from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
+from ..protocol.config import MTP_ONE_RANK, ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
@@ -105,11 +106,17 @@ class Worker:
         self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
                                       config.add_norm)
         shard = shard_of(topo, rank)
+        # --speculative mtp: the MTP head is loaded, and every forward keeps its rows' final hidden
+        # states for the proposer (take_hidden); off otherwise
+        self.keep_hidden = config.speculative == "mtp"
+        if self.keep_hidden and self.multi:
+            raise ValueError(MTP_ONE_RANK)
         if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
-            self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends)
+            self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends,
+                                      mtp=self.keep_hidden)
         else:
             self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard,
-                                    backends=self.backends)
+                                    backends=self.backends, mtp=self.keep_hidden)
         self.dtype = next(self.model.parameters()).dtype
         self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
@@ -119,6 +126,8 @@ class Worker:
         self.control = config.control
         self.gens: dict[str, torch.Generator] = {}
         self._routes: dict[str, bytes] = {}
+        self._hidden: dict[str, list] = {}    # rid -> [(start position, final hidden states)] (keep_hidden)
+        self._hidden_lock = threading.Lock()  # a P thread (solo_p.py) adds beside the step loop
         self.sampling: dict[str, object] = {}
         self.streams: dict = {}
         self.graphs = None
@@ -130,7 +139,7 @@ class Worker:
         self._capture_forward = None
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
-        elif self.cuda and config.cuda_graphs:
+        elif self.cuda and config.cuda_graphs and not self.keep_hidden:   # mtp: D runs eagerly (forward_d)
             self._capture(lambda batch, b: self.model(batch, self.kv))
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
@@ -151,7 +160,8 @@ class Worker:
         self._capture_forward = forward
         max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
         rows = self.config.max_running
-        if self.config.speculative and not self.multi:   # verify steps replay too: k + 1 tokens per row
+        # verify steps replay too (k + 1 tokens per row), except under mtp (no hidden states kept)
+        if self.config.speculative in ("ngram", "draft") and not self.multi:
             rows *= 1 + self.config.speculative_k
         self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, rows,
                                    -(-max_ctx // self.config.block_size), self.kv.null_slot)
@@ -254,6 +264,7 @@ class Worker:
             self._want_routes(batch, mine)
             logits = self.model(batch, self.kv)
             self._keep_routes(phase, batch, mine)
+            self._keep_hidden(batch, mine)
             return logits
         torch.cuda.set_device(self.device)    # a P thread's device is its own
         s = self.streams.get(phase.path) or torch.cuda.current_stream()
@@ -265,12 +276,31 @@ class Worker:
         if wait:
             s.synchronize()                   # eager: the step's logits are complete for sampling
         self._keep_routes(phase, batch, mine)
+        self._keep_hidden(batch, mine)
         return logits
 
     # ---- routing replay (return_routed_experts) ------------------------------------------
     def _want_routes(self, batch, rows) -> None:
         if self.leader and any(r.routes for r in rows):
             batch.routes = []
+        batch.want_hidden = self.keep_hidden and bool(rows)
+
+    def _keep_hidden(self, batch, rows) -> None:
+        """Each row's final hidden states by rid and start position, for the MTP proposer (one rank)."""
+        if batch.hidden is None:
+            return
+        t0 = 0
+        with self._hidden_lock:
+            for r in forward_order(rows):
+                if not r.routes:   # a routed request gets no drafts (scheduler): nothing would consume them
+                    self._hidden.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
+                t0 += r.length
+
+    def take_hidden(self) -> dict[str, list]:
+        """The hidden states kept since the last call (rid -> [(start, [len, H])])."""
+        with self._hidden_lock:
+            out, self._hidden = self._hidden, {}
+        return out
 
     def _keep_routes(self, phase: Phase, batch, rows) -> None:
         """Each routed row's input tokens' top-k expert ids per layer (-1 on dense layers), as
@@ -296,9 +326,10 @@ class Worker:
         n = max(w.decode_rows for w in plan.replicas)
         if plan.spec_any:   # a graph row is a token: verify rows take k + 1 (graphs.py)
             n = max(sum(r.length for r in w.decode) for w in plan.replicas)
-        # A graph keeps no routing ids. On several ranks the graphs' collectives are sized for one
-        # token per row, so verify steps run eagerly there.
-        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or (plan.spec_any and self.multi):
+        # A graph keeps no routing ids and no hidden states (mtp's input). On several ranks the
+        # graphs' collectives are sized for one token per row, so verify steps run eagerly there.
+        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.keep_hidden \
+                or (plan.spec_any and self.multi):
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
         with torch.cuda.stream(s):

@@ -68,6 +68,9 @@ class Scheduler:
         self.spec_k = config.speculative_k if config.speculative else 0
         self._drafts: dict[str, list[int]] = {}   # this step's proposals, by decode rid (with KV for them)
         self.proposer = proposer
+        # The MTP head needs the target's hidden state at every position, and a prefix-cache hit
+        # skips computing those: under mtp a request is computed whole (as under routing replay)
+        self.reuse_prefix = config.speculative != "mtp"
 
     # --- requests ---------------------------------------------------------------------------
     def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -207,7 +210,7 @@ class Scheduler:
                         self.clock())
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
-        if r.routes_from is not None:
+        if r.routes_from is not None or not self.reuse_prefix:
             return 0, 0      # routing is reported per computed position: no prefix reuse
         hits, shared = self.pool.peek_prefix(r.tokens, len(r.tokens) - 1)
         return hits * self.pool.block_size, shared
@@ -223,7 +226,8 @@ class Scheduler:
             self.waiting.remove(r)
             res = self.reservations.open(rid)
             target = len(r.tokens)
-            res.blocks = [] if r.routes_from is not None else self.pool.match_prefix(r.tokens, target - 1, res.chain)
+            reuse = r.routes_from is None and self.reuse_prefix
+            res.blocks = [] if not reuse else self.pool.match_prefix(r.tokens, target - 1, res.chain)
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:

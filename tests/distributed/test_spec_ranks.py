@@ -61,7 +61,7 @@ def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, propo
     (["--speculative", "ngram", "--draft-model", "x"], "--draft-model is only used by --speculative draft"),
     (["--speculative-k", "2"], "--speculative-k and --draft-model need --speculative"),
     (["--speculative", "ngram", "--speculative-k", "9"], "speculative_k must be in 1..8"),
-    (["--speculative", "mtp"], "speculative='mtp' is not implemented")])
+    (["--speculative", "mtp"], "declares no num_nextn_predict_layers")])   # one rank: tests/engine/test_mtp.py
 def test_bad_speculation_flags_are_a_clear_error_before_any_rank(setup, capsys, flags, message):
     """In process: the flags are checked before a rank (or the model) is touched."""
     model, reqs, _ = setup

@@ -1,0 +1,76 @@
+"""The MTP proposer of speculative decoding (`--speculative mtp`): the target checkpoint's own
+multi-token-prediction head (model/qwen3_moe.py MTPHead, Qwen3-Next's `mtp.*` layout).
+
+Entry i of the head's sequence pairs the target's final hidden state at position i with token
+i + 1, at position i; it predicts token i + 2. So for a request of n tokens (the last one not yet
+run by the target) entries 0..n-2 are computable from what the target ran, and entry n-2 predicts
+the token after the decode row's token: draft 1. Drafts 2..k chain the head on itself: entry
+n-2+j takes draft j and the head's own output hidden state in place of the target's. The paged KV,
+its rollback and the per-request bookkeeping are the draft proposer's (draft.py): the head's
+sequence is the request's tokens shifted by one.
+
+The target's hidden states come from the worker (Worker.take_hidden) after every step: prefill
+rows, plain decode rows and verify rows. A verify row's states past its accepted drafts were
+computed from rejected tokens; the next step recomputes those positions and overwrites them here.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..protocol.config import EngineConfig
+from ..protocol.plan import Phase, RowSpec
+from .draft import PagedProposer
+
+
+class MTPProposer(PagedProposer):
+    def __init__(self, config: EngineConfig, worker, num_blocks: int) -> None:
+        self.model = worker.model
+        if self.model.mtp is None:
+            raise ValueError(f"{config.model}: no MTP head loaded (config.json num_nextn_predict_layers)")
+        super().__init__(worker.cfg, len(self.model.mtp.layers), worker.dtype, worker.device, num_blocks,
+                         config.block_size, worker.backends.attention.needs_block_tables)
+        self.hidden: dict[str, tuple[int, torch.Tensor]] = {}   # rid -> (first position, states [n, H])
+        self._last: dict[str, torch.Tensor] = {}               # rid -> the head's hidden of its last draft
+
+    def add(self, parts: dict[str, list]) -> None:
+        """The target's final hidden states of a step's rows: rid -> [(start position, [len, H])].
+        A later write of a position replaces it and everything after it (those were computed
+        from tokens that are now rewritten)."""
+        for rid, chunks in parts.items():
+            for start, h in chunks:
+                base, old = self.hidden.get(rid, (start, h[:0]))
+                if base <= start <= base + len(old):
+                    self.hidden[rid] = (base, torch.cat([old[:start - base], h]))
+                else:   # a gap (or a restart): only what came now is usable
+                    self.hidden[rid] = (start, h)
+
+    def forget(self, alive: set[str]) -> None:
+        super().forget(alive)
+        for held in (self.hidden, self._last):
+            for rid in [r for r in held if r not in alive]:
+                del held[rid]
+
+    def _sequence(self, tokens: list[int]) -> list[int]:
+        return tokens[1:]
+
+    def _ready(self, rid: str, seq: list[int], start: int) -> bool:
+        base, h = self.hidden.get(rid, (0, None))
+        return h is not None and base <= start and base + len(h) >= len(seq)
+
+    def _forward(self, rows: list[RowSpec], phase: Phase) -> list[int]:
+        if phase is Phase.PREFILL:   # entries start..len-1: the target's states at those positions
+            parts = []
+            for r in rows:
+                base, h = self.hidden[r.rid]
+                end = r.start + r.length
+                parts.append(h[r.start - base:end - base])
+                # the last entry's state stays: a step whose row emitted nothing recomputes it
+                self.hidden[r.rid] = (end - 1, h[end - 1 - base:])
+            hidden = torch.cat(parts)
+        else:
+            hidden = torch.stack([self._last[r.rid] for r in rows])
+        batch = self.batches.build(rows, phase)
+        logits, out = self.model.mtp_forward(batch, self.kv, hidden)
+        for r, h in zip(rows, out):
+            self._last[r.rid] = h
+        return torch.argmax(logits, dim=-1).tolist()
