@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .tokenizer import find_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not exit_with_parent():
+        return _fail("the process that started this server is gone", EXIT_CONFIG)
     # Validate the layout and the engine config before listening, so a typo fails fast and clearly.
     try:
         layout = layout_from_args(args)
@@ -125,6 +128,23 @@ def run_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+EXIT_WITH_PARENT = "PDROLLOUT_EXIT_WITH_PARENT"
+
+
+def exit_with_parent() -> bool:
+    """A server started by the bench (workload/servers.py sets PDROLLOUT_EXIT_WITH_PARENT to its
+    pid) gets SIGTERM when the bench dies, however it dies: a bench killed by `timeout` had left
+    a 30B-model server holding the GPU. False: the parent is gone already. The variable is not
+    passed on (ranks have their own parent, this server)."""
+    want = os.environ.pop(EXIT_WITH_PARENT, None)
+    if not want or not sys.platform.startswith("linux"):
+        return True
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    return os.getppid() == int(want)   # checked after: a parent that died before the prctl
 
 
 def main(argv=None) -> int:

@@ -72,6 +72,8 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
     cmd = _pdrollout() + ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                           "--mode", mode, *(["--device", device] if device else []), *drain, *extra_args]
     url = f"http://127.0.0.1:{port}"
+    # the server ends with this process, even one killed without running the `finally` below
+    env = {**(os.environ if env is None else env), "PDROLLOUT_EXIT_WITH_PARENT": str(os.getpid())}
     with open(log_path, "ab") as log:
         # its own session: the whole tree (ranks included) can be ended by its process group
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -108,3 +108,33 @@ def test_bench_results_carry_the_servers_speculation_and_its_acceptance(tiny_mod
     assert m["spec_accept_rate"] == m["spec_accepted_drafts"] / m["spec_proposed_drafts"]
     # each D iteration emits its target token plus the accepted drafts
     assert 1.0 <= m["spec_accept_length"] <= 4.0
+
+
+def test_a_bench_server_ends_when_the_bench_is_killed(tiny_model, tmp_path):
+    """SIGKILL of a process inside `servers.serve` (no `finally` runs, as under `timeout -s KILL` or
+    an OOM kill): its server gets SIGTERM from the kernel (parent-death signal) and exits, instead of
+    living on with the GPU."""
+    script = ("import sys, time\n"
+              "from pdrollout.engine.workload.servers import serve\n"
+              f"with serve({str(tiny_model)!r}, 'pd', {str(tmp_path / 'server.log')!r}, device='cpu') as live:\n"
+              "    print(live.proc.pid, flush=True)\n"
+              "    time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(bench.stdout.readline())
+        assert os.path.exists(f"/proc/{server}")
+        bench.kill()
+        bench.wait()
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{server}") and time.monotonic() < deadline:
+            with open(f"/proc/{server}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":   # exited, waiting for a reaper
+                    break
+            time.sleep(0.2)
+        gone = not os.path.exists(f"/proc/{server}") or open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    if not gone:
+        os.killpg(server, signal.SIGKILL)
+    assert gone, f"the server outlived its bench by 30 s; log:\n{(tmp_path / 'server.log').read_text()[-2000:]}"
