@@ -184,8 +184,15 @@ def test_rejection_sampling_matches_the_target_distribution():
     assert abs(rate - p0[drafts[0]]) < 3 * math.sqrt(p0[drafts[0]] * (1 - p0[drafts[0]]) / n)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_sampled_outputs_follow_the_target_end_to_end(tiny_model, proposer):
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    """tiny_model's target with a random one-layer MTP head (`mtp.*`)."""
+    return write_checkpoint(tiny_config(vocab_size=VOCAB, num_nextn_predict_layers=1),
+                            tmp_path_factory.mktemp("mtp-target"), seed=0)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "mtp"])
+def test_sampled_outputs_follow_the_target_end_to_end(tiny_model, mtp_target, proposer):
     """Through the engine with top-k 2 at temperature 0.8, on a prompt that ends in the model's own
     greedy loop (so n-gram drafts are often right and often wrong): the pair of tokens after the
     first (both emitted by verify rows) over N = 300 seeded requests per arm has the same
@@ -193,15 +200,18 @@ def test_sampled_outputs_follow_the_target_end_to_end(tiny_model, proposer):
     over the <= 4 pairs. Power: a shift of 0.15 in one pair's probability (around 0.5) gives a
     noncentrality ~ 300/2 * 0.15^2 / 0.25 * 2 = 27 on <= 3 degrees of freedom, power > 0.9; the
     acceptance rule alone is checked with power > 0.99 above. The draft proposer runs the target
-    as its own draft: its greedy drafts are accepted with probability p(argmax) < 1."""
+    as its own draft: its greedy drafts are accepted with probability p(argmax) < 1. The MTP head is
+    random: its drafts are right less often, but every one goes through the same rule."""
+    model = mtp_target if proposer == "mtp" else tiny_model
     head = [5, 9, 13, 5, 9, 13, 5, 9]
-    loop, _ = run_all(engine_for(tiny_model, "pd"), [head], max_new_tokens=16, ignore_eos=True)
+    loop, _ = run_all(engine_for(model, "pd"), [head], max_new_tokens=16, ignore_eos=True)
     prompt = head + loop["r0"]
     n = 300
     pairs = {}
     for k in (0, 3):
-        draft = {"speculative": "draft", "draft_model": str(tiny_model)} if proposer == "draft" else {}
-        eng = engine_for(tiny_model, "pd", spec_k=k, max_running=n, num_blocks=8 * n, **(draft if k else {}))
+        draft = {"speculative": "draft", "draft_model": str(tiny_model)} if proposer == "draft" else \
+            {"speculative": proposer}
+        eng = engine_for(model, "pd", spec_k=k, max_running=n, num_blocks=8 * n, **(draft if k else {}))
         eng.set_control(ControlSettings(prefill_budget_tokens=1 << 14))
         for i in range(n):
             eng.submit(f"s{i}", prompt, SamplingParams(max_new_tokens=3, temperature=0.8, top_k=2,
