@@ -82,3 +82,30 @@ def test_cuda_verify_steps_replay_the_decode_graphs(tmp_path, mode):
     graphed = [r for r in records if r.spec_verify and r.graph]
     assert graphed, "no verify step replayed a graph"
     assert sum(r.spec_accepted for r in graphed) > 0, "no draft accepted on a graphed verify step"
+
+
+def test_cuda_mtp_speculation_keeps_greedy_tokens(tmp_path):
+    """`--speculative mtp` on CUDA (fp32, D eager under mtp): greedy tokens equal those without
+    speculation in pd, and the head's drafts went through verification."""
+    from conftest import tiny_config
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    model = write_checkpoint(tiny_config(vocab_size=24, num_nextn_predict_layers=1), tmp_path, seed=0)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+    def run(spec_k):
+        spec = {"speculative": "mtp", "speculative_k": spec_k} if spec_k else {}
+        e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode="pd", block_size=4,
+                                num_blocks=256, max_running=4, **spec,
+                                control=ControlSettings(prefill_budget_tokens=24)))
+        for i, p in enumerate(prompts):
+            e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        out = {}
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+        return out, e.records
+
+    base, _ = run(0)
+    got, records = run(2)
+    assert got == base
+    assert sum(r.spec_proposed for r in records if r.spec_verify) > 0
