@@ -194,18 +194,21 @@ def _init_std(name: str, shape) -> float:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, shard=None, collectives=None,
-                 backends=None, mtp: bool = False):
+                 backends=None, mtp: bool = False, head_only: bool = False):
     """Builds the model directly on `device` with random weights of the same scales as
-    `random_tensors` (other values): a 30B-parameter benchmark model needs no checkpoint on disk."""
+    `random_tensors` (other values): a 30B-parameter benchmark model needs no checkpoint on disk.
+    `head_only` (Qwen3MoeModel's): its tensors equal the unsharded model's of the same seed."""
     from .backends import REFERENCE
     from .qwen3_moe import Qwen3MoeModel, Shard
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3MoeModel(cfg, shard or Shard(), collectives, backends or REFERENCE, mtp=mtp)
+            model = Qwen3MoeModel(cfg, shard or Shard(), collectives, backends or REFERENCE, mtp=mtp,
+                                  head_only=head_only)
         with torch.device("meta"):   # full shapes: which tensors this shard splits
-            full = {n: p.shape for n, p in Qwen3MoeModel(cfg, Shard(), None, mtp=mtp).named_parameters()}
+            full = {n: p.shape for n, p in Qwen3MoeModel(cfg, Shard(), None, mtp=mtp,
+                                                         head_only=head_only).named_parameters()}
     finally:
         torch.set_default_dtype(prev)
     shard = shard or Shard()

@@ -85,16 +85,17 @@ def _scale_part(name: str, part: slice, full: int, block: int) -> slice:
 
 def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None = None,
                shard: Shard = Shard(), collectives=None, backends: Backends = REFERENCE,
-               mtp: bool = False) -> Qwen3MoeModel:
+               mtp: bool = False, head_only: bool = False) -> Qwen3MoeModel:
     """`mtp`: also load the MTP head (`mtp.*`, when config.json declares num_nextn_predict_layers);
     otherwise those tensors are left on disk. `mtp.*` tensors without the field are an error: the
-    config is what says how many layers they hold."""
+    config is what says how many layers they hold. `head_only`: the head, the embedding, the final
+    norm and lm_head only (the target's `model.layers.*` stay on disk)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.load(model_dir)
     files = _files(model_dir)
     reader = _Reader(files)
     with torch.device("meta"):
-        model = Qwen3MoeModel(cfg, shard, collectives, backends, mtp=mtp)
+        model = Qwen3MoeModel(cfg, shard, collectives, backends, mtp=mtp, head_only=head_only)
     if dtype is None:
         dtype = resolve_dtype("auto", cfg)
 
@@ -174,6 +175,8 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
                                       f"num_nextn_predict_layers (set it to the number of mtp.layers.*)")
             if model.mtp is None:
                 continue   # the MTP head is loaded only for --speculative mtp
+        if head_only and key.startswith("model.layers."):
+            continue
         if key not in known:
             hint = " (an FP8 scale, but config.json declares no quantization_config)" \
                 if key.endswith("weight_scale_inv") and block is None else ""

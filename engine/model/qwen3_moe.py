@@ -225,10 +225,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
+    def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends, layers: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, backends) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, backends) for i in range(layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -251,13 +251,17 @@ class MTPHead(nn.Module):
 
 class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), collectives: Collectives | None = None,
-                 backends: Backends = REFERENCE, mtp: bool = False):
+                 backends: Backends = REFERENCE, mtp: bool = False, head_only: bool = False):
+        """`head_only`: the MTP head with the embedding and lm_head, no target layers (the unsharded
+        head rank 0 runs beside a sharded target: runtime/mtp.py)."""
         super().__init__()
+        if head_only and not (mtp and cfg.num_nextn_predict_layers):
+            raise ValueError("head_only builds the MTP head: needs mtp and config num_nextn_predict_layers")
         self.cfg = cfg
         self.shard = shard
         self.collectives = collectives or Collectives()
         self.backends = backends
-        self.model = Backbone(cfg, shard, backends)
+        self.model = Backbone(cfg, shard, backends, 0 if head_only else cfg.num_hidden_layers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # built only for --speculative mtp: otherwise a checkpoint's mtp.* tensors are not loaded
         self.mtp = MTPHead(cfg, shard, backends) if mtp and cfg.num_nextn_predict_layers else None

@@ -114,6 +114,8 @@ class WeightMap:
         if m:
             pre, e, which = m.group(1), int(m.group(4)), m.group(5)
             target = f"{pre}.{'down_proj' if which == 'down' else 'gate_up_proj'}"
+            if target not in params:
+                return None   # a layer a head-only model does not hold (runtime/mtp.py)
             local = e - s.ep_rank * params[target].shape[0]
             if not 0 <= local < params[target].shape[0]:
                 return None

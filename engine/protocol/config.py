@@ -182,10 +182,6 @@ class ControlSettings(BaseModel):
         return ControlSettings.model_validate({**self.model_dump(), **changes})
 
 
-MTP_ONE_RANK = ("speculative='mtp' runs on one rank only: its proposer on rank 0 needs every row's hidden "
-                "states, which live on the other ranks (use --speculative ngram or draft with --nproc > 1)")
-
-
 class EngineConfig(BaseModel):
     """Static engine settings (fixed for the life of an engine)."""
 

@@ -124,6 +124,9 @@ class StepReport:
     multiplexed: bool = False
     graph: bool = False                             # D ran as a CUDA graph replay
     routes: dict = field(default_factory=dict)      # rid -> int32 bytes [tokens, layers, top-k] (leaders)
+    hidden: dict = field(default_factory=dict)      # --speculative mtp, leaders other than rank 0: rid ->
+    #                                                 [(start, host tensor [len, H])], the final hidden
+    #                                                 states rank 0's MTP proposer reads (runtime/mtp.py)
     ops: list = field(default_factory=list)         # per op: None (done) or an error message
     p_pending: bool = False                         # this step's P epoch is still in flight
     p_done: int | None = None                       # the epoch whose P finished in this step: its

@@ -42,15 +42,18 @@ class Engine(EngineOps):
         self.model_config = worker.cfg
         proposers = [None] * self.topo.adp
         spare = config.max_running * -(-config.speculative_k // config.block_size)
-        self.mtp = None   # the MTP proposer: fed the target's hidden states after every step (_exchange)
+        self.mtps = []   # the MTP proposers, one per replica: fed the target's hidden states (_exchange)
         if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan
             from .draft import DraftProposer
             proposers = [DraftProposer(config, worker.device, worker.num_blocks + spare).propose
                          for _ in range(self.topo.adp)]
-        elif config.speculative == "mtp":   # one rank (Worker refuses more): the head is the target's
-            from .mtp import MTPProposer
-            self.mtp = MTPProposer(config, worker, worker.num_blocks + spare)
-            proposers = [self.mtp.propose]
+        elif config.speculative == "mtp":   # on rank 0 too; one head model shared by the replicas' proposers
+            from .mtp import MTPProposer, head_model
+            head = head_model(config, worker)
+            if head is not worker.model:   # weight updates reach rank 0's unsharded copy too
+                worker.weights.add_copy(head)
+            self.mtps = [MTPProposer(config, worker, worker.num_blocks + spare, head) for _ in range(self.topo.adp)]
+            proposers = [m.propose for m in self.mtps]
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D
@@ -259,14 +262,18 @@ class Engine(EngineOps):
         """Every rank executes the plan; returns this rank's report and every rank's."""
         if self.topo.world == 1:
             mine = self.worker.execute(plan)
-            if self.mtp is not None:
-                self.mtp.add(self.worker.take_hidden())
-            return mine, [mine]
-        import torch.distributed as dist
-        dist.broadcast_object_list([plan], src=0)
-        mine = self.worker.execute(plan)
-        reports: list[StepReport] = [None] * self.topo.world
-        dist.gather_object(mine, reports, dst=0)
+            reports = [mine]
+        else:
+            import torch.distributed as dist
+            dist.broadcast_object_list([plan], src=0)
+            mine = self.worker.execute(plan)
+            reports: list[StepReport] = [None] * self.topo.world
+            dist.gather_object(mine, reports, dst=0)
+        if self.mtps:   # rank 0 leads replica 0; the other leaders' states came in their reports
+            self.mtps[0].add(self.worker.take_hidden())
+            for r in reports:
+                if r.hidden:
+                    self.mtps[self.topo.replica(r.rank)].add(r.hidden)
         return mine, reports
 
     def shutdown(self) -> None:

@@ -198,12 +198,8 @@ def run_worker_node(layout: GroupLayout, config, options, host: str | None = Non
 
 def check_device(config, options) -> None:
     """--device cpu (gloo everywhere) or cuda (rank r on cuda:<local rank>, NCCL data groups);
-    the deep_ep expert backend needs cuda; speculative mtp runs on one rank. A clear error before
-    any process starts."""
+    the deep_ep expert backend needs cuda. A clear error before any process starts."""
     from ..protocol.layout import EXPERT_BACKENDS
-    from ..protocol.config import MTP_ONE_RANK
-    if getattr(config, "speculative", None) == "mtp":
-        raise ValueError(MTP_ONE_RANK)
     kind = str(config.device).split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"--nproc > 1 runs on device cpu or cuda, got {config.device!r}")

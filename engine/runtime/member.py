@@ -81,7 +81,7 @@ class GroupMember:
             warm_kernels(w.model, w.streams["d"], rows, topo.ep, slots, w.device, w.rank)
         if config.mode == "pd":
             self.pd.warm_paths()
-        if cuda and config.cuda_graphs and comm.fixed_slots:
+        if cuda and config.cuda_graphs and comm.fixed_slots and not w.eager_d:   # mtp: D runs eagerly
             adp = topo.adp
 
             def forward(batch, bucket):   # every replica padded to the bucket: rank-shared shapes

@@ -12,19 +12,37 @@ sequence is the request's tokens shifted by one.
 The target's hidden states come from the worker (Worker.take_hidden) after every step: prefill
 rows, plain decode rows and verify rows. A verify row's states past its accepted drafts were
 computed from rejected tokens; the next step recomputes those positions and overwrites them here.
+
+On several ranks rank 0's worker holds a shard whose forward runs collectives, so the head runs on
+an unsharded copy of its own (`head_model`: the `mtp.*` tensors, the embedding, the final norm and
+lm_head, loaded on rank 0 only), and the other replicas' hidden states come in their leaders'
+step reports (StepReport.hidden). One proposer per replica: a scheduler forgets what it does not hold.
 """
 from __future__ import annotations
 
 import torch
 
+from ..model.checkpoint import random_model
+from ..model.loader import load_model
 from ..protocol.config import EngineConfig
 from ..protocol.plan import Phase, RowSpec
 from .draft import PagedProposer
 
 
+def head_model(config: EngineConfig, worker):
+    """The model whose `mtp_forward` the proposer runs: on one rank the worker's own; on several an
+    unsharded head on rank 0's device (random_weights: the same per-name seeds as one rank's)."""
+    if not worker.multi:
+        return worker.model
+    kw = dict(device=worker.device, dtype=worker.dtype, backends=worker.backends, mtp=True, head_only=True)
+    if config.random_weights:
+        return random_model(worker.cfg, seed=config.seed, **kw)
+    return load_model(config.model, **kw)
+
+
 class MTPProposer(PagedProposer):
-    def __init__(self, config: EngineConfig, worker, num_blocks: int) -> None:
-        self.model = worker.model
+    def __init__(self, config: EngineConfig, worker, num_blocks: int, model=None) -> None:
+        self.model = model if model is not None else worker.model
         if self.model.mtp is None:
             raise ValueError(f"{config.model}: no MTP head loaded (config.json num_nextn_predict_layers)")
         super().__init__(worker.cfg, len(self.model.mtp.layers), worker.dtype, worker.device, num_blocks,
@@ -38,6 +56,7 @@ class MTPProposer(PagedProposer):
         from tokens that are now rewritten)."""
         for rid, chunks in parts.items():
             for start, h in chunks:
+                h = h.to(self.device)   # another leader's come on the host
                 base, old = self.hidden.get(rid, (start, h[:0]))
                 if base <= start <= base + len(old):
                     self.hidden[rid] = (base, torch.cat([old[:start - base], h]))

@@ -62,6 +62,7 @@ class RankWeights:
         from .worker import shard_of
         self.w = worker
         self.map = WeightMap(worker.model, worker.cfg, shard_of(worker.topo, worker.rank))
+        self.copies: list[WeightMap] = []   # rank 0's unsharded MTP head on several ranks (add_copy)
         self.groups: dict[str, UpdateGroup] = {}
         self.released: set[str] = set()
         self._backup: dict[str, torch.Tensor] = {}
@@ -75,9 +76,16 @@ class RankWeights:
         except Exception as e:   # reported by rank 0 to the HTTP client
             return f"rank {self.w.rank}: {type(e).__name__}: {e}"
 
+    def add_copy(self, model) -> None:
+        """A model beside the worker's that holds some of the same tensors unsharded: new weights
+        reach it too (the MTP head; memory release leaves it alone, as the draft model)."""
+        from ..model.qwen3_moe import Shard
+        self.copies.append(WeightMap(model, self.w.cfg, Shard()))
+
     # ---- weights ------------------------------------------------------------------------
     def _load_disk(self, path: str) -> None:
-        self.map.load_dir(path)
+        for m in [self.map, *self.copies]:
+            m.load_dir(path)
         self._synchronize()
 
     def _group_init(self, **args) -> None:
@@ -89,9 +97,13 @@ class RankWeights:
     def _group_update(self, names, dtypes, shapes, group_name) -> None:
         g = self.groups[group_name]
         params = self.map.params()
+        copies = [(m, m.params()) for m in self.copies]
         # every rank receives every tensor (a broadcast needs every member) and keeps its shard
         for name, dtype, shape in zip(names, dtypes, shapes):
-            self.map.write(name, g.receive(shape, parse_dtype(dtype)), params)
+            t = g.receive(shape, parse_dtype(dtype))
+            self.map.write(name, t, params)
+            for m, ps in copies:
+                m.write(name, t, ps)
         self._synchronize()
 
     def _group_destroy(self, group_name, missing_ok: bool = False) -> None:

@@ -25,7 +25,7 @@ from ..model.checkpoint import random_model
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model, resolve_dtype
 from ..model.qwen3_moe import Shard
-from ..protocol.config import MTP_ONE_RANK, ControlSettings, EngineConfig, ModelConfig
+from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
@@ -106,17 +106,18 @@ class Worker:
         self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
                                       config.add_norm)
         shard = shard_of(topo, rank)
-        # --speculative mtp: the MTP head is loaded, and every forward keeps its rows' final hidden
-        # states for the proposer (take_hidden); off otherwise
-        self.keep_hidden = config.speculative == "mtp"
-        if self.keep_hidden and self.multi:
-            raise ValueError(MTP_ONE_RANK)
+        # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
+        # rank 0 (take_hidden; the other ranks of an ATP group hold the same ones). D runs eagerly
+        # on every rank (a graph keeps no hidden states; its collectives need every rank alike).
+        # One rank loads the head into its model; on several rank 0 loads an unsharded copy (mtp.py).
+        mtp = config.speculative == "mtp"
+        self.keep_hidden, self.eager_d = mtp and self.leader, mtp
         if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
             self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends,
-                                      mtp=self.keep_hidden)
+                                      mtp=mtp and not self.multi)
         else:
             self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard,
-                                    backends=self.backends, mtp=self.keep_hidden)
+                                    backends=self.backends, mtp=mtp and not self.multi)
         self.dtype = next(self.model.parameters()).dtype
         self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
@@ -139,7 +140,7 @@ class Worker:
         self._capture_forward = None
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
-        elif self.cuda and config.cuda_graphs and not self.keep_hidden:   # mtp: D runs eagerly (forward_d)
+        elif self.cuda and config.cuda_graphs and not self.eager_d:   # mtp: D runs eagerly (forward_d)
             self._capture(lambda batch, b: self.model(batch, self.kv))
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
@@ -230,6 +231,9 @@ class Worker:
                 self._sample(list(mine.decode), logits_d, report)
         if self._routes:
             report.routes, self._routes = self._routes, {}
+        if self.keep_hidden and self.rank != 0:   # rank 0's engine takes its own (on the device)
+            report.hidden = {rid: [(start, h.to("cpu", copy=True)) for start, h in parts]
+                             for rid, parts in self.take_hidden().items()}
         if self.multi:
             self.wd.update(busy=False, phase="idle")
         if self.counters is not None:
@@ -286,7 +290,7 @@ class Worker:
         batch.want_hidden = self.keep_hidden and bool(rows)
 
     def _keep_hidden(self, batch, rows) -> None:
-        """Each row's final hidden states by rid and start position, for the MTP proposer (one rank)."""
+        """Each row's final hidden states by rid and start position, for the MTP proposer."""
         if batch.hidden is None:
             return
         t0 = 0
@@ -328,7 +332,7 @@ class Worker:
             n = max(sum(r.length for r in w.decode) for w in plan.replicas)
         # A graph keeps no routing ids and no hidden states (mtp's input). On several ranks the
         # graphs' collectives are sized for one token per row, so verify steps run eagerly there.
-        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.keep_hidden \
+        if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.eager_d \
                 or (plan.spec_any and self.multi):
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()

@@ -1,7 +1,8 @@
 """Speculative decoding on 4 ranks through the real CLI: the verify rows are D rows of the
 rank-shared plan, so every rank runs them in the same D iteration (the turnstile orders one D
-step); greedy outputs equal one rank's without speculation in every mode. Bad speculation flags
-fail before any rank starts."""
+step); greedy outputs equal one rank's without speculation in every mode. The MTP head runs on
+rank 0 from every replica leader's hidden states: every request gets drafts. Bad speculation
+flags fail before any rank starts."""
 from __future__ import annotations
 
 import json
@@ -27,11 +28,13 @@ def setup(tmp_path_factory):
     reqs.write_text("".join(json.dumps({"rid": f"r{i}", "input_ids": p, "sampling_params": {
         "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
     draft = write_checkpoint(tiny_config(vocab_size=VOCAB, num_hidden_layers=1), d / "draft", seed=5)
-    return str(model), str(reqs), str(draft)
+    mtp = write_checkpoint(tiny_config(vocab_size=VOCAB, num_nextn_predict_layers=1), d / "mtp", seed=0)
+    return str(model), str(reqs), str(draft), str(mtp)
 
 
-def _generate(setup, mode, control, extra=(), timeout=240):
-    model, reqs, _ = setup
+def _generate(setup, mode, control, extra=(), timeout=240, model=None):
+    _, reqs, *_ = setup
+    model = model or setup[0]
     return _run(["generate", "--model", model, "--requests", reqs, "--mode", mode, "--engine-config",
                  json.dumps(ENGINE), "--control", json.dumps({**BUDGET, **control}), *extra], timeout)
 
@@ -39,19 +42,27 @@ def _generate(setup, mode, control, extra=(), timeout=240):
 CASES = [("ngram", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
          ("ngram", "normal", {}, 4, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
          ("ngram", "mixed", {}, 1, ["--nproc", "4", "--adp", "4", "--ep", "4"]),
-         ("draft", "pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"])]
+         ("draft", "pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
+         ("mtp", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
+         ("mtp", "normal", {}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
+         ("mtp", "mixed", {}, 2, ["--nproc", "4", "--adp", "4", "--ep", "4"])]
 
 
 @pytest.mark.parametrize("proposer,mode,control,k,ranks", CASES,
                          ids=[f"{c[0]}-{c[1]}-k{c[3]}-adp{c[4][3]}" for c in CASES])
 def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, proposer, mode, control, k, ranks):
-    res = _generate(setup, mode, control)
+    model = setup[3] if proposer == "mtp" else setup[0]
+    res = _generate(setup, mode, control, model=model)
     ref = _outputs(res)
     draft = ["--draft-model", setup[2]] if proposer == "draft" else []
-    got_res = _generate(setup, mode, control, ["--speculative", proposer, "--speculative-k", str(k), *draft, *ranks])
+    got_res = _generate(setup, mode, control, ["--speculative", proposer, "--speculative-k", str(k), *draft, *ranks],
+                        model=model)
     assert _outputs(got_res) == ref
     metas = [json.loads(line)["meta_info"] for line in got_res.stdout.splitlines()]
-    assert sum(m["spec_accepted_drafts"] for m in metas) > 0
+    if proposer == "mtp":   # a random head's drafts are seldom right; every replica's requests get some
+        assert all(m["spec_proposed_drafts"] > 0 for m in metas), metas
+    else:
+        assert sum(m["spec_accepted_drafts"] for m in metas) > 0
     assert all(m["spec_verify_ct"] + m["spec_accepted_drafts"] == 11 for m in metas)   # first token: P
     assert all("spec_verify_ct" not in json.loads(line)["meta_info"] for line in res.stdout.splitlines())
 
@@ -61,10 +72,10 @@ def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, propo
     (["--speculative", "ngram", "--draft-model", "x"], "--draft-model is only used by --speculative draft"),
     (["--speculative-k", "2"], "--speculative-k and --draft-model need --speculative"),
     (["--speculative", "ngram", "--speculative-k", "9"], "speculative_k must be in 1..8"),
-    (["--speculative", "mtp"], "declares no num_nextn_predict_layers")])   # one rank: tests/engine/test_mtp.py
+    (["--speculative", "mtp"], "declares no num_nextn_predict_layers")])
 def test_bad_speculation_flags_are_a_clear_error_before_any_rank(setup, capsys, flags, message):
     """In process: the flags are checked before a rank (or the model) is touched."""
-    model, reqs, _ = setup
+    model, reqs, *_ = setup
     rc = main(["generate", "--model", model, "--requests", reqs, *flags, "--nproc", "4", "--adp", "2", "--ep", "4"])
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err

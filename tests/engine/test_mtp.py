@@ -17,7 +17,7 @@ from conftest import tiny_config
 from pdrollout.engine.cli import main
 from pdrollout.engine.model.checkpoint import random_model, write_checkpoint
 from pdrollout.engine.model.loader import CheckpointError, load_model
-from pdrollout.engine.protocol.config import MTP_ONE_RANK, ControlSettings, EngineConfig, ModelConfig
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.runtime.launcher import check_device
 from tests.engine.test_speculative import run_all as spec_run_all
@@ -52,7 +52,7 @@ def check_invariants(engine: Engine) -> None:
     drafts rolled back); the head's valid entries are the shifted accepted tokens, its blocks
     cover them (plus the chain), and its buffer of target hidden states starts at its last valid
     entry and holds at most the positions of one verify row after it."""
-    s, m = engine.schedulers[0], engine.mtp
+    s, m = engine.schedulers[0], engine.mtps[0]
     k = engine.config.speculative_k
     for r in s.reqs.values():
         if r.status.value != "decode":
@@ -71,8 +71,8 @@ def check_invariants(engine: Engine) -> None:
 def assert_idle(engine: Engine) -> None:
     for s in engine.schedulers:
         assert s.pool.num_used() == 0 and not s.reservations.live and not s.reservations.draining
-    engine.mtp.forget(set())   # what the next propose does for finished requests
-    assert engine.mtp.pool.num_used() == 0 and not engine.mtp.hidden
+    engine.mtps[0].forget(set())   # what the next propose does for finished requests
+    assert engine.mtps[0].pool.num_used() == 0 and not engine.mtps[0].hidden
 
 
 _BASE: dict[str, dict] = {}
@@ -253,14 +253,12 @@ def test_bad_mtp_flags_are_a_clear_error(mtp_model, tmp_path, capsys):
     reqs.write_text(json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}) + "\n")
     cases = [([str(plain), "--speculative", "mtp"], "declares no num_nextn_predict_layers"),
              ([str(mtp_model), "--speculative", "mtp", "--draft-model", str(plain)],
-              "--draft-model is only used by --speculative draft"),
-             ([str(mtp_model), "--speculative", "mtp", "--nproc", "2"], "runs on one rank only")]
+              "--draft-model is only used by --speculative draft")]
     for (model, *flags), message in cases:
         assert main(["generate", "--model", model, "--requests", str(reqs), *flags]) == 2
         assert message in capsys.readouterr().err, message
-    with pytest.raises(ValueError, match="runs on one rank only"):   # start_engine's check, before any rank
-        check_device(EngineConfig(model=str(mtp_model), speculative="mtp"), None)
-    assert "one rank" in MTP_ONE_RANK
+    # several ranks are fine (tests/distributed/test_spec_ranks.py)
+    check_device(EngineConfig(model=str(mtp_model), speculative="mtp"), None)
 
 
 # --- the checkpoint layout ----------------------------------------------------------------------
@@ -317,6 +315,11 @@ def test_weight_updates_know_the_mtp_layout(mtp_model):
     assert bare.load_dir(mtp_model) == len([k for k in shapes if not k.startswith("mtp.")])
     with pytest.raises(CheckpointError, match="no such expert"):
         wm.check({"mtp.layers.1.mlp.experts.0.down_proj.weight": (64, 32)})
+    head = load_model(mtp_model, mtp=True, head_only=True)   # rank 0's copy on several ranks
+    fc = dict(head.named_parameters())["mtp.fc.weight"]
+    fc.zero_()
+    assert WeightMap(head, cfg, Shard()).load_dir(mtp_model) == len([k for k in shapes if not k.startswith("model.layers.")])
+    assert torch.equal(fc, saved)
 
 
 def test_checkpoint_cli_and_random_weights_get_an_mtp_head(tmp_path):
@@ -328,3 +331,19 @@ def test_checkpoint_cli_and_random_weights_get_an_mtp_head(tmp_path):
     fc = dict(m.named_parameters())["mtp.fc.weight"]
     assert fc.std().item() == pytest.approx(128 ** -0.5, rel=0.2)   # the fan-in scale of every linear
     assert random_model(cfg, "cpu", torch.float32).mtp is None
+
+
+def test_head_only_model_equals_the_full_models_head(mtp_model):
+    """Rank 0's unsharded head on several ranks (runtime/mtp.py head_model): the `mtp.*` tensors,
+    the embedding, the final norm and lm_head, no target layers; loaded or random, its tensors
+    equal one rank's full model's, so its drafts do too."""
+    cfg = ModelConfig.load(mtp_model)
+    for full, head in ((load_model(mtp_model, mtp=True), load_model(mtp_model, mtp=True, head_only=True)),
+                       (random_model(cfg, "cpu", torch.float32, 7, mtp=True),
+                        random_model(cfg, "cpu", torch.float32, 7, mtp=True, head_only=True))):
+        got = dict(head.named_parameters())
+        want = {n: p for n, p in full.named_parameters() if not n.startswith("model.layers.")}
+        assert got.keys() == want.keys() and len(head.model.layers) == 0
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="head_only"):
+        load_model(mtp_model, head_only=True)
