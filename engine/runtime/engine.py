@@ -270,7 +270,7 @@ class Engine(EngineOps):
             reports: list[StepReport] = [None] * self.topo.world
             dist.gather_object(mine, reports, dst=0)
         if self.mtps:   # rank 0 leads replica 0; the other leaders' states came in their reports
-            self.mtps[0].add(self.worker.take_hidden())
+            self.mtps[0].add(self.worker.hidden.take())
             for r in reports:
                 if r.hidden:
                     self.mtps[self.topo.replica(r.rank)].add(r.hidden)

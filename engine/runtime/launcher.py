@@ -91,7 +91,8 @@ def _run_worker(rank: int, layout: GroupLayout, store, config_json: str, options
                 box: list) -> int:
     import torch.distributed as dist
     from ..protocol.config import EngineConfig
-    from .worker import RankOptions, Worker, worker_loop
+    from .options import RankOptions
+    from .worker import Worker, worker_loop
     config = EngineConfig.model_validate_json(config_json)
     w = Worker(config, layout.topology, rank, dist.PrefixStore("wd", store), RankOptions(**options), counters)
     box.append(w)

@@ -9,7 +9,7 @@ n-2+j takes draft j and the head's own output hidden state in place of the targe
 its rollback and the per-request bookkeeping are the draft proposer's (draft.py): the head's
 sequence is the request's tokens shifted by one.
 
-The target's hidden states come from the worker (Worker.take_hidden) after every step: prefill
+The target's hidden states come from the worker (Worker.hidden, HiddenStates) after every step: prefill
 rows, plain decode rows and verify rows. A verify row's states past its accepted drafts were
 computed from rejected tokens; the next step recomputes those positions and overwrites them here.
 
@@ -20,13 +20,43 @@ step reports (StepReport.hidden). One proposer per replica: a scheduler forgets 
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..model.checkpoint import random_model
 from ..model.loader import load_model
 from ..protocol.config import EngineConfig
 from ..protocol.plan import Phase, RowSpec
+from .batch import forward_order
 from .draft import PagedProposer
+
+
+class HiddenStates:
+    """A worker's rows' final hidden states since the last take: rid -> [(start position, [len, H])]."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list] = {}
+        self.lock = threading.Lock()   # a P thread (solo_p.py, pd_step.py) adds beside the step loop
+
+    def keep(self, batch, rows) -> None:
+        """A forward's rows (a batch that kept no hidden states: nothing)."""
+        if batch.hidden is None:
+            return
+        t0 = 0
+        with self.lock:
+            for r in forward_order(rows):
+                if not r.routes:   # a routed request gets no drafts (scheduler): nothing would consume them
+                    self.parts.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
+                t0 += r.length
+
+    def take(self, host: bool = False) -> dict[str, list]:
+        """`host`: as compact host copies, for a step report (a device view would pickle its whole batch)."""
+        with self.lock:
+            out, self.parts = self.parts, {}
+        if host:
+            out = {rid: [(start, h.to("cpu", copy=True)) for start, h in ps] for rid, ps in out.items()}
+        return out
 
 
 def head_model(config: EngineConfig, worker):

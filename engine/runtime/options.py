@@ -4,6 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+
+
+@dataclass
+class RankOptions:
+    """Per-run knobs of a multi-rank group that are not EngineConfig fields."""
+    slots: int = 2                  # CPU device model: execution slots per rank (1 = full SM residency)
+    watchdog_bound_s: float = 30.0
+    step_log: str | None = None     # directory for per-rank step logs (JSONL)
+    cross_isolation: bool = False   # isolation-only diagnostic: odd sides enqueue P before D (Worker.side)
+    expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
+    # Issue 8's knobs (CUDA only): the device condition under which crossed orders stall.
+    sm_partition: int = 0           # P and D streams share one green-context partition of this many SMs
+    nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
+    skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
+    gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
+    d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
+    rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
 def single_worker(a, cfg, layout):
@@ -111,7 +129,6 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(a, layout: GroupLayout):
-    from .worker import RankOptions
     return RankOptions(slots=getattr(a, "slots", 2), watchdog_bound_s=getattr(a, "watchdog_bound", 30.0),
                        step_log=getattr(a, "step_log", None),
                        cross_isolation=getattr(a, "cross_isolation", False),

@@ -10,13 +10,12 @@ next steps' D (solo_p.py). Replica leaders (local index 0) sample.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import threading
 import time
 import zlib
-from dataclasses import dataclass
 
 import torch
 
@@ -29,28 +28,13 @@ from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
+from .mtp import HiddenStates
+from .options import RankOptions
 from .sampler import make_generator, request_seed, sample, verify
 
 
 class StepLogError(RuntimeError):
     """The step log (--step-log) could not be written, e.g. its disk is full."""
-
-
-@dataclass
-class RankOptions:
-    """Per-run knobs of a multi-rank group that are not EngineConfig fields."""
-    slots: int = 2                  # CPU device model: execution slots per rank (1 = full SM residency)
-    watchdog_bound_s: float = 30.0
-    step_log: str | None = None     # directory for per-rank step logs (JSONL)
-    cross_isolation: bool = False   # isolation-only diagnostic: odd sides enqueue P before D (Worker.side)
-    expert_backend: str = "torch"   # torch | deep_ep (deep_ep: device cuda, deep_ep importable)
-    # Issue 8's knobs (CUDA only): the device condition under which crossed orders stall.
-    sm_partition: int = 0           # P and D streams share one green-context partition of this many SMs
-    nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
-    skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
-    gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
-    d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
-    rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -127,8 +111,7 @@ class Worker:
         self.control = config.control
         self.gens: dict[str, torch.Generator] = {}
         self._routes: dict[str, bytes] = {}
-        self._hidden: dict[str, list] = {}    # rid -> [(start position, final hidden states)] (keep_hidden)
-        self._hidden_lock = threading.Lock()  # a P thread (solo_p.py) adds beside the step loop
+        self.hidden = HiddenStates()          # the rows' final hidden states (keep_hidden; mtp.py)
         self.sampling: dict[str, object] = {}
         self.streams: dict = {}
         self.graphs = None
@@ -232,8 +215,7 @@ class Worker:
         if self._routes:
             report.routes, self._routes = self._routes, {}
         if self.keep_hidden and self.rank != 0:   # rank 0's engine takes its own (on the device)
-            report.hidden = {rid: [(start, h.to("cpu", copy=True)) for start, h in parts]
-                             for rid, parts in self.take_hidden().items()}
+            report.hidden = self.hidden.take(host=True)
         if self.multi:
             self.wd.update(busy=False, phase="idle")
         if self.counters is not None:
@@ -268,19 +250,19 @@ class Worker:
             self._want_routes(batch, mine)
             logits = self.model(batch, self.kv)
             self._keep_routes(phase, batch, mine)
-            self._keep_hidden(batch, mine)
+            self.hidden.keep(batch, mine)
             return logits
         torch.cuda.set_device(self.device)    # a P thread's device is its own
         s = self.streams.get(phase.path) or torch.cuda.current_stream()
         with torch.cuda.stream(s):
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
-            with self.group.span("forward", s, phase.path, plan.step) if self.multi else _nothing():
+            with self.group.span("forward", s, phase.path, plan.step) if self.multi else contextlib.nullcontext():
                 logits = self.model(batch, self.kv)
         if wait:
             s.synchronize()                   # eager: the step's logits are complete for sampling
         self._keep_routes(phase, batch, mine)
-        self._keep_hidden(batch, mine)
+        self.hidden.keep(batch, mine)
         return logits
 
     # ---- routing replay (return_routed_experts) ------------------------------------------
@@ -288,23 +270,6 @@ class Worker:
         if self.leader and any(r.routes for r in rows):
             batch.routes = []
         batch.want_hidden = self.keep_hidden and bool(rows)
-
-    def _keep_hidden(self, batch, rows) -> None:
-        """Each row's final hidden states by rid and start position, for the MTP proposer."""
-        if batch.hidden is None:
-            return
-        t0 = 0
-        with self._hidden_lock:
-            for r in forward_order(rows):
-                if not r.routes:   # a routed request gets no drafts (scheduler): nothing would consume them
-                    self._hidden.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
-                t0 += r.length
-
-    def take_hidden(self) -> dict[str, list]:
-        """The hidden states kept since the last call (rid -> [(start, [len, H])])."""
-        with self._hidden_lock:
-            out, self._hidden = self._hidden, {}
-        return out
 
     def _keep_routes(self, phase: Phase, batch, rows) -> None:
         """Each routed row's input tokens' top-k expert ids per layer (-1 on dense layers), as
@@ -337,7 +302,7 @@ class Worker:
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
         with torch.cuda.stream(s):
-            with self.group.span("forward", s, "d", plan.step) if self.multi else _nothing():
+            with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext():
                 logits = self.graphs.replay(list(plan.replicas[self.replica].decode), self.graphs.bucket(n))
         if wait:
             s.synchronize()
@@ -428,14 +393,6 @@ class Worker:
             self.group.close()
         if self._log:
             self._log.close()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def worker_loop(worker: Worker) -> int:

@@ -215,7 +215,7 @@ def test_deep_ep_backend_needs_cuda_a_clear_error_before_any_rank(setup):
 def test_check_device():
     from pdrollout.engine.protocol.config import EngineConfig
     from pdrollout.engine.runtime.launcher import check_device
-    from pdrollout.engine.runtime.worker import RankOptions
+    from pdrollout.engine.runtime.options import RankOptions
     check_device(EngineConfig(model="m", device="cuda"), RankOptions(expert_backend="deep_ep"))
     check_device(EngineConfig(model="m", device="cpu"), RankOptions())
     with pytest.raises(ValueError, match="cpu or cuda"):

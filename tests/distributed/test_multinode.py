@@ -17,7 +17,7 @@ import time
 import pytest
 
 from pdrollout.engine.protocol.exits import EXIT_PEER_LOST
-from pdrollout.engine.runtime.worker import RankOptions
+from pdrollout.engine.runtime.options import RankOptions
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
 from pod_launch import free_port, get_text, health, http, launch, metric, wait_health, write_config, write_secret

@@ -59,8 +59,12 @@ def test_greedy_with_speculation_on_4_ranks_equals_one_rank_without(setup, propo
                         model=model)
     assert _outputs(got_res) == ref
     metas = [json.loads(line)["meta_info"] for line in got_res.stdout.splitlines()]
-    if proposer == "mtp":   # a random head's drafts are seldom right; every replica's requests get some
+    if proposer == "mtp":   # a random head's drafts are seldom right: every request gets drafts, and the
+        # same ones as on one rank (rank 0's unsharded head reads the leaders' hidden states)
         assert all(m["spec_proposed_drafts"] > 0 for m in metas), metas
+        one = _generate(setup, mode, control, ["--speculative", proposer, "--speculative-k", str(k)], model=model)
+        spec = lambda ms: [{key: v for key, v in m.items() if key.startswith("spec_")} for m in ms]
+        assert spec(metas) == spec(json.loads(line)["meta_info"] for line in one.stdout.splitlines())
     else:
         assert sum(m["spec_accepted_drafts"] for m in metas) > 0
     assert all(m["spec_verify_ct"] + m["spec_accepted_drafts"] == 11 for m in metas)   # first token: P

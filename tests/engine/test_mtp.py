@@ -347,3 +347,21 @@ def test_head_only_model_equals_the_full_models_head(mtp_model):
         assert all(torch.equal(got[n], want[n]) for n in want)
     with pytest.raises(ValueError, match="head_only"):
         load_model(mtp_model, head_only=True)
+
+
+def test_new_weights_reach_rank_0s_head_copy(mtp_model):
+    """On several ranks rank 0's unsharded head is a copy beside the worker's model: a disk load
+    (and a trainer's update, through the same WeightMap.write) writes it too."""
+    from pdrollout.engine.runtime.mtp import head_model
+    eng = engine_for(mtp_model, "normal", 2)
+    w = eng.worker
+    w.multi = True   # what head_model looks at: several ranks load a copy
+    head = head_model(eng.config, w)
+    w.multi = False
+    assert head is not w.model and len(head.model.layers) == 0
+    w.weights.add_copy(head)
+    fc = dict(head.named_parameters())["mtp.fc.weight"]
+    saved = fc.clone()
+    fc.zero_()
+    eng.update_weights_from_disk(str(mtp_model))
+    assert torch.equal(fc, saved)

@@ -12,7 +12,8 @@ from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.protocol.plan import Phase
 from pdrollout.engine.protocol.topology import Topology
 from pdrollout.engine.runtime.engine import Engine
-from pdrollout.engine.runtime.worker import RankOptions, Worker
+from pdrollout.engine.runtime.options import RankOptions
+from pdrollout.engine.runtime.worker import Worker
 
 P_DELAY_S = 0.05    # each P forward takes this much longer: D steps (milliseconds here) go on meanwhile
 
