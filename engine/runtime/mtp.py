@@ -9,9 +9,9 @@ n-2+j takes draft j and the head's own output hidden state in place of the targe
 its rollback and the per-request bookkeeping are the draft proposer's (draft.py): the head's
 sequence is the request's tokens shifted by one.
 
-The target's hidden states come from the worker (Worker.hidden, HiddenStates) after every step: prefill
-rows, plain decode rows and verify rows. A verify row's states past its accepted drafts were
-computed from rejected tokens; the next step recomputes those positions and overwrites them here.
+The target's hidden states come from the worker (Worker.hidden, a HiddenStates) after every step:
+prefill rows, plain decode rows and verify rows. A verify row's states past its accepted drafts
+were computed from rejected tokens; the next step recomputes those positions and overwrites them.
 
 On several ranks rank 0's worker holds a shard whose forward runs collectives, so the head runs on
 an unsharded copy of its own (`head_model`: the `mtp.*` tensors, the embedding, the final norm and

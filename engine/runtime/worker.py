@@ -91,7 +91,7 @@ class Worker:
                                       config.add_norm)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
-        # rank 0 (take_hidden; the other ranks of an ATP group hold the same ones). D runs eagerly
+        # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). D runs eagerly
         # on every rank (a graph keeps no hidden states; its collectives need every rank alike).
         # One rank loads the head into its model; on several rank 0 loads an unsharded copy (mtp.py).
         mtp = config.speculative == "mtp"
