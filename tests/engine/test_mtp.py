@@ -318,7 +318,8 @@ def test_weight_updates_know_the_mtp_layout(mtp_model):
     head = load_model(mtp_model, mtp=True, head_only=True)   # rank 0's copy on several ranks
     fc = dict(head.named_parameters())["mtp.fc.weight"]
     fc.zero_()
-    assert WeightMap(head, cfg, Shard()).load_dir(mtp_model) == len([k for k in shapes if not k.startswith("model.layers.")])
+    outside_layers = [k for k in shapes if not k.startswith("model.layers.")]
+    assert WeightMap(head, cfg, Shard()).load_dir(mtp_model) == len(outside_layers)
     assert torch.equal(fc, saved)
 
 
