@@ -54,6 +54,24 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
 
 
+SPEC_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def _spec_greedy(model, mode: str, proposer: str, k: int):
+    """Greedy tokens (fp32 on CUDA) and step records, with `proposer` drafting k tokens (k 0: off)."""
+    spec = {"speculative": proposer, "speculative_k": k} if k else {}
+    e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode=mode, block_size=4,
+                            num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec,
+                            control=ControlSettings(prefill_budget_tokens=24)))
+    for i, p in enumerate(SPEC_PROMPTS):
+        e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    out = {}
+    while e.has_unfinished():
+        for o in e.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    return out, e.records
+
+
 @pytest.mark.parametrize("mode", ["normal", "mixed", "pd"])
 def test_cuda_verify_steps_replay_the_decode_graphs(tmp_path, mode):
     """n-gram speculation on CUDA (fp32): a verify step replays D's graphs, its k + 1 positions per
@@ -61,23 +79,8 @@ def test_cuda_verify_steps_replay_the_decode_graphs(tmp_path, mode):
     from conftest import tiny_config
     from pdrollout.engine.model.checkpoint import write_checkpoint
     model = write_checkpoint(tiny_config(vocab_size=24), tmp_path, seed=0)   # loops: drafts accepted
-    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
-
-    def run(spec_k):
-        spec = {"speculative": "ngram", "speculative_k": spec_k} if spec_k else {}
-        e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode=mode, block_size=4,
-                                num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec,
-                                control=ControlSettings(prefill_budget_tokens=24)))
-        for i, p in enumerate(prompts):
-            e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-        out = {}
-        while e.has_unfinished():
-            for o in e.step():
-                out.setdefault(o.rid, []).extend(o.new_token_ids)
-        return out, e.records
-
-    base, _ = run(0)
-    got, records = run(3)
+    base, _ = _spec_greedy(model, mode, "ngram", 0)
+    got, records = _spec_greedy(model, mode, "ngram", 3)
     assert got == base
     graphed = [r for r in records if r.spec_verify and r.graph]
     assert graphed, "no verify step replayed a graph"
@@ -90,22 +93,7 @@ def test_cuda_mtp_speculation_keeps_greedy_tokens(tmp_path):
     from conftest import tiny_config
     from pdrollout.engine.model.checkpoint import write_checkpoint
     model = write_checkpoint(tiny_config(vocab_size=24, num_nextn_predict_layers=1), tmp_path, seed=0)
-    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
-
-    def run(spec_k):
-        spec = {"speculative": "mtp", "speculative_k": spec_k} if spec_k else {}
-        e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode="pd", block_size=4,
-                                num_blocks=256, max_running=4, **spec,
-                                control=ControlSettings(prefill_budget_tokens=24)))
-        for i, p in enumerate(prompts):
-            e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-        out = {}
-        while e.has_unfinished():
-            for o in e.step():
-                out.setdefault(o.rid, []).extend(o.new_token_ids)
-        return out, e.records
-
-    base, _ = run(0)
-    got, records = run(2)
+    base, _ = _spec_greedy(model, "pd", "mtp", 0)
+    got, records = _spec_greedy(model, "pd", "mtp", 2)
     assert got == base
     assert sum(r.spec_proposed for r in records if r.spec_verify) > 0
