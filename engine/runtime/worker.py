@@ -371,16 +371,16 @@ class Worker:
             if code != EXIT_STALL:
                 report_lost(self.wd.store, self.rank, f"rank {self.rank} failed ({name(code)}): "
                             f"{type(err).__name__}: {err}", code)
-        # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to say it)
-        first = str(err).splitlines()[0] if str(err) else ""
-        print(f"[rank {self.rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}",
-              file=sys.stderr, flush=True)
         for hook in self.exit_hooks:
             try:
                 hook(err, code)
             except Exception as e:
                 print(f"[rank {self.rank}] exit hook failed: {e!r}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
+        # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to
+        # say it); last, after the hooks ended this node's other ranks, so a log's tail is the verdict
+        first = str(err).splitlines()[0] if str(err) else ""
+        print(f"[rank {self.rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}",
+              file=sys.stderr, flush=True)
         os._exit(code)
 
     def side(self, rank: int) -> int:

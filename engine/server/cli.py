@@ -54,7 +54,7 @@ def _fail(message: str, code: int) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from ..runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
     from ..protocol.config import EngineConfig
-    from ..protocol.exits import EXIT_CONFIG
+    from ..protocol.exits import EXIT_CONFIG, name as exit_name
     from ..protocol.layout import LayoutError
     from .app import ServerSettings
     from .serve import run
@@ -112,7 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, flush=True)
 
-    rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say))
+    failure: list[str] = []
+    rc = asyncio.run(run(settings, make_engine, tokenizer, ready_message=say, failure=failure))
     for engine in made:   # the engine thread has stopped: tell the workers, then reap them
         from ..runtime.launcher import stop_engine
         if rc == 0:
@@ -122,9 +123,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if options is not None:   # stopped while the group was still joining: its ranks go too
         from ..runtime.launcher import reap_children
         reap_children()
+    logging.shutdown()
+    if rc != 0:   # last, after this node's ranks (and their tracebacks) ended: a log's tail is the verdict
+        print(f"pdrollout serve: exit {rc} ({exit_name(rc)})" + (f": {failure[0]}" if failure else ""),
+              file=sys.stderr, flush=True)
     # Interpreter teardown with torch loaded takes seconds; the server is already shut down
     # cleanly, so leave now (a SIGTERM'd pod should exit fast).
-    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -58,7 +58,9 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
 
 
 async def run(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None,
-              ready_message: Optional[Callable[[str], None]] = print) -> int:
+              ready_message: Optional[Callable[[str], None]] = print, failure: Optional[list] = None) -> int:
+    """Serve until SIGTERM/SIGINT or the engine fails; returns the exit code. `failure` (a list)
+    receives the engine's error, for the caller's last line."""
     loop = asyncio.get_running_loop()
     server, runner, url = await start(settings, engine_factory, tokenizer)
     stop = asyncio.Event()
@@ -78,6 +80,8 @@ async def run(settings: ServerSettings, engine_factory: Callable[[], Any], token
     failed = server.bridge.state == "failed"
     if failed:
         log.error("%s", server.bridge.error)
+        if failure is not None:
+            failure.append(server.bridge.error)
     else:
         log.info("shutting down")
     expiry.cancel()
