@@ -30,6 +30,8 @@ OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
 METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"   # scheduler-plugins' coscheduling
 TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
+# pod annotation: the engine's start-time config (ConfigMap) it was made for; part of the template hash
+ENGINE_CONFIG_HASH = "pdrollout.io/engine-config-hash"
 ENGINE_UID = 65532   # non-root user for CPU engine pods (the images have no passwd entry: numeric only)
 
 
@@ -152,7 +154,16 @@ def engine_config(spec: PDRolloutSpec) -> dict:
     engine starts with (so a restarted pod comes up with the current spec.multiplexing)."""
     cfg = {"dtype": spec.model.dtype, "control": spec.multiplexing.control().model_dump()}
     EngineConfig.model_validate({"model": spec.model.path, **cfg})  # the engine must accept it
-    return cfg
+    # Not validated here: the engine checks them against the checkpoints (an MTP head, the draft's
+    # vocabulary), which only the pods can read; a mismatch ends the engine with the config exit code.
+    return {**cfg, **(spec.speculative.engine_fields() if spec.speculative else {})}
+
+
+def engine_start_digest(spec: PDRolloutSpec) -> str:
+    """What an engine reads only when it starts (all of engine_config but the live controls): a
+    change must reach the pods by recreating the group, as a changed template does."""
+    start = {k: v for k, v in engine_config(spec).items() if k != "control"}
+    return hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def group_layout(name: str, namespace: str, spec: PDRolloutSpec) -> GroupLayout:
@@ -319,6 +330,7 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     if spec.gang:   # the PodGroup's scheduler places the pods, all or none
         tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
         tpl["spec"]["schedulerName"] = spec.gang.scheduler_name
+    tpl["metadata"].setdefault("annotations", {})[ENGINE_CONFIG_HASH] = engine_start_digest(spec)
     digest = hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
     tpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH] = digest
     return tpl

@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pdrollout.engine.protocol.config import Activation, ControlSettings, EngineConfig, Ordering
+from pdrollout.engine.protocol.config import SPEC_K_MAX, Activation, ControlSettings, EngineConfig, Ordering
 from pdrollout.engine.protocol.layout import DEVICES, EXPERT_BACKENDS
 from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
 from pdrollout.engine.protocol.topology import Topology as RankTopology
@@ -112,6 +112,33 @@ class Multiplexing(_Model):
                                prefill_budget_tokens=self.prefill_budget_tokens, ordering=self.ordering,
                                p_wait_bound_ms=self.p_wait_bound_ms, p_gather_ms=self.p_gather_ms,
                                p_burst_first=self.p_burst_first)
+
+
+class Speculative(_Model):
+    """Speculative decoding inside D (the engine's `--speculative`). Read when an engine starts:
+    changing it recreates the group on the new pod template."""
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("self.method == 'draft' ? has(self.draftModel) : !has(self.draftModel)",
+         "draftModel is set exactly when method is draft"),
+    ))
+
+    method: Literal["ngram", "draft", "mtp"] = Field(description=(
+        "ngram: prompt lookup, no extra weights; draft: a small model sharing the tokenizer (draftModel); "
+        "mtp: the checkpoint's own multi-token-prediction head (config num_nextn_predict_layers >= 1)."))
+    k: int = Field(default=4, ge=1, le=SPEC_K_MAX, description="Draft tokens proposed per decode row.")
+    draft_model: str | None = Field(default=None, min_length=1, description=(
+        "method draft: the draft's model directory inside the engine container."))
+
+    @model_validator(mode="after")
+    def _draft(self) -> "Speculative":  # mirrors the CEL rule above
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("draftModel is set exactly when method is draft")
+        return self
+
+    def engine_fields(self) -> dict:
+        """The EngineConfig fields (`pdrollout serve --speculative ... --speculative-k ... --draft-model`)."""
+        return {"speculative": self.method, "speculative_k": self.k,
+                **({"draft_model": self.draft_model} if self.draft_model else {})}
 
 
 class Nvshmem(_Model):
@@ -251,6 +278,8 @@ class PDRolloutSpec(_Model):
                                                                         "engine: torch (NCCL/gloo) or deep_ep.")
     topology: Topology = Field(default_factory=Topology)
     multiplexing: Multiplexing = Field(default_factory=Multiplexing)
+    speculative: Speculative | None = Field(default=None, description="Speculative decoding inside D; "
+                                                                      "unset: off.")
     network: Network = Field(default_factory=Network)
     resources: Resources = Field(default_factory=Resources)
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")

@@ -240,6 +240,34 @@ def test_multiplexing_is_not_in_the_pod_template():
                               "ordering": "global-enqueue", "p_wait_bound_ms": None, "p_gather_ms": None, "p_burst_first": None}
 
 
+@pytest.mark.parametrize("start", [{"model": {"path": "/models/tiny", "dtype": "float32"}},
+                                   {"speculative": {"method": "ngram", "k": 2}},
+                                   {"speculative": {"method": "draft", "draftModel": "/models/draft"}}])
+def test_a_start_time_engine_field_changes_the_pod_template(start):
+    """dtype and speculation are read when an engine starts: a change must recreate the group (a new
+    template hash), where a control change does not (test above)."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    base, changed = PDRolloutSpec.model_validate(doc), PDRolloutSpec.model_validate({**doc, **start})
+    assert builders.template_hash("r", "ns", base) != builders.template_hash("r", "ns", changed)
+    assert builders.configmap("r", "ns", base) != builders.configmap("r", "ns", changed)
+
+
+def test_speculation_reaches_the_engine_config(tmp_path):
+    """spec.speculative becomes the EngineConfig fields `pdrollout serve --speculative` sets, and the
+    engine accepts them against a checkpoint with an MTP head."""
+    from conftest import tiny_config
+    from pdrollout.engine.model.checkpoint import write_checkpoint
+    model = write_checkpoint(tiny_config(num_nextn_predict_layers=1), tmp_path, seed=0)
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    spec = PDRolloutSpec.model_validate({**doc, "model": {"path": str(model)}, "speculative": {"method": "mtp", "k": 3}})
+    cfg = json.loads(builders.configmap("r", "ns", spec)["data"]["engine-config.json"])
+    assert (cfg["speculative"], cfg["speculative_k"]) == ("mtp", 3) and "draft_model" not in cfg
+    c = EngineConfig.model_validate({"model": spec.model.path, **cfg})
+    assert (c.speculative, c.speculative_k, c.draft_model) == ("mtp", 3, None)
+    off = json.loads(builders.configmap("r", "ns", spec_of("examples/pdrollout.yaml"))["data"]["engine-config.json"])
+    assert "speculative" not in off
+
+
 def test_engine_config_is_accepted_by_the_engine_and_args_point_at_it():
     spec = spec_of("examples/pdrollout.yaml")
     cm = builders.configmap("r", "ns", spec)
@@ -302,7 +330,8 @@ def test_pod_template_overrides_merge_with_the_operators_winning():
     pod, c = tpl["spec"], tpl["spec"]["containers"][0]
     assert tpl["metadata"]["labels"] == plain["metadata"]["labels"]
     assert tpl["metadata"]["annotations"] == {"team": "rl", "pdrollout.io/template-hash":
-                                              builders.template_hash("r", "ns", spec)}
+                                              builders.template_hash("r", "ns", spec),
+                                              "pdrollout.io/engine-config-hash": builders.engine_start_digest(spec)}
     assert pod["nodeSelector"] == {"pool": "h200"} and pod["priorityClassName"] == "rollout-high"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["tolerations"] == plain["spec"]["tolerations"] + OVERRIDES["tolerations"]

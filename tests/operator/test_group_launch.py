@@ -44,6 +44,7 @@ def test_two_pod_group_through_the_operator(cluster, operator, namespace, tiny_m
     name = doc["metadata"]["name"]
     doc["spec"]["model"]["path"] = str(tiny_model)
     doc["spec"]["port"] = port = free_port()
+    doc["spec"]["speculative"] = {"method": "ngram", "k": 2}   # a start-time field, through the ConfigMap
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
 
     def running():
@@ -76,6 +77,8 @@ def test_two_pod_group_through_the_operator(cluster, operator, namespace, tiny_m
         code, out = http(f"{urls[0]}/generate", {"input_ids": [5, 6, 7], "sampling_params": {
             "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
         assert code == 200 and len(out["output_ids"]) == 4
+        code, info = http(f"{urls[0]}/get_model_info")
+        assert code == 200 and (info["speculative"], info["speculative_k"], info["nproc"]) == ("ngram", 2, 4), info
 
         # A live control change: node 0 takes it for every rank; no pod restarts.
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
