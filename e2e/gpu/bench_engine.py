@@ -5,8 +5,10 @@ prefills a batch through the engine in `normal` mode (8k-token chunks), then tim
 (CUDA-graph replay alone, and whole engine steps with planning and sampling).
 Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] --out results.json
   --fp8                  block-FP8 weights (the config's quantization_config, as FP8 releases declare)
-  --speculative-k K      n-gram speculation, K drafts per decode row: the decode steps are then
-                         verify steps, and tokens per row per step are reported beside their time
+  --speculative-k K      speculation, K drafts per decode row: the decode steps are then verify
+                         steps, and tokens per row per step are reported beside their time
+  --speculative ngram|mtp  the proposer (default ngram); mtp adds one MTP layer to the config
+                         (num_nextn_predict_layers: 1; random weights build the head)
 """
 from __future__ import annotations
 
@@ -64,8 +66,10 @@ def main():
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
     ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--add-norm", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
-    ap.add_argument("--speculative-k", type=int, default=0, help="n-gram speculation with K drafts (0: off)")
+    ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
+    ap.add_argument("--speculative", choices=["ngram", "mtp"], default="ngram", help="the proposer under -k")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     bw, peak = measure_ceilings()
@@ -74,6 +78,8 @@ def main():
     if a.fp8:
         from pdrollout.engine.model.checkpoint import FP8_CONFIG
         cfg_d["quantization_config"] = dict(FP8_CONFIG)
+    if a.speculative_k and a.speculative == "mtp":
+        cfg_d["num_nextn_predict_layers"] = 1
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(cfg_d))
     cfg = ModelConfig.from_dict(cfg_d)
@@ -81,12 +87,16 @@ def main():
     e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
-                            **({"speculative": "ngram", "speculative_k": a.speculative_k} if a.speculative_k else {}),
+                            decode_kv_splits=a.kv_splits if a.kv_splits == "auto" else int(a.kv_splits),
+                            **({"speculative": a.speculative, "speculative_k": a.speculative_k}
+                               if a.speculative_k else {}),
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in e.worker.model.parameters())
     # parameters, not bytes (FP8 weights are one byte; their scales are counted in the bytes only)
-    weight_params = sum(p.numel() for n, p in e.worker.model.named_parameters() if not n.endswith("scale_inv"))
+    # and not the MTP head's (the prefill-FLOP estimate below is the target's own layers)
+    weight_params = sum(p.numel() for n, p in e.worker.model.named_parameters()
+                        if not n.endswith("scale_inv") and not n.startswith("mtp."))
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
         ids = torch.randint(2, cfg.vocab_size, (a.ctx,), generator=g).tolist()
@@ -112,7 +122,8 @@ def main():
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / a.steps
     recs = e.records[n_records:]
-    spec = {"speculative_k": a.speculative_k, "tokens_per_row_step": tokens / a.steps / a.batch,
+    spec = {"speculative": a.speculative if a.speculative_k else None,
+            "speculative_k": a.speculative_k, "tokens_per_row_step": tokens / a.steps / a.batch,
             "spec_verify_steps": sum(1 for r in recs if r.spec_verify),
             "spec_proposed": sum(r.spec_proposed for r in recs), "spec_accepted": sum(r.spec_accepted for r in recs)}
     replay_s = float("nan")
@@ -140,6 +151,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
+           "kv_splits": a.kv_splits,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,

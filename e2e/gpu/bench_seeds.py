@@ -15,6 +15,10 @@ call, then summarized.
     --variant fp8:pd:'{"weights": "fp8"}'               # block-FP8 weights (a config with
                                                          # quantization_config); "weights" is not an
                                                          # engine field: FP8 is read from the model
+    --variant mtp:pd:'{"speculative": "mtp", "speculative_k": 2}'
+                                                         # the model declares an MTP head (random
+                                                         # weights build it); "mtp_layers": N sets
+                                                         # its depth (default 1 under mtp, else 0)
 
 --reuse-server: a (variant, mode) keeps one server for every (pressure, seed), its prefix cache
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start
@@ -47,15 +51,20 @@ def parse_variant(text: str) -> dict:
     weights = extra.pop("weights", "bf16")
     if weights not in ("bf16", "fp8"):
         raise ValueError(f"variant {name}: weights must be 'bf16' or 'fp8', got {weights!r}")
-    return {"name": name, "modes": modes, "extra": extra, "weights": weights,
+    mtp = extra.pop("mtp_layers", 1 if extra.get("speculative") == "mtp" else 0)
+    if not isinstance(mtp, int) or mtp < 0:
+        raise ValueError(f"variant {name}: mtp_layers must be an integer >= 0, got {mtp!r}")
+    return {"name": name, "modes": modes, "extra": extra, "weights": weights, "mtp_layers": mtp,
             "pressures": only.split(",") if only else None}
 
 
 def model_dir(args, variant: dict) -> str:
-    return args.model if variant.get("weights", "bf16") == "bf16" else f"{args.model}-{variant['weights']}"
+    """One model directory per (weights, MTP depth): the baseline's is `--model` itself."""
+    weights, mtp = variant.get("weights", "bf16"), variant.get("mtp_layers", 0)
+    return args.model + ("" if weights == "bf16" else f"-{weights}") + (f"-mtp{mtp}" if mtp else "")
 
 
-def write_model(path: Path, layers: int, preset: str, weights: str = "bf16") -> None:
+def write_model(path: Path, layers: int, preset: str, weights: str = "bf16", mtp_layers: int = 0) -> None:
     from pdrollout.engine.protocol.config import load_preset
     cfg = load_preset(preset)
     if layers:
@@ -63,6 +72,8 @@ def write_model(path: Path, layers: int, preset: str, weights: str = "bf16") -> 
     if weights == "fp8":   # random e4m3 weights with block scales, as FP8 releases declare them
         from pdrollout.engine.model.checkpoint import FP8_CONFIG
         cfg["quantization_config"] = dict(FP8_CONFIG)
+    if mtp_layers:         # Qwen3-Next/DeepSeek's key: the checkpoint has mtp.* layers
+        cfg["num_nextn_predict_layers"] = mtp_layers
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
 
@@ -282,8 +293,9 @@ def main() -> int:
             ap.error("the first variant is the baseline: it must run normal and mixed")
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.pressures = args.pressures.split(",")
-        for weights in sorted({v["weights"] for v in variants}):
-            write_model(Path(model_dir(args, {"weights": weights})), args.layers, args.model_preset, weights)
+        for weights, mtp in sorted({(v["weights"], v["mtp_layers"]) for v in variants}):
+            write_model(Path(model_dir(args, {"weights": weights, "mtp_layers": mtp})), args.layers,
+                        args.model_preset, weights, mtp)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"command": " ".join(sys.argv), "commit": os.environ.get("COMMIT", "unknown"),
                 "machine": os.environ.get("MACHINE", "unknown"), "seeds": args.seeds,

@@ -50,7 +50,8 @@ class ReferenceAttention:
 class PagedAttention:
     needs_block_tables = True
 
-    def __init__(self, prologue: str = "torch"):
+    def __init__(self, prologue: str = "torch", kv_splits: int | str = 1):
+        self.kv_splits = kv_splits   # decode attention split along the context (kernels.py)
         if prologue == "fused":
             from .prologue import qk_prologue
             self.prologue = qk_prologue
@@ -63,7 +64,7 @@ class PagedAttention:
         o = torch.empty_like(q)
         if nd:
             o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                              batch.block_size, scale)
+                                              batch.block_size, scale, kv_splits=self.kv_splits)
         if len(batch.seqs) > nd:
             kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
         return o
@@ -156,32 +157,33 @@ class Backends:
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto", add_norm: str = "torch") -> Backends:
+                  prologue: str = "auto", add_norm: str = "torch", kv_splits: int | str = 1) -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
-    (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); CPU always runs the
-    reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on the exact paths
-    (gathered experts, torch prologue)."""
+    (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); `kv_splits`: the
+    decode attention's (EngineConfig.decode_kv_splits); CPU always runs the reference. Auto picks
+    the fused kernels only in bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch
+    prologue)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
-    backends = _cuda_backends(device, dtype, experts, prologue)
+    if prologue == "auto":
+        prologue = "fused" if dtype == torch.bfloat16 else "torch"
+    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits))
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = Backends(backends.attention, backends.experts, fused_add_norm)
     return backends
 
 
-def _cuda_backends(device: torch.device, dtype: torch.dtype, experts: str, prologue: str) -> Backends:
-    if prologue == "auto":
-        prologue = "fused" if dtype == torch.bfloat16 else "torch"
+def _cuda_backends(device: torch.device, dtype: torch.dtype, experts: str, attention: PagedAttention) -> Backends:
     if experts == "fused":
-        return Backends(PagedAttention(prologue), FusedExperts())
+        return Backends(attention, FusedExperts())
     grouped = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     if experts == "grouped" and not grouped:
         raise ValueError(f"experts_kernel 'grouped' needs bf16 on SM90+ (have {dtype}, "
                          f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))})")
     if not grouped:
-        return Backends(PagedAttention(prologue), GatheredExperts())
-    return Backends(PagedAttention(prologue), AutoExperts() if experts == "auto" else GroupedExperts())
+        return Backends(attention, GatheredExperts())
+    return Backends(attention, AutoExperts() if experts == "auto" else GroupedExperts())
 
 
 REFERENCE = Backends(ReferenceAttention(), ReferenceExperts())

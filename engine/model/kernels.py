@@ -1,7 +1,9 @@
 """CUDA fast paths, each tested against its reference in ops.py (tests/engine/test_kernels.py, GPU):
 
 * `decode_attention`: a Triton paged-attention kernel for one query per sequence (GQA groups share
-  each K/V tile), with tensor-only metadata so it can live inside a CUDA graph;
+  each K/V tile), with tensor-only metadata so it can live inside a CUDA graph; optionally split
+  along the context (flash-decoding: `kv_splits` programs per (row, KV head), each a slice of the
+  context, merged by their log-sum-exp), so a batch of few rows still fills the GPU;
 * `prefill_attention`: SDPA per sequence over the gathered context with a bottom-right causal mask;
 * `experts_grouped`: routed experts through two `torch._grouped_mm` calls (fixed shapes: graph-safe).
 Triton is imported lazily: CPU-only installs never need it.
@@ -14,6 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..protocol.config import KV_SPLITS_MAX
+
 
 def triton_interpreting() -> bool:
     """Triton's CPU interpreter is on (tests: TRITON_INTERPRET=1 before Triton's first import)."""
@@ -21,33 +25,45 @@ def triton_interpreting() -> bool:
 
 
 @functools.cache
-def _decode_kernel():
+def _decode_kernels():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, scale,
+    def attend(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                sq_b, sq_h, sk_s, sk_h, sbt_b, so_b, so_h,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-               BLOCK: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+               BLOCK: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr):
+        """One (row, KV head, split): online softmax over the split's slice of the row's context.
+        SPLITS 1: the whole context, written as the output. Else a normalized partial into
+        [B, H, SPLITS, D] fp32 and its log-sum-exp (-inf for an empty slice), for `merge`."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        sp = tl.program_id(2)
         seq_len = tl.load(len_ptr + b)
+        # slices of whole tiles, sized from this row's length: the grid is fixed (graph-safe)
+        per = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
+        lo = sp * per
+        hi = tl.minimum(lo + per, seq_len)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)
         gmask = g < GROUP
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gmask[:, None], other=0.0)
+        if F32:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 are exact
+            q = q.to(tl.float32)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(0, seq_len, TILE):
+        for start in range(lo, hi, TILE):
             pos = start + tl.arange(0, TILE)
-            pmask = pos < seq_len
+            pmask = pos < hi
             blk = tl.load(bt_ptr + b * sbt_b + pos // BLOCK, mask=pmask, other=0)
             slot = blk.to(tl.int64) * BLOCK + pos % BLOCK
             k = tl.load(k_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=pmask[:, None], other=0.0)
             v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=pmask[:, None], other=0.0)
+            if F32:
+                k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             s = tl.where(pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -56,27 +72,86 @@ def _decode_kernel():
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m = m_new
-        out = acc / tl.maximum(l, 1e-30)[:, None]    # seq_len 0 (padding rows) → zeros
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
+        out = acc / tl.maximum(l, 1e-30)[:, None]    # an empty context (a padding row) → zeros
+        if SPLITS == 1:
+            tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=gmask[:, None])
+        else:
+            lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
+            at = (b * (GROUP * tl.num_programs(1)) + heads) * SPLITS + sp
+            tl.store(o_ptr + at[:, None] * D + d[None, :], out, mask=gmask[:, None])
+            tl.store(lse_ptr + at, lse, mask=gmask)
 
-    return kernel
+    @triton.jit
+    def merge(o_ptr, lse_ptr, out_ptr, so_b, so_h, H: tl.constexpr, D: tl.constexpr,
+              SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        """One (row, head): the splits' partials weighted by exp(lse - max lse); a row with no
+        context (padding) gets zeros."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, D)
+        smask = sp < SPLITS
+        at = (b * H + h) * SPLITS + sp
+        lse = tl.load(lse_ptr + at, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+        parts = tl.load(o_ptr + at[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty))
+
+    return attend, merge
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float):
+# Flash-decoding targets this many programs per SM: one (row, KV head) per program leaves a
+# 64-row batch with 4 KV heads at 256 programs on 132 SMs, too few loads in flight to stream HBM.
+SPLIT_PROGRAMS_PER_SM = 4
+MAX_KV_SPLITS = KV_SPLITS_MAX
+
+
+def kv_splits_for(rows: int, kv_heads: int, max_context: int, sms: int, tile: int = 64) -> int:
+    """Splits per (row, KV head) from shapes alone (the padded batch, the block table's width), so a
+    captured graph keeps its grid: enough programs for the SMs, no split shorter than one tile."""
+    want = -(-SPLIT_PROGRAMS_PER_SM * sms // max(rows * kv_heads, 1))
+    return max(1, min(want, MAX_KV_SPLITS, -(-max_context // tile)))
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float,
+                     kv_splits: int | str = 1):
     """q: [B, H, D]; k/v_cache: [slots, KVH, D]; block_tables: int32 [B, max_blocks];
-    seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]."""
+    seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]. `kv_splits`: 1 for one pass per
+    (row, KV head); n > 1 or "auto" (kv_splits_for) to split each row's context n ways."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     group = h // kvh
     o = torch.empty_like(q)
     tile = 64 if block_size <= 64 else block_size
-    _decode_kernel()[(b, kvh)](q, k_cache, v_cache, block_tables, seq_lens, o, scale,
-                               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                               block_tables.stride(0), o.stride(0), o.stride(1),
-                               GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d,
-                               BLOCK=block_size, TILE=tile, num_warps=4, num_stages=2,
-                               PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    interpret = triton_interpreting()
+    if kv_splits == "auto":
+        sms = _sm_count(q.device.index) if q.device.type == "cuda" else 132
+        kv_splits = kv_splits_for(b, kvh, block_tables.shape[1] * block_size, sms, tile)
+    attend, merge = _decode_kernels()
+    if kv_splits == 1:
+        parts, lse, so = o, o, (o.stride(0), o.stride(1))
+    else:
+        parts = torch.empty(b, h, kv_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, h, kv_splits, dtype=torch.float32, device=q.device)
+        so = (0, 0)
+    attend[(b, kvh, kv_splits)](q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale,
+                                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                block_tables.stride(0), *so,
+                                GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d,
+                                SPLITS=kv_splits, BLOCK=block_size, TILE=tile, num_warps=4, num_stages=2,
+                                PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
+                                F32=interpret)
+    if kv_splits > 1:
+        merge[(b, h)](parts, lse, o, o.stride(0), o.stride(1), H=h, D=d, SPLITS=kv_splits,
+                      SPLITS_PAD=max(2, 1 << (kv_splits - 1).bit_length()), num_warps=4)
     return o
 
 

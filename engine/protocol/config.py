@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -143,6 +143,7 @@ def load_preset(name_or_path: str) -> dict:
     return json.loads(p.read_text())
 
 
+KV_SPLITS_MAX = 16   # decode attention's context splits (model/kernels.py)
 SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
 
 Activation = Literal["on", "off", "auto"]
@@ -208,6 +209,9 @@ class EngineConfig(BaseModel):
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
     # residual add + RMSNorm in one Triton pass (model/norms.py) on CUDA; opt-in until timed on the H200
     add_norm: Literal["torch", "fused"] = "torch"
+    # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
+    # per (row, KV head), or "auto" from the batch and the SM count; 1: one pass. Opt-in until timed
+    decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = 1
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores

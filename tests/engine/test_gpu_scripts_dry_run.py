@@ -66,3 +66,16 @@ def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
     assert "quantization_config" in json.loads((tmp_path / "fp8-model-fp8" / "config.json").read_text())
     table = json.loads((out / "summary.json").read_text())["table"]["P2"]
     assert table["fp8/mixed"]["makespan_vs_mixed"]["n"] == 1
+
+
+def test_bench_seeds_gives_an_mtp_variant_a_model_with_its_head(tmp_path):
+    """`"speculative": "mtp"` needs the checkpoint's head: the variant's model declares one (random
+    weights build it), the baseline's does not, and the results say mtp drafted and was verified."""
+    out = tmp_path / "mtp"
+    _bench_seeds(out, "--pressures", "P2", "--layers", "1",
+                 "--variant", 'mtp:pd:{"speculative": "mtp", "speculative_k": 2}')
+    assert "num_nextn_predict_layers" not in json.loads((tmp_path / "mtp-model" / "config.json").read_text())
+    assert json.loads((tmp_path / "mtp-model-mtp1" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    pd = json.loads((out / "mtp" / "P2-s0" / "pd" / "results.json").read_text())["modes"]["pd"]
+    assert (pd["speculative"], pd["speculative_k"]) == ("mtp", 2) and pd["completed"] > 0
+    assert pd["spec_proposed_drafts"] > 0 and pd["spec_accept_length"] >= 1, pd

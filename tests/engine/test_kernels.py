@@ -28,9 +28,10 @@ def _paged(ctx_lens, block_size, kvh, d, dtype, g):
     return k, v, tables
 
 
+@pytest.mark.parametrize("splits", [1, 5, "auto"])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_decode_attention_matches_reference(dtype, tol, block_size):
+def test_decode_attention_matches_reference(dtype, tol, block_size, splits):
     from pdrollout.engine.model.kernels import decode_attention
     g = torch.Generator(device=cuda).manual_seed(0)
     h, kvh, d = 32, 4, 128
@@ -43,7 +44,7 @@ def test_decode_attention_matches_reference(dtype, tol, block_size):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
     lens = torch.tensor(ctx + [0], dtype=torch.int32, device=cuda)     # last row: padding
     qpad = torch.cat([q, torch.randn(1, h, d, generator=g, device=cuda).to(dtype)])
-    out = decode_attention(qpad, k, v, bt, lens, block_size, d ** -0.5)
+    out = decode_attention(qpad, k, v, bt, lens, block_size, d ** -0.5, kv_splits=splits)
     assert torch.isfinite(out).all() and out[-1].abs().max() == 0
     seqs = []
     for i, (c, t) in enumerate(zip(ctx, tables)):
@@ -52,6 +53,27 @@ def test_decode_attention_matches_reference(dtype, tol, block_size):
         seqs.append(SeqSlice(i, 1, c, slots))
     ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
     assert rel(out[:-1], ref) < tol
+
+
+def test_split_decode_attention_replays_in_a_graph_with_new_lengths():
+    """The split kernels' grid is fixed by shapes: a graph captured at one set of lengths replays
+    right at others (longer and shorter rows, a row going to padding)."""
+    from pdrollout.engine.model.kernels import decode_attention
+    g = torch.Generator(device=cuda).manual_seed(2)
+    h, kvh, d, bs = 32, 4, 128, 16
+    k, v, tables = _paged([4096] * 4, bs, kvh, d, torch.bfloat16, g)
+    bt = torch.tensor(tables, dtype=torch.int32, device=cuda)
+    q = torch.randn(4, h, d, generator=g, device=cuda).to(torch.bfloat16)
+    lens = torch.tensor([100, 2000, 4096, 7], dtype=torch.int32, device=cuda)
+    decode_attention(q, k, v, bt, lens, bs, d ** -0.5, kv_splits="auto")   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, bt, lens, bs, d ** -0.5, kv_splits="auto")
+    for new in ([4096, 1, 3000, 0], [64, 65, 4000, 129]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        eager = decode_attention(q, k, v, bt, lens, bs, d ** -0.5, kv_splits=1)
+        assert rel(out, eager) < 1e-2, new
 
 
 def test_prefill_attention_matches_reference():

@@ -1,0 +1,74 @@
+"""The paged decode-attention kernels (model/kernels.py: one pass per (row, KV head), and the
+split-context flash-decoding pair) against ops.paged_attention, on CPU under Triton's interpreter
+(run by test_triton_interpreted.py in a process of its own); compiled on the GPU by
+tests/engine/test_kernels.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdrollout.engine.model import ops
+from pdrollout.engine.model.kernels import MAX_KV_SPLITS, decode_attention, kv_splits_for
+from pdrollout.engine.model.qwen3_moe import SeqSlice
+
+
+@pytest.fixture(autouse=True)
+def interpreted():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_interpreted.py"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def paged(ctx, block_size, h, kvh, d, dtype, seed):
+    """Scattered blocks, a padding row last (length 0), and the fp64 reference per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = sum(-(-c // block_size) for c in ctx) + 2
+    k = torch.randn(nblocks * block_size, kvh, d, generator=g).to(dtype)
+    v = torch.randn(nblocks * block_size, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    width = max(-(-c // block_size) for c in ctx) + 1   # wider than any row: as a graph's table
+    bt = torch.zeros(len(ctx) + 1, width, dtype=torch.int32)
+    seqs, at = [], 0
+    for i, c in enumerate(ctx):
+        n = -(-c // block_size)
+        bt[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+        pos = torch.arange(c)
+        seqs.append(SeqSlice(i, 1, c, bt[i].long()[pos // block_size] * block_size + pos % block_size))
+    q = torch.randn(len(ctx) + 1, h, d, generator=g).to(dtype)
+    lens = torch.tensor(ctx + [0], dtype=torch.int32)
+    ref = ops.paged_attention(q[:-1].double(), k.double(), v.double(), seqs, d ** -0.5)
+    return q, k, v, bt, lens, ref
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 16, "auto"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_matches_the_reference(splits, dtype, tol):
+    """Lengths below one tile, at block edges, and longer than a split's slice; 3 splits of a
+    130-token row leave slices of 64, 64 and 2; 16 splits leave most slices of short rows empty."""
+    ctx = [1, 15, 16, 17, 130, 300]
+    q, k, v, bt, lens, ref = paged(ctx, 16, 8, 2, 32, dtype, seed=len(ctx))
+    out = decode_attention(q, k, v, bt, lens, 16, 32 ** -0.5, kv_splits=splits)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all() and out[-1].abs().max() == 0   # the padding row: zeros
+    assert rel(out[:-1], ref) < tol
+
+
+def test_splits_agree_with_one_pass_in_fp32():
+    """The merge is exact up to fp32 rounding: 4 splits against one pass over the same tiles."""
+    q, k, v, bt, lens, _ = paged([70, 200], 16, 4, 1, 16, torch.float32, seed=3)
+    one = decode_attention(q, k, v, bt, lens, 16, 0.25, kv_splits=1)
+    four = decode_attention(q, k, v, bt, lens, 16, 0.25, kv_splits=4)
+    assert (one - four).abs().max().item() < 1e-5
+
+
+def test_split_count_from_shapes():
+    # the 30B-A3B decode batch on an H200: 64 rows × 4 KV heads = 256 programs; 4 per SM → 3 splits
+    assert kv_splits_for(64, 4, 32768, 132) == 3
+    assert kv_splits_for(1, 4, 32768, 132) == MAX_KV_SPLITS           # one row: capped
+    assert kv_splits_for(1, 4, 100, 132) == 2                          # no slice under one tile
+    assert kv_splits_for(512, 8, 32768, 132) == 1                      # enough programs already
