@@ -29,6 +29,26 @@ def tiny_config(**overrides) -> dict:
     return cfg
 
 
+def tiny_prompt_forward(backends, routes: list | None = None):
+    """fp32 logits of a 9-token prompt through the `tiny` preset's random model (seed 1) on CPU with
+    `backends`; `routes`: a list each MoE layer appends its top-k ids to."""
+    import torch
+    from pdrollout.engine.model.checkpoint import random_model
+    from pdrollout.engine.model.kv_cache import KVCache
+    from pdrollout.engine.protocol.config import ModelConfig
+    from pdrollout.engine.runtime.batch import ForwardBatch, SeqSlice
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    prompt = [(i * 37) % (cfg.vocab_size - 2) + 2 for i in range(9)]
+    model = random_model(cfg, torch.device("cpu"), torch.float32, seed=1, backends=backends)
+    n = len(prompt)
+    kv = KVCache(cfg.num_hidden_layers, 1, n, model.model.layers[0].self_attn.kv_heads, cfg.head_dim,
+                 torch.float32, "cpu")
+    slots = torch.arange(n)
+    batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=slots,
+                         seqs=[SeqSlice(0, n, n, slots)], logits_indices=torch.arange(n), routes=routes)
+    return model(batch, kv)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` preset, per-expert layout (the layout of real Hub checkpoints)."""

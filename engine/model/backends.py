@@ -23,7 +23,7 @@ received rows, D's fixed receive slots, a single rank's top-k rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -145,22 +145,29 @@ class Backends:
     attention: object
     experts: object
     add_norm: object = None     # (x, y|None, weight, eps) -> (x+y, rms_norm(x+y)); None: the torch ops
+    router: object = None       # (logits, top_k, norm, dtype) -> (weights, ids); None: ops.route
 
     def residual_norm(self, x, y, weight, eps: float):
         from . import norms
         return (self.add_norm or norms.torch_add_norm)(x, y, weight, eps)
 
+    def route(self, router_logits, top_k: int, norm_topk_prob: bool, dtype: torch.dtype):
+        return (self.router or ops.route)(router_logits, top_k, norm_topk_prob, dtype)
+
     @property
     def name(self) -> str:
         norm = "+FusedAddNorm" if self.add_norm is not None else ""
-        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}"
+        router = "+FusedRouter" if self.router is not None else ""
+        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}"
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto", add_norm: str = "torch", kv_splits: int | str = 1) -> Backends:
+                  prologue: str = "auto", add_norm: str = "torch", kv_splits: int | str = 1,
+                  router: str = "torch") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); `kv_splits`: the
-    decode attention's (EngineConfig.decode_kv_splits); CPU always runs the reference. Auto picks
+    decode attention's (EngineConfig.decode_kv_splits); `router`: torch|fused (EngineConfig.router);
+    CPU always runs the reference. Auto picks
     the fused kernels only in bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch
     prologue)."""
     if device.type != "cuda":
@@ -170,7 +177,10 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
     backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits))
     if add_norm == "fused":
         from .norms import fused_add_norm
-        backends = Backends(backends.attention, backends.experts, fused_add_norm)
+        backends = replace(backends, add_norm=fused_add_norm)
+    if router == "fused":
+        from .router import fused_route
+        backends = replace(backends, router=fused_route)
     return backends
 
 

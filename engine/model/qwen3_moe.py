@@ -207,7 +207,7 @@ class MoEBlock(nn.Module):
         return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
     def forward(self, x, batch, collectives: Collectives):
-        weights, ids = ops.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
+        weights, ids = self.backends.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
         if batch.routes is not None:
             batch.routes.append(ids)
         return collectives.experts(self, x, ids, weights, batch.phase)

@@ -212,6 +212,9 @@ class EngineConfig(BaseModel):
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
     # per (row, KV head), or "auto" from the batch and the SM count; 1: one pass. Opt-in until timed
     decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = 1
+    # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py) on
+    # CUDA; opt-in until timed on the H200
+    router: Literal["torch", "fused"] = "torch"
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores

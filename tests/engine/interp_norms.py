@@ -47,27 +47,15 @@ def test_no_rows():
 def test_a_model_through_the_fused_add_norm_equals_the_reference():
     """Every residual add and the norm after it through the kernel (the first layer's norm alone,
     the last layer's add alone): the same fp32 logits as the torch ops."""
+    from conftest import tiny_prompt_forward
     from pdrollout.engine.model.backends import REFERENCE, Backends
-    from pdrollout.engine.model.checkpoint import random_model
-    from pdrollout.engine.model.kv_cache import KVCache
-    from pdrollout.engine.protocol.config import ModelConfig, load_preset
-    from pdrollout.engine.runtime.batch import ForwardBatch, SeqSlice
-    cfg = ModelConfig.from_dict(load_preset("tiny"))
-    prompt = [(i * 37) % (cfg.vocab_size - 2) + 2 for i in range(9)]
-    logits, calls = [], []
+    from pdrollout.engine.protocol.config import load_preset
+    calls = []
 
     def counted(*args):
         calls.append(args[1] is None)
         return fused_add_norm(*args)
-    for backends in (REFERENCE, Backends(REFERENCE.attention, REFERENCE.experts, counted)):
-        model = random_model(cfg, torch.device("cpu"), torch.float32, seed=1, backends=backends)
-        n = len(prompt)
-        kv = KVCache(cfg.num_hidden_layers, 1, n, model.model.layers[0].self_attn.kv_heads, cfg.head_dim,
-                     torch.float32, "cpu")
-        slots = torch.arange(n)
-        batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(n), slot_mapping=slots,
-                             seqs=[SeqSlice(0, n, n, slots)], logits_indices=torch.arange(n))
-        logits.append(model(batch, kv))
+    logits = [tiny_prompt_forward(b) for b in (REFERENCE, Backends(REFERENCE.attention, REFERENCE.experts, counted))]
     assert rel(logits[1], logits[0]) < 1e-5
-    layers = cfg.num_hidden_layers    # the first norm alone, then two adds per layer but the last's
+    layers = load_preset("tiny")["num_hidden_layers"]    # the first norm alone, then two adds per layer but the last's
     assert len(calls) == 2 * layers and calls.count(True) == 1
