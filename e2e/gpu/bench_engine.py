@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--add-norm", choices=["torch", "fused"], default="torch")
     ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
     ap.add_argument("--router", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--prefill-attention", choices=["sdpa", "triton"], default="sdpa")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
     ap.add_argument("--speculative", choices=["ngram", "mtp"], default="ngram", help="the proposer under -k")
@@ -89,7 +90,7 @@ def main():
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             decode_kv_splits=a.kv_splits if a.kv_splits == "auto" else int(a.kv_splits),
-                            router=a.router,
+                            router=a.router, prefill_attention=a.prefill_attention,
                             **({"speculative": a.speculative, "speculative_k": a.speculative_k}
                                if a.speculative_k else {}),
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
@@ -153,7 +154,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
-           "kv_splits": a.kv_splits, "router": a.router,
+           "kv_splits": a.kv_splits, "router": a.router, "prefill_attention": a.prefill_attention,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,

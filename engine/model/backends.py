@@ -50,8 +50,9 @@ class ReferenceAttention:
 class PagedAttention:
     needs_block_tables = True
 
-    def __init__(self, prologue: str = "torch", kv_splits: int | str = 1):
+    def __init__(self, prologue: str = "torch", kv_splits: int | str = 1, prefill: str = "sdpa"):
         self.kv_splits = kv_splits   # decode attention split along the context (kernels.py)
+        self.prefill = prefill       # sdpa per segment (kernels.py) or one paged launch (paged_prefill.py)
         if prologue == "fused":
             from .prologue import qk_prologue
             self.prologue = qk_prologue
@@ -65,7 +66,13 @@ class PagedAttention:
         if nd:
             o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                               batch.block_size, scale, kv_splits=self.kv_splits)
-        if len(batch.seqs) > nd:
+        if len(batch.seqs) > nd and self.prefill == "triton":
+            from . import paged_prefill
+            if batch.prefill_plan is None:   # the same segments in every layer: one plan a step
+                batch.prefill_plan = paged_prefill.plan_tiles(batch.seqs[nd:], q.device)
+            paged_prefill.paged_prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o,
+                                                  plan=batch.prefill_plan)
+        elif len(batch.seqs) > nd:
             kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
         return o
 
@@ -163,10 +170,11 @@ class Backends:
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
                   prologue: str = "auto", add_norm: str = "torch", kv_splits: int | str = 1,
-                  router: str = "torch") -> Backends:
+                  router: str = "torch", prefill: str = "sdpa") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); `kv_splits`: the
     decode attention's (EngineConfig.decode_kv_splits); `router`: torch|fused (EngineConfig.router);
+    `prefill`: sdpa|triton (EngineConfig.prefill_attention);
     CPU always runs the reference. Auto picks
     the fused kernels only in bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch
     prologue)."""
@@ -174,7 +182,7 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
         return Backends(ReferenceAttention(), ReferenceExperts())
     if prologue == "auto":
         prologue = "fused" if dtype == torch.bfloat16 else "torch"
-    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits))
+    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill))
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = replace(backends, add_norm=fused_add_norm)

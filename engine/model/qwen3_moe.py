@@ -46,6 +46,7 @@ class ForwardBatch:
     routes: list | None = None   # when a list: each MoE layer appends its top-k ids [T, k] (routing replay)
     want_hidden: bool = False    # keep every row's final hidden state in `hidden` (the MTP proposer's input)
     hidden: torch.Tensor | None = None
+    prefill_plan: object = None  # the attention backend's metadata of the prefill segments (built once a step)
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,9 @@ class EngineConfig(BaseModel):
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py) on
     # CUDA; opt-in until timed on the H200
     router: Literal["torch", "fused"] = "torch"
+    # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
+    # step in one Triton launch straight from the paged cache (model/paged_prefill.py); opt-in until timed
+    prefill_attention: Literal["sdpa", "triton"] = "sdpa"
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores

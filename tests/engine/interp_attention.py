@@ -4,23 +4,13 @@ split-context flash-decoding pair) against ops.paged_attention, on CPU under Tri
 tests/engine/test_kernels.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
 from pdrollout.engine.model.kernels import MAX_KV_SPLITS, decode_attention, kv_splits_for
 from pdrollout.engine.model.qwen3_moe import SeqSlice
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_interpreted.py"
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def paged(ctx, block_size, h, kvh, d, dtype, seed):

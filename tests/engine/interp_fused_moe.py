@@ -4,23 +4,12 @@ this file in a process of its own); on the GPU,
 tests/engine/test_kernels.py runs it compiled at the Qwen3-30B-A3B shape."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
 from pdrollout.engine.model.fused_moe import BLOCK_M, align, experts_fused
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", \
-        "run through tests/engine/test_triton_interpreted.py (TRITON_INTERPRET=1 before Triton's first import)"
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _case(t, k, total, hidden, inter, num_local, dtype, seed):

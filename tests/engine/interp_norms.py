@@ -3,21 +3,11 @@ interpreter (run by test_triton_interpreted.py in a process of its own); compile
 tests/engine/test_kernels.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model.norms import fused_add_norm, torch_add_norm
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_interpreted.py"
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])

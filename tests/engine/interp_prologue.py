@@ -3,19 +3,12 @@ torch ops of Attention.forward, on CPU under Triton's interpreter (run by test_t
 in a process of its own)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from interp import interpreted  # noqa: F401 (an autouse fixture)
 from pdrollout.engine.model import ops
 from pdrollout.engine.model.prologue import qk_prologue
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", \
-        "run through tests/engine/test_triton_interpreted.py (TRITON_INTERPRET=1 before Triton's first import)"
 
 
 def _reference(q, k, v, qw, kw, eps, cos, sin, k_cache, v_cache, slots):

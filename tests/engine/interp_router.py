@@ -2,18 +2,12 @@
 test_triton_interpreted.py in a process of its own); compiled on the GPU by tests/engine/test_kernels.py."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from interp import interpreted  # noqa: F401 (an autouse fixture)
 from pdrollout.engine.model import ops
 from pdrollout.engine.model.router import fused_route
-
-
-@pytest.fixture(autouse=True)
-def interpreted():
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_interpreted.py"
 
 
 @pytest.mark.parametrize("experts,k", [(128, 8), (60, 4), (16, 1)])   # 60: a masked tail

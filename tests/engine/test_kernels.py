@@ -76,8 +76,11 @@ def test_split_decode_attention_replays_in_a_graph_with_new_lengths():
         assert rel(out, eager) < 1e-2, new
 
 
-def test_prefill_attention_matches_reference():
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_prefill_attention_matches_reference(kernel):
+    """SDPA per segment (kernels.py) and the paged Triton launch (paged_prefill.py)."""
     from pdrollout.engine.model.kernels import prefill_attention
+    from pdrollout.engine.model.paged_prefill import paged_prefill_attention
     g = torch.Generator(device=cuda).manual_seed(1)
     h, kvh, d, bs = 32, 4, 128, 16
     # (new tokens, total context): fresh prompts and continuation prefills over a cached prefix.
@@ -89,9 +92,12 @@ def test_prefill_attention_matches_reference():
         seqs.append(SeqSlice(start, n, c, torch.tensor(t, device=cuda)[pos // bs] * bs + pos % bs))
         start += n
     q = torch.randn(start, h, d, generator=g, device=cuda).to(torch.bfloat16)
-    out = prefill_attention(q, k, v, seqs, d ** -0.5)
+    out = (prefill_attention if kernel == "sdpa" else paged_prefill_attention)(q, k, v, seqs, d ** -0.5)
     ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
     assert rel(out, ref) < 2e-2
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        assert rel(out[rows], ref[rows]) < 2e-2
 
 
 def _experts(kernel: str):

@@ -1,0 +1,82 @@
+"""Paged prefill attention (model/paged_prefill.py) against ops.paged_attention, on CPU under Triton's
+interpreter (run by test_triton_interpreted.py in a process of its own); compiled on the GPU by
+tests/engine/test_kernels.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
+from pdrollout.engine.model import ops
+from pdrollout.engine.model.paged_prefill import BLOCK_M, paged_prefill_attention, plan_tiles
+from pdrollout.engine.model.qwen3_moe import SeqSlice
+
+
+def segments(shapes, block_size, h, kvh, d, dtype, seed):
+    """(new tokens, context) per segment, their context in scattered cache blocks; q packed."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = sum(-(-c // block_size) for _, c in shapes) + 3
+    k = torch.randn(nblocks * block_size, kvh, d, generator=g).to(dtype)
+    v = torch.randn(nblocks * block_size, kvh, d, generator=g).to(dtype)
+    perm = torch.randperm(nblocks, generator=g)
+    seqs, start, at = [], 0, 0
+    for n, c in shapes:
+        blocks = perm[at:at + -(-c // block_size)]
+        at += len(blocks)
+        pos = torch.arange(c)
+        seqs.append(SeqSlice(start, n, c, blocks[pos // block_size] * block_size + pos % block_size))
+        start += n
+    q = torch.randn(start, h, d, generator=g).to(dtype)
+    return q, k, v, seqs
+
+
+# fresh prompts (q_len == ctx), continuations over a cached prefix, one new token, and a segment of
+# more than two query tiles
+SHAPES = [(37, 37), (20, 90), (1, 70), (2 * BLOCK_M + 5, 2 * BLOCK_M + 40), (3, 3)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kvh", [1, 2, 8])   # GQA groups of 8, 4 and 1
+def test_paged_prefill_matches_the_reference(dtype, tol, kvh):
+    q, k, v, seqs = segments(SHAPES, 16, 8, kvh, 32, dtype, seed=kvh)
+    out = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, 32 ** -0.5)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel(out, ref) < tol
+    for s in seqs:   # per segment too: a wrong slot offset would hide in the whole
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        assert rel(out[rows], ref[rows]) < tol
+
+
+def test_rows_outside_the_segments_are_left_alone():
+    """Decode rows come first in a mixed batch (the decode kernel writes them): prefill writes only its rows."""
+    q, k, v, seqs = segments([(5, 30), (7, 7)], 16, 4, 2, 16, torch.float32, seed=1)
+    shifted = [SeqSlice(s.q_start + 3, s.q_len, s.ctx_len, s.slots) for s in seqs]
+    qq = torch.cat([torch.randn(3, 4, 16), q])
+    out = torch.full_like(qq, 7.0)
+    paged_prefill_attention(qq, k, v, shifted, 0.25, out=out, plan=plan_tiles(shifted, qq.device))
+    assert (out[:3] == 7.0).all()
+    ref = ops.paged_attention(qq, k, v, shifted, 0.25)
+    assert rel(out[3:], ref[3:]) < 1e-5
+
+
+def test_tiles_cover_each_segment_once():
+    _, _, _, seqs = segments(SHAPES, 16, 2, 1, 16, torch.float32, seed=0)
+    slots, tiles = plan_tiles(seqs, torch.device("cpu"))
+    assert slots.shape[0] == sum(s.ctx_len for s in seqs)
+    assert int(tiles[:, 1].sum()) == sum(s.q_len for s in seqs)
+    assert tiles.shape[0] == sum(-(-s.q_len // BLOCK_M) for s in seqs)
+    assert all(int(t[3]) == int(t[2]) + int(t[1]) for t in tiles)   # the last row sees itself
+
+
+def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):
+    """Every layer's prefill attention through the kernel (PagedAttention, `prefill_attention:
+    triton`): the reference's fp32 logits, with one tile plan for all the layers."""
+    from conftest import tiny_prompt_forward
+    from pdrollout.engine.model import paged_prefill
+    from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
+    plans = []
+    monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a: plans.append(1) or plan_tiles(*a))
+    ref = tiny_prompt_forward(REFERENCE)
+    got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="triton"), REFERENCE.experts))
+    assert rel(got, ref) < 1e-5 and len(plans) == 1
