@@ -41,6 +41,19 @@ class PagedProposer:
             self.pool.release(self.blocks.pop(rid))
             del self.seen[rid]
 
+    # memory release (an idle engine: no request holds KV, so none of this cache is in use)
+    def release_kv(self) -> None:
+        self.forget(set())
+        self.kv.k = [t.new_empty(0) for t in self.kv.k]
+        self.kv.v = [t.new_empty(0) for t in self.kv.v]
+
+    def resume_kv(self, shape: tuple) -> None:
+        self.kv.k = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in self.kv.k]
+        self.kv.v = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in self.kv.v]
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.kv.k, *self.kv.v))
+
     def _room(self, rid: str, seq: list[int], upto: int) -> bool:
         """Blocks for positions < upto; a request whose sequence changed under its rid starts over."""
         seen, blocks = self.seen.setdefault(rid, []), self.blocks.setdefault(rid, [])
@@ -94,9 +107,10 @@ class PagedProposer:
 
 
 class DraftProposer(PagedProposer):
-    def __init__(self, config: EngineConfig, device: torch.device, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, num_blocks: int, model=None) -> None:
+        """`model`: the draft, loaded once and shared by the replicas' proposers (None: load it)."""
         cfg = ModelConfig.load(config.draft_model)   # its vocabulary was checked with the config
-        self.model = load_model(config.draft_model, device=device)
+        self.model = model if model is not None else load_model(config.draft_model, device=device)
         dtype = next(self.model.parameters()).dtype
         super().__init__(cfg, cfg.num_hidden_layers, dtype, device, num_blocks, config.block_size)
 
@@ -104,3 +118,42 @@ class DraftProposer(PagedProposer):
         batch = self.batches.build(rows, phase)
         logits = self.model(batch, self.kv)
         return torch.argmax(logits, dim=-1).tolist()
+
+
+class ProposerMemory:
+    """What the model proposers hold on rank 0 beyond the target: their paged KV caches and the
+    models only they use (the draft; the unsharded MTP head copy on several ranks). Released and
+    resumed with the engine's memory tags, so an RL loop that gives the GPU back between rollouts
+    gives all of it back."""
+
+    def __init__(self, proposers: list[PagedProposer], models: list) -> None:
+        self.proposers, self.models = proposers, models
+        self._shapes = [tuple(p.kv.k[0].shape) if p.kv.k else () for p in proposers]
+        self._backup: list[dict[str, torch.Tensor]] = []
+
+    def release(self, tags: set[str]) -> None:
+        if "kv_cache" in tags:
+            for p in self.proposers:
+                p.release_kv()
+        if "weights" in tags and not self._backup:
+            for m in self.models:   # host copies: outputs after resume equal those before
+                params = dict(m.named_parameters())
+                self._backup.append({n: t.data.to("cpu", copy=True) for n, t in params.items()})
+                for t in params.values():
+                    t.data = t.data.new_empty(0)
+
+    def resume(self, tags: set[str]) -> None:
+        if "kv_cache" in tags:
+            for p, shape in zip(self.proposers, self._shapes):
+                if not p.kv.k or p.kv.k[0].numel() == 0:
+                    p.resume_kv(shape)
+        if "weights" in tags and self._backup:
+            for m, saved in zip(self.models, self._backup):
+                for n, t in m.named_parameters():
+                    t.data = saved[n].to(t.device)
+            self._backup = []
+
+    def bytes(self) -> dict[str, int]:
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        return {"weights": sum(size(p.data for p in m.parameters()) for m in self.models),
+                "kv_cache": sum(p.kv_bytes() for p in self.proposers)}

@@ -43,17 +43,26 @@ class Engine(EngineOps):
         proposers = [None] * self.topo.adp
         spare = config.max_running * -(-config.speculative_k // config.block_size)
         self.mtps = []   # the MTP proposers, one per replica: fed the target's hidden states (_exchange)
+        paged, models = [], []   # model proposers and the models only they hold (memory release)
         if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan
             from .draft import DraftProposer
-            proposers = [DraftProposer(config, worker.device, worker.num_blocks + spare).propose
-                         for _ in range(self.topo.adp)]
+            paged = [DraftProposer(config, worker.device, worker.num_blocks + spare)]
+            paged += [DraftProposer(config, worker.device, worker.num_blocks + spare, paged[0].model)
+                      for _ in range(self.topo.adp - 1)]   # one draft model shared by the replicas
+            models = [paged[0].model]
         elif config.speculative == "mtp":   # on rank 0 too; one head model shared by the replicas' proposers
             from .mtp import MTPProposer, head_model
             head = head_model(config, worker)
             if head is not worker.model:   # weight updates reach rank 0's unsharded copy too
                 worker.weights.add_copy(head)
-            self.mtps = [MTPProposer(config, worker, worker.num_blocks + spare, head) for _ in range(self.topo.adp)]
-            proposers = [m.propose for m in self.mtps]
+                models = [head]
+            self.mtps = paged = [MTPProposer(config, worker, worker.num_blocks + spare, head)
+                                 for _ in range(self.topo.adp)]
+        self.proposer_memory = None
+        if paged:
+            from .draft import ProposerMemory
+            proposers = [p.propose for p in paged]
+            self.proposer_memory = ProposerMemory(paged, models)
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D

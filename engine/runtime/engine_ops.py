@@ -148,15 +148,24 @@ class EngineOps:
             for s in self.schedulers:
                 s.drop_cached()
         self.run_op("release", tags=tags)
+        if self.proposer_memory is not None:
+            self.proposer_memory.release(set(tags))
         self.released |= set(tags)
 
     def resume_memory(self, tags: list | None) -> None:
         tags = self._tags(tags)
         self.run_op("resume", tags=tags)
+        if self.proposer_memory is not None:
+            self.proposer_memory.resume(set(tags))
         self.released -= set(tags)
 
     def memory(self) -> dict:
-        return self.worker.weights.memory()
+        """Bytes rank 0 holds: the target's shard, plus what speculation keeps beside it."""
+        out = self.worker.weights.memory()
+        if self.proposer_memory is not None:
+            for k, v in self.proposer_memory.bytes().items():
+                out[k] += v
+        return out
 
     @staticmethod
     def _tags(tags) -> list:

@@ -78,7 +78,7 @@ class RankWeights:
 
     def add_copy(self, model) -> None:
         """A model beside the worker's that holds some of the same tensors unsharded: new weights
-        reach it too (the MTP head; memory release leaves it alone, as the draft model)."""
+        reach it too (the MTP head; rank 0's engine releases its memory: draft.ProposerMemory)."""
         from ..model.qwen3_moe import Shard
         self.copies.append(WeightMap(model, self.w.cfg, Shard()))
 

@@ -162,3 +162,39 @@ def test_routed_experts_equal_transformers_router_and_one_rank_on_four(ckpts):
             assert (np.sort(ours[:, layer], -1) == np.sort(ref, -1)).all(), f"layer {layer}"
     for a, b in zip(got["1rank"], got["4ranks-atp2-adp2"]):
         assert (_routes(a, layers, k) == _routes(b, layers, k)).all() and a["output_ids"] == b["output_ids"]
+
+
+@pytest.mark.parametrize("proposer,ranks", [("draft", []), ("mtp", TOPOLOGIES["4ranks-atp2-adp2"])],
+                         ids=["draft-1rank", "mtp-4ranks-atp2-adp2"])
+def test_release_gives_back_what_speculation_holds(tmp_path, proposer, ranks):
+    """Under speculation rank 0 holds more than its target shard: the proposers' KV caches, and the
+    draft model, or (on several ranks) an unsharded MTP head. A release gives all of it back (an RL
+    loop hands the GPU to the trainer), and the outputs after resume equal those before."""
+    cfg = load_preset("tiny")
+    model = write_checkpoint({**cfg, "num_nextn_predict_layers": 1} if proposer == "mtp" else cfg,
+                             tmp_path / "target", seed=0)
+    spec = ["--speculative", proposer, "--speculative-k", "2"]
+    if proposer == "draft":
+        spec += ["--draft-model", str(write_checkpoint({**cfg, "num_hidden_layers": 1}, tmp_path / "draft", seed=3))]
+    plain = ServerProcess(model, "--engine-config", ENGINE, *ranks)
+    try:
+        target = plain.http.get("/get_server_info").json()["memory"]["bytes"]
+    finally:
+        assert plain.stop() == 0, plain.log[-3000:]
+    s = ServerProcess(model, "--engine-config", ENGINE, *spec, *ranks)
+    try:
+        before = ids(greedy(s))
+        held = s.http.get("/get_server_info").json()["memory"]["bytes"]
+        # the report counts what speculation holds beside the target: more weights, more KV
+        assert held["weights"] > target["weights"] and held["kv_cache"] > target["kv_cache"], (held, target)
+        assert s.http.post("/release_memory_occupation", json={"tags": None}).status_code == 200
+        mem = s.http.get("/get_server_info").json()["memory"]
+        assert mem["bytes"] == {"weights": 0, "kv_cache": 0}, (held, mem)
+        assert s.http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+        assert s.http.post("/resume_memory_occupation", json={"tags": None}).status_code == 200
+        assert s.http.get("/get_server_info").json()["memory"]["bytes"] == held
+        bodies = greedy(s)
+        assert ids(bodies) == before
+        assert sum(b["meta_info"]["spec_proposed_drafts"] for b in bodies) > 0   # the proposers run again
+    finally:
+        assert s.stop() == 0, s.log[-3000:]
