@@ -7,6 +7,7 @@ PREFIX = "pdrollout:"
 
 TTFT = PREFIX + "time_to_first_token_seconds"                 # histogram
 DECODE_WAIT = PREFIX + "decode_wait_seconds"                  # histogram
+DECODE_STEP = PREFIX + "decode_step_seconds"                  # histogram: steps with decode rows, no prefill
 TURNSTILE_WAIT = PREFIX + "turnstile_wait_seconds"            # histogram
 RENDEZVOUS = PREFIX + "turnstile_rendezvous_seconds"          # histogram
 ROUNDS = PREFIX + "turnstile_rounds"                          # counter

@@ -22,6 +22,7 @@ P = metric.PREFIX
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0,
             20.0, 40.0, 60.0, 120.0, 300.0)
 _SHORT = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_STEP = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 _MAKESPAN = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -48,6 +49,9 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         # Planner and turnstile (from the engine's per-step records).
         self.steps = Counter(P + "engine_steps", "Engine steps that ran work", registry=r)
+        # the D iteration's own cost (a P epoch may run beside it, on several ranks or with solo_overlap)
+        self.decode_step = Histogram(metric.DECODE_STEP, "Wall time of steps with decode rows and no prefill tokens",
+                                     buckets=_STEP, registry=r)
         self.decode_wait = Histogram(metric.DECODE_WAIT, "Decode row ready to its step started (planner)",
                                      buckets=_SHORT, registry=r)
         self.turnstile_wait = Histogram(metric.TURNSTILE_WAIT,
@@ -118,6 +122,8 @@ class ServerMetrics:
         for rec in records:
             last = rec
             self.steps.inc()
+            if rec.decode_rows and not rec.prefill_tokens:
+                self.decode_step.observe(rec.duration_s)
             for w in rec.decode_wait_s:
                 self.decode_wait.observe(w)
             for w in rec.turnstile_wait_s:

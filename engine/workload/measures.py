@@ -12,6 +12,7 @@ from ..protocol import metrics as metric
 
 # Server metrics scraped before and after a run (docs/SERVER.md).
 DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOUS, metric.ROLLOUT_MAKESPAN
+DECODE_STEP = metric.DECODE_STEP
 ROUNDS, STALLS = metric.total(metric.ROUNDS), metric.total(metric.STALLS)
 
 
@@ -83,6 +84,10 @@ def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
         "decode_wait_count": None if delta(DECODE_WAIT + "_count") is None
         else int(delta(DECODE_WAIT + "_count")),
         "rendezvous_count": None if rdv is None else int(rdv),
+        # decode-only steps' mean wall time: the per-step comparison a short run's makespan is too
+        # noisy for (pd against normal on a decode-only workload: the same graph replays)
+        "mean_decode_step_ms": mean_ms(DECODE_STEP),
+        "decode_steps": None if delta(DECODE_STEP + "_count") is None else int(delta(DECODE_STEP + "_count")),
         "mean_rendezvous_ms": mean_ms(RENDEZVOUS),
         "turnstile_rounds": None if rounds is None else int(rounds),
         "stalls": None if stalls is None else int(stalls),

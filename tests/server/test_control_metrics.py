@@ -67,7 +67,7 @@ def test_invalid_control_bodies(server):
 CONTRACT = {
     "gauge": ["num_running_reqs", "num_queue_reqs", "token_usage", "multiplexing_active", "segment_span",
               "rollout_makespan_seconds"],
-    "histogram": ["time_to_first_token_seconds", "e2e_request_latency_seconds", "decode_wait_seconds",
+    "histogram": ["time_to_first_token_seconds", "e2e_request_latency_seconds", "decode_wait_seconds", "decode_step_seconds",
                   "turnstile_rendezvous_seconds", "rollout_makespan_seconds_hist"],
     "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished"],
 }
@@ -88,6 +88,9 @@ def test_metrics_families_and_counters_move(server):
         assert after[f"pdrollout:{h}_count"] == before[f"pdrollout:{h}_count"] + 1
     # One decode wait per decode row: 3 decode steps after the prefill step sampled token 1.
     assert after["pdrollout:decode_wait_seconds_count"] - before["pdrollout:decode_wait_seconds_count"] == 3
+    # ... and those 3 steps are the decode-only ones, each a wall time > 0
+    assert after["pdrollout:decode_step_seconds_count"] - before["pdrollout:decode_step_seconds_count"] == 3
+    assert after["pdrollout:decode_step_seconds_sum"] > before["pdrollout:decode_step_seconds_sum"]
     assert after["pdrollout:requests_total{finish_reason=length}"] == \
         before.get("pdrollout:requests_total{finish_reason=length}", 0) + 1
     e2e = after["pdrollout:e2e_request_latency_seconds_sum"] - before["pdrollout:e2e_request_latency_seconds_sum"]

@@ -70,6 +70,10 @@ pdrollout:stalls_total{rank="0"} 4.0
 pdrollout:stalls_total{rank="1"} 2.0
 # TYPE pdrollout:rollout_makespan_seconds gauge
 pdrollout:rollout_makespan_seconds 5.25
+# TYPE pdrollout:decode_step_seconds histogram
+pdrollout:decode_step_seconds_bucket{le="+Inf"} 200.0
+pdrollout:decode_step_seconds_sum 5.5
+pdrollout:decode_step_seconds_count 200.0
 """
 
 
@@ -82,6 +86,7 @@ def test_server_measures_from_scrapes():
     assert m["rendezvous_count"] == 40 and m["mean_rendezvous_ms"] == pytest.approx(2.0)
     assert m["turnstile_rounds"] == 41 and m["stalls"] == 3
     assert m["server_rollout_makespan_s"] == 5.25
+    assert m["decode_steps"] == 200 and m["mean_decode_step_ms"] == pytest.approx(27.5)   # none before
     s = summarize(RECORDS, before, after)
     assert s["stalls"] == 3 and s["rendezvous_count"] == 40
 
