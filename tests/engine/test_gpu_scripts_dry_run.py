@@ -47,6 +47,9 @@ def test_bench_seeds_reuses_one_server_per_mode_and_flushes_its_cache_between_ru
     summary = json.loads((reused / "summary.json").read_text())
     assert summary["meta"]["servers"].startswith("one per (variant, mode)")
     assert set(summary["table"]) == {"P1", "P2"}
+    rows = summary["table"]["P1"]   # the decode-only steps' mean, and per step against normal's
+    assert rows["base/normal"]["decode_step_vs_normal"]["median"] == 1.0
+    assert rows["base/mixed"]["mean_decode_step_ms"]["median"] > 0 and rows["base/mixed"]["decode_step_vs_normal"]
 
 
 def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
