@@ -66,14 +66,14 @@ class PagedAttention:
         if nd:
             o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                               batch.block_size, scale, kv_splits=self.kv_splits)
-        if len(batch.seqs) > nd and self.prefill == "triton":
+        segments = batch.seqs[nd:]
+        if segments and self.prefill == "triton":
             from . import paged_prefill
             if batch.prefill_plan is None:   # the same segments in every layer: one plan a step
-                batch.prefill_plan = paged_prefill.plan_tiles(batch.seqs[nd:], q.device)
-            paged_prefill.paged_prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o,
-                                                  plan=batch.prefill_plan)
-        elif len(batch.seqs) > nd:
-            kernels.prefill_attention(q, k_cache, v_cache, batch.seqs[nd:], scale, out=o)
+                batch.prefill_plan = paged_prefill.plan_tiles(segments, q.device)
+            paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o, plan=batch.prefill_plan)
+        elif segments:
+            kernels.prefill_attention(q, k_cache, v_cache, segments, scale, out=o)
         return o
 
 

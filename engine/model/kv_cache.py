@@ -10,9 +10,21 @@ class KVCache:
 
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
         self.null_slot = num_blocks * block_size
-        slots = (num_blocks + 1) * block_size
-        self.k = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    # memory release (/release_memory_occupation): the content is gone; resume brings zeroed storage
+    def release(self) -> None:
+        self.k = [t.new_empty(0) for t in self.k]
+        self.v = [t.new_empty(0) for t in self.v]
+
+    def resume(self) -> None:
+        self.k = [torch.zeros(self.shape, dtype=t.dtype, device=t.device) for t in self.k]
+        self.v = [torch.zeros(self.shape, dtype=t.dtype, device=t.device) for t in self.v]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype) -> int:

@@ -41,19 +41,6 @@ class PagedProposer:
             self.pool.release(self.blocks.pop(rid))
             del self.seen[rid]
 
-    # memory release (an idle engine: no request holds KV, so none of this cache is in use)
-    def release_kv(self) -> None:
-        self.forget(set())
-        self.kv.k = [t.new_empty(0) for t in self.kv.k]
-        self.kv.v = [t.new_empty(0) for t in self.kv.v]
-
-    def resume_kv(self, shape: tuple) -> None:
-        self.kv.k = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in self.kv.k]
-        self.kv.v = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in self.kv.v]
-
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.kv.k, *self.kv.v))
-
     def _room(self, rid: str, seq: list[int], upto: int) -> bool:
         """Blocks for positions < upto; a request whose sequence changed under its rid starts over."""
         seen, blocks = self.seen.setdefault(rid, []), self.blocks.setdefault(rid, [])
@@ -128,32 +115,36 @@ class ProposerMemory:
 
     def __init__(self, proposers: list[PagedProposer], models: list) -> None:
         self.proposers, self.models = proposers, models
-        self._shapes = [tuple(p.kv.k[0].shape) if p.kv.k else () for p in proposers]
+        self.released: set[str] = set()
         self._backup: list[dict[str, torch.Tensor]] = []
 
     def release(self, tags: set[str]) -> None:
-        if "kv_cache" in tags:
+        tags = tags - self.released
+        if "kv_cache" in tags:   # an idle engine: no request holds KV, so no proposer state is in use
             for p in self.proposers:
-                p.release_kv()
-        if "weights" in tags and not self._backup:
+                p.forget(set())
+                p.kv.release()
+        if "weights" in tags:
             for m in self.models:   # host copies: outputs after resume equal those before
                 params = dict(m.named_parameters())
                 self._backup.append({n: t.data.to("cpu", copy=True) for n, t in params.items()})
                 for t in params.values():
                     t.data = t.data.new_empty(0)
+        self.released |= tags
 
     def resume(self, tags: set[str]) -> None:
+        tags = tags & self.released
         if "kv_cache" in tags:
-            for p, shape in zip(self.proposers, self._shapes):
-                if not p.kv.k or p.kv.k[0].numel() == 0:
-                    p.resume_kv(shape)
-        if "weights" in tags and self._backup:
+            for p in self.proposers:
+                p.kv.resume()
+        if "weights" in tags:
             for m, saved in zip(self.models, self._backup):
                 for n, t in m.named_parameters():
                     t.data = saved[n].to(t.device)
             self._backup = []
+        self.released -= tags
 
     def bytes(self) -> dict[str, int]:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         return {"weights": sum(size(p.data for p in m.parameters()) for m in self.models),
-                "kv_cache": sum(p.kv_bytes() for p in self.proposers)}
+                "kv_cache": sum(p.kv.nbytes() for p in self.proposers)}

@@ -129,9 +129,7 @@ class RankWeights:
                 if hasattr(m, "drop_derived"):
                     m.drop_derived()
         if "kv_cache" in tags and "kv_cache" not in self.released:
-            kv = w.kv
-            kv.k = [torch.empty(0, dtype=t.dtype, device=t.device) for t in kv.k]
-            kv.v = [torch.empty(0, dtype=t.dtype, device=t.device) for t in kv.v]
+            w.kv.release()
         self.released |= set(tags)
         gc.collect()
         if w.cuda:
@@ -165,10 +163,7 @@ class RankWeights:
             if w.cuda:   # the arena is written again by the next release
                 torch.cuda.synchronize(w.device)
         if "kv_cache" in tags and "kv_cache" in self.released:
-            kv, slots = w.kv, (w.num_blocks + 1) * w.config.block_size
-            shape = lambda: (slots, w.model.model.layers[0].self_attn.kv_heads, w.cfg.head_dim)
-            kv.k = [torch.zeros(shape(), dtype=w.dtype, device=w.device) for _ in kv.k]
-            kv.v = [torch.zeros(shape(), dtype=w.dtype, device=w.device) for _ in kv.v]
+            w.kv.resume()
         self.released -= set(tags)
         if self._had_graphs and not self.released:
             w.recapture()   # on several ranks every rank does it in this same op
@@ -178,7 +173,7 @@ class RankWeights:
         """Bytes this rank's weights and KV cache hold on its device now."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         return {"weights": size(p.data for p in self.w.model.parameters()),
-                "kv_cache": size(self.w.kv.k) + size(self.w.kv.v)}
+                "kv_cache": self.w.kv.nbytes()}
 
     def _synchronize(self) -> None:
         if self.w.cuda:

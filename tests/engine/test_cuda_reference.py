@@ -8,7 +8,7 @@ import torch
 from hf_reference import assert_matches_reference, hf_greedy
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
-from pdrollout.engine.scheduler.request import SamplingParams
+from tests.engine.test_speculative import run_all
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
@@ -21,12 +21,7 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
                             num_blocks=512, max_running=8, mixed_chunk_tokens=20,
                             control=ControlSettings(prefill_budget_tokens=24)))
     assert e.worker.graphs is not None
-    for i, p in enumerate(PROMPTS):
-        e.submit(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-    out = {}
-    while e.has_unfinished():
-        for o in e.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    out, _ = run_all(e, PROMPTS, max_new_tokens=12, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {mode} prompt {i}")
@@ -41,14 +36,10 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
                             add_norm="fused" if kernels == "fused" else "torch",
                             control=ControlSettings(prefill_budget_tokens=24, activation="on")))
     assert e.worker.solo is not None
-    for i, p in enumerate(PROMPTS):
-        e.submit(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-    out, spans = {}, 0
-    while e.has_unfinished():
-        spans += e._flight is not None or e.worker.solo.flight is not None
-        for o in e.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    assert spans, "no P epoch ran beside D"
+    spans = []   # after each step: a P epoch outlives the step that started it
+    out, _ = run_all(e, PROMPTS, lambda e: spans.append(e._flight is not None or e.worker.solo.flight is not None),
+                     max_new_tokens=12, ignore_eos=True)
+    assert any(spans), "no P epoch ran beside D"
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
@@ -63,13 +54,7 @@ def _spec_greedy(model, mode: str, proposer: str, k: int):
     e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode=mode, block_size=4,
                             num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec,
                             control=ControlSettings(prefill_budget_tokens=24)))
-    for i, p in enumerate(SPEC_PROMPTS):
-        e.submit(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-    out = {}
-    while e.has_unfinished():
-        for o in e.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-    return out, e.records
+    return run_all(e, SPEC_PROMPTS, max_new_tokens=16, ignore_eos=True)[0], e.records
 
 
 @pytest.mark.parametrize("mode", ["normal", "mixed", "pd"])
