@@ -3,7 +3,7 @@
 Builds the Qwen3-30B-A3B shape with random bf16 weights on the device (no checkpoint on disk),
 prefills a batch through the engine in `normal` mode (8k-token chunks), then times decode steps
 (CUDA-graph replay alone, and whole engine steps with planning and sampling).
-Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] --out results.json
+Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] [--mode normal|pd] --out results.json
   --fp8                  block-FP8 weights (the config's quantization_config, as FP8 releases declare)
   --speculative-k K      speculation, K drafts per decode row: the decode steps are then verify
                          steps, and tokens per row per step are reported beside their time
@@ -65,13 +65,17 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
     ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
-    ap.add_argument("--add-norm", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--add-norm", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
-    ap.add_argument("--router", choices=["torch", "fused"], default="torch")
+    ap.add_argument("--router", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--prefill-attention", choices=["sdpa", "triton"], default="sdpa")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
     ap.add_argument("--speculative", choices=["ngram", "mtp"], default="ngram", help="the proposer under -k")
+    # pd: the decode steps on D's own stream, as a pd server runs them (the 8k chunks' figure then
+    # includes the end of the prefill riding beside D: compare it under normal)
+    ap.add_argument("--mode", choices=["normal", "pd"], default="normal")
+    ap.add_argument("--priority-stream", choices=["p", "d"], default=None)
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     bw, peak = measure_ceilings()
@@ -86,11 +90,11 @@ def main():
     (tmp / "config.json").write_text(json.dumps(cfg_d))
     cfg = ModelConfig.from_dict(cfg_d)
     t0 = time.perf_counter()
-    e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode="normal",
+    e = Engine(EngineConfig(model=str(tmp), device="cuda", dtype="bfloat16", random_weights=True, mode=a.mode,
                             max_running=a.batch, kv_cache_bytes=40 << 30, block_size=16,
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             decode_kv_splits=a.kv_splits if a.kv_splits == "auto" else int(a.kv_splits),
-                            router=a.router, prefill_attention=a.prefill_attention,
+                            router=a.router, prefill_attention=a.prefill_attention, priority_stream=a.priority_stream,
                             **({"speculative": a.speculative, "speculative_k": a.speculative_k}
                                if a.speculative_k else {}),
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
@@ -128,10 +132,11 @@ def main():
     spec = {"speculative": a.speculative if a.speculative_k else None,
             "speculative_k": a.speculative_k, "tokens_per_row_step": tokens / a.steps / a.batch,
             "spec_verify_steps": sum(1 for r in recs if r.spec_verify),
-            "spec_proposed": sum(r.spec_proposed for r in recs), "spec_accepted": sum(r.spec_accepted for r in recs)}
+            "spec_proposed": sum(r.spec_proposed for r in recs), "spec_accepted": sum(r.spec_accepted for r in recs),
+            "graphed_steps": sum(1 for r in recs if r.graph)}   # of a.steps: D replayed its graph
     replay_s = float("nan")
     if a.batch in getattr(e.worker.graphs, "graphs", {}):
-        graph, _ = e.worker.graphs.graphs[a.batch]
+        graph = e.worker.graphs.graphs[a.batch][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(a.steps):
@@ -155,6 +160,7 @@ def main():
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "kv_splits": a.kv_splits, "router": a.router, "prefill_attention": a.prefill_attention,
+           "mode": a.mode, "priority_stream": a.priority_stream,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,

@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--row-tokens", type=int, default=2048)
     ap.add_argument("--experts-kernel", default="auto")
     ap.add_argument("--qk-prologue", default="auto")
-    ap.add_argument("--add-norm", default="torch")
+    ap.add_argument("--add-norm", default="auto")
     a = ap.parse_args()
     cfg = load_preset("qwen3-30b-a3b")
     cfg["num_hidden_layers"] = a.layers

@@ -169,19 +169,19 @@ class Backends:
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto", add_norm: str = "torch", kv_splits: int | str = 1,
-                  router: str = "torch", prefill: str = "sdpa") -> Backends:
+                  prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
+                  router: str = "auto", prefill: str = "sdpa") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
-    (EngineConfig.qk_prologue); `add_norm`: torch|fused (EngineConfig.add_norm); `kv_splits`: the
-    decode attention's (EngineConfig.decode_kv_splits); `router`: torch|fused (EngineConfig.router);
+    (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
+    decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
     `prefill`: sdpa|triton (EngineConfig.prefill_attention);
-    CPU always runs the reference. Auto picks
-    the fused kernels only in bf16: fp32 on CUDA stays on the exact paths (gathered experts, torch
-    prologue)."""
+    CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
+    the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
-    if prologue == "auto":
-        prologue = "fused" if dtype == torch.bfloat16 else "torch"
+    bf16 = dtype == torch.bfloat16
+    prologue, add_norm, router = (("fused" if bf16 else "torch") if k == "auto" else k
+                                  for k in (prologue, add_norm, router))
     backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill))
     if add_norm == "fused":
         from .norms import fused_add_norm

@@ -207,14 +207,15 @@ class EngineConfig(BaseModel):
     # q/k norm + RoPE + KV write: torch ops, one Triton kernel per operand (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
-    # residual add + RMSNorm in one Triton pass (model/norms.py) on CUDA; opt-in until timed on the H200
-    add_norm: Literal["torch", "fused"] = "torch"
+    # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (the
+    # decode step 1.9 ms faster on the H200, docs/PERF.md), the torch ops elsewhere
+    add_norm: Literal["auto", "torch", "fused"] = "auto"
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
     # per (row, KV head), or "auto" from the batch and the SM count; 1: one pass. Opt-in until timed
     decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = 1
-    # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py) on
-    # CUDA; opt-in until timed on the H200
-    router: Literal["torch", "fused"] = "torch"
+    # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
+    # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
+    router: Literal["auto", "torch", "fused"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
     # step in one Triton launch straight from the paged cache (model/paged_prefill.py); opt-in until timed
     prefill_attention: Literal["sdpa", "triton"] = "sdpa"
@@ -222,6 +223,10 @@ class EngineConfig(BaseModel):
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
+    # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
+    # first. A P epoch beside D's graphs otherwise gets SMs only between D's kernels: 200-300 ms for
+    # ~300 tokens a P epoch at P1 (docs/PERF.md), P's TTFT. None: equal priorities
+    priority_stream: Literal["p", "d"] | None = None
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)

@@ -36,8 +36,12 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[[ForwardBatch, int], torch.Tensor], device: torch.device,
-                 block_size: int, max_batch: int, max_blocks: int, null_slot: int):
+                 block_size: int, max_batch: int, max_blocks: int, null_slot: int, keep_hidden: bool = False):
+        """`keep_hidden`: the graphs output the rows' final hidden states too (`last_hidden` after a
+        replay: the MTP proposer's input)."""
         self.forward, self.block_size, self.null_slot = forward, block_size, null_slot
+        self.keep_hidden = keep_hidden
+        self.last_hidden: torch.Tensor | None = None
         self.buckets = buckets(max_batch)
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -47,13 +51,13 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)
         self._host = torch.zeros(4 * n + n * max_blocks, dtype=torch.int64, pin_memory=True)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.max_blocks = max_blocks
 
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [], self.rows[:b],
                             phase=Phase.DECODE, num_decode=b, block_tables=self.block_tables[:b],
-                            seq_lens=self.seq_lens[:b], block_size=self.block_size)
+                            seq_lens=self.seq_lens[:b], block_size=self.block_size, want_hidden=self.keep_hidden)
 
     def capture(self) -> None:
         """Every bucket, largest first (later graphs reuse its memory pool); on several ranks this
@@ -68,9 +72,10 @@ class DecodeGraphs:
             for b in reversed(self.buckets):
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the watchdog's thread queries events and streams while we capture
+                batch = self._batch(b)
                 with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
-                    out = self.forward(self._batch(b), b)
-                self.graphs[b] = (g, out)
+                    out = self.forward(batch, b)
+                self.graphs[b] = (g, out, batch.hidden)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
@@ -109,6 +114,7 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(flat[2 * b:3 * b])
         self.seq_lens[:b].copy_(flat[3 * b:4 * b])
         self.block_tables[:b, :width].copy_(flat[4 * b:].view(b, width))
-        g, out = self.graphs[b]
+        g, out, hidden = self.graphs[b]
         g.replay()
+        self.last_hidden = hidden[:n] if hidden is not None else None
         return out[:n]

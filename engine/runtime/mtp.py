@@ -41,13 +41,16 @@ class HiddenStates:
 
     def keep(self, batch, rows) -> None:
         """A forward's rows (a batch that kept no hidden states: nothing)."""
-        if batch.hidden is None:
-            return
+        if batch.hidden is not None:
+            self.keep_rows(batch.hidden, rows)
+
+    def keep_rows(self, hidden, rows) -> None:
+        """`hidden`: [tokens, H], the rows' tokens in the batch builder's order (a graph's too)."""
         t0 = 0
         with self.lock:
             for r in forward_order(rows):
                 if not r.routes:   # a routed request gets no drafts (scheduler): nothing would consume them
-                    self.parts.setdefault(r.rid, []).append((r.start, batch.hidden[t0:t0 + r.length]))
+                    self.parts.setdefault(r.rid, []).append((r.start, hidden[t0:t0 + r.length]))
                 t0 += r.length
 
     def take(self, host: bool = False) -> dict[str, list]:

@@ -69,12 +69,18 @@ class StreamDevice:
         pass
 
 
-def make_streams(device: torch.device, sm_partition: int = 0) -> dict[str, torch.cuda.Stream]:
-    """P's and D's streams; with `sm_partition` S both live in green contexts of the same S SMs
-    (the split of the device's SM resource is deterministic), so P and D compete for one
+def make_streams(device: torch.device, sm_partition: int = 0,
+                 priority: str | None = None) -> dict[str, torch.cuda.Stream]:
+    """P's and D's streams; `priority` ("p" or "d", EngineConfig.priority_stream) creates that
+    phase's stream at the device's highest priority, so the block scheduler gives SMs that free up
+    to its waiting kernels first. With `sm_partition` S both live in green contexts of the same S
+    SMs (the split of the device's SM resource is deterministic), so P and D compete for one
     partition's residency: the device condition under which crossed orders stall (issue 8)."""
     if not sm_partition:
-        return {k: torch.cuda.Stream(device) for k in ("p", "d")}
+        # torch maps a priority below the device's range to its highest
+        return {k: torch.cuda.Stream(device, priority=-100 if k == priority else 0) for k in ("p", "d")}
+    if priority is not None:
+        raise ValueError("priority_stream with sm_partition: a green context's streams have one priority")
     from torch.cuda.green_contexts import GreenContext
     out = {}
     for k in ("p", "d"):

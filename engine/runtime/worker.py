@@ -92,11 +92,12 @@ class Worker:
                                       config.prefill_attention)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
-        # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). D runs eagerly
-        # on every rank (a graph keeps no hidden states; its collectives need every rank alike).
+        # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). One rank's D
+        # graphs output them too; on several ranks D runs eagerly (their graphs' collectives are
+        # sized for one token per row, and only leaders keep hidden states).
         # One rank loads the head into its model; on several rank 0 loads an unsharded copy (mtp.py).
         mtp = config.speculative == "mtp"
-        self.keep_hidden, self.eager_d = mtp and self.leader, mtp
+        self.keep_hidden, self.eager_d = mtp and self.leader, mtp and self.multi
         if config.random_weights:   # a benchmark shape with no checkpoint on disk (config.json only)
             self.model = random_model(self.cfg, self.device, dtype, config.seed, shard=shard, backends=self.backends,
                                       mtp=mtp and not self.multi)
@@ -124,14 +125,15 @@ class Worker:
         self._capture_forward = None
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
-        elif self.cuda and config.cuda_graphs and not self.eager_d:   # mtp: D runs eagerly (forward_d)
+        elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
             self.solo = SoloEpochs(self)
             if self.cuda:
-                self.streams = {"p": torch.cuda.Stream(self.device), "d": torch.cuda.Stream(self.device)}
+                from .streams import make_streams
+                self.streams = make_streams(self.device, priority=config.priority_stream)
         from .weight_sync import RankWeights
         self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
 
@@ -145,11 +147,11 @@ class Worker:
         self._capture_forward = forward
         max_ctx = min(self.cfg.max_position_embeddings, self.config.max_context_len or 1 << 62)
         rows = self.config.max_running
-        # verify steps replay too (k + 1 tokens per row), except under mtp (no hidden states kept)
-        if self.config.speculative in ("ngram", "draft") and not self.multi:
+        if self.config.speculative and not self.multi:   # verify steps replay too: k + 1 tokens a row
             rows *= 1 + self.config.speculative_k
         self.graphs = DecodeGraphs(forward, self.device, self.config.block_size, rows,
-                                   -(-max_ctx // self.config.block_size), self.kv.null_slot)
+                                   -(-max_ctx // self.config.block_size), self.kv.null_slot,
+                                   keep_hidden=self.keep_hidden)
         # On a stream of the graphs' own: the watchdog's thread queries the worker's streams, and a
         # query of a stream under capture invalidates the capture.
         self.graphs.capture()
@@ -296,15 +298,18 @@ class Worker:
         n = max(w.decode_rows for w in plan.replicas)
         if plan.spec_any:   # a graph row is a token: verify rows take k + 1 (graphs.py)
             n = max(sum(r.length for r in w.decode) for w in plan.replicas)
-        # A graph keeps no routing ids and no hidden states (mtp's input). On several ranks the
-        # graphs' collectives are sized for one token per row, so verify steps run eagerly there.
+        # A graph keeps no routing ids. On several ranks the graphs' collectives are sized for one
+        # token per row, so verify steps run eagerly there.
         if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.eager_d \
                 or (plan.spec_any and self.multi):
             return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
         s = self.streams.get("d") or torch.cuda.current_stream()
+        rows = list(plan.replicas[self.replica].decode)
         with torch.cuda.stream(s):
             with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext():
-                logits = self.graphs.replay(list(plan.replicas[self.replica].decode), self.graphs.bucket(n))
+                logits = self.graphs.replay(rows, self.graphs.bucket(n))
+            if self.keep_hidden and rows:   # a copy: the next replay overwrites the graph's output
+                self.hidden.keep_rows(self.graphs.last_hidden.clone(), rows)
         if wait:
             s.synchronize()
         return logits, True

@@ -27,15 +27,18 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {mode} prompt {i}")
 
 
-@pytest.mark.parametrize("kernels", ["fused", "auto"])
-def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kernels):
-    """The fused Triton experts, prologue and residual add + norm (fp32: IEEE dots), and pd's P epoch on
-    its own stream beside D's graph replays (solo_overlap, on by default on CUDA), inside the margin rule."""
+@pytest.mark.parametrize("kernels,priority", [("fused", "p"), ("auto", None)])
+def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kernels, priority):
+    """The fused Triton experts, prologue, residual add + norm and routing (fp32: IEEE dots), and pd's P
+    epoch on its own stream beside D's graph replays (solo_overlap, on by default on CUDA; P's stream
+    at high priority, or equal), inside the margin rule."""
     e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="pd", block_size=4,
                             num_blocks=512, max_running=8, experts_kernel=kernels, qk_prologue=kernels,
-                            add_norm="fused" if kernels == "fused" else "torch",
+                            add_norm=kernels, router=kernels, priority_stream=priority,
                             control=ControlSettings(prefill_budget_tokens=24, activation="on")))
     assert e.worker.solo is not None
+    p, d = e.worker.streams["p"].priority, e.worker.streams["d"].priority
+    assert (p < d) if priority == "p" else (p == d), (p, d)
     spans = []   # after each step: a P epoch outlives the step that started it
     out, _ = run_all(e, PROMPTS, lambda e: spans.append(e._flight is not None or e.worker.solo.flight is not None),
                      max_new_tokens=12, ignore_eos=True)
@@ -48,11 +51,11 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
 SPEC_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
-def _spec_greedy(model, mode: str, proposer: str, k: int):
+def _spec_greedy(model, mode: str, proposer: str, k: int, **config):
     """Greedy tokens (fp32 on CUDA) and step records, with `proposer` drafting k tokens (k 0: off)."""
     spec = {"speculative": proposer, "speculative_k": k} if k else {}
     e = Engine(EngineConfig(model=str(model), device="cuda", dtype="float32", mode=mode, block_size=4,
-                            num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec,
+                            num_blocks=256, max_running=4, mixed_chunk_tokens=20, **spec, **config,
                             control=ControlSettings(prefill_budget_tokens=24)))
     return run_all(e, SPEC_PROMPTS, max_new_tokens=16, ignore_eos=True)[0], e.records
 
@@ -72,13 +75,20 @@ def test_cuda_verify_steps_replay_the_decode_graphs(tmp_path, mode):
     assert sum(r.spec_accepted for r in graphed) > 0, "no draft accepted on a graphed verify step"
 
 
-def test_cuda_mtp_speculation_keeps_greedy_tokens(tmp_path):
-    """`--speculative mtp` on CUDA (fp32, D eager under mtp): greedy tokens equal those without
-    speculation in pd, and the head's drafts went through verification."""
+@pytest.mark.parametrize("mode", ["normal", "pd"])
+def test_cuda_mtp_verify_steps_replay_graphs_that_keep_hidden_states(tmp_path, mode):
+    """`--speculative mtp` on CUDA (fp32): greedy tokens equal those without speculation; verify
+    steps replay D's graphs, which hand the head the rows' hidden states: the head drafts exactly
+    what it drafts from an eager D's hidden states (same proposals, same acceptances)."""
     from conftest import tiny_config
     from pdrollout.engine.model.checkpoint import write_checkpoint
     model = write_checkpoint(tiny_config(vocab_size=24, num_nextn_predict_layers=1), tmp_path, seed=0)
-    base, _ = _spec_greedy(model, "pd", "mtp", 0)
-    got, records = _spec_greedy(model, "pd", "mtp", 2)
-    assert got == base
-    assert sum(r.spec_proposed for r in records if r.spec_verify) > 0
+    base, _ = _spec_greedy(model, mode, "mtp", 0)
+    got, records = _spec_greedy(model, mode, "mtp", 2)
+    eager, eager_records = _spec_greedy(model, mode, "mtp", 2, cuda_graphs=False)
+    assert got == base == eager
+    graphed = [r for r in records if r.spec_verify and r.graph]
+    assert graphed, "no verify step replayed a graph"
+    assert not any(r.graph for r in eager_records)
+    counts = lambda recs: (sum(r.spec_proposed for r in recs), sum(r.spec_accepted for r in recs))
+    assert counts(records)[0] > 0 and counts(records) == counts(eager_records)

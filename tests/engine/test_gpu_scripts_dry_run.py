@@ -82,3 +82,31 @@ def test_bench_seeds_gives_an_mtp_variant_a_model_with_its_head(tmp_path):
     pd = json.loads((out / "mtp" / "P2-s0" / "pd" / "results.json").read_text())["modes"]["pd"]
     assert (pd["speculative"], pd["speculative_k"]) == ("mtp", 2) and pd["completed"] > 0
     assert pd["spec_proposed_drafts"] > 0 and pd["spec_accept_length"] >= 1, pd
+
+
+def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
+    """Requests whose first tokens land within the window are one batch (one P epoch's end); the
+    t=0 burst is left out; new tokens are the prompt less its cached part."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from ttft_epochs import summary
+    finally:
+        sys.path.pop(0)
+    rec = lambda rel, first, prompt, cached: {"release_s": rel, "first_token_s": first, "prompt_tokens": prompt,
+                                              "cached_tokens": cached}
+    records = [rec(0.0, 0.4, 500, 0),                                          # the burst: left out
+               rec(1.0, 1.30, 120, 100), rec(1.1, 1.301, 50, 0), rec(1.2, 1.302, 30, 10),   # one epoch
+               rec(1.4, 1.50, 80, 0)]                                          # the next
+    s = summary(records, window_s=0.003, skip_s=1.0)
+    assert s["requests"] == 4 and s["batches"] == 2
+    assert s["median_new_tokens_per_batch"] == (90 + 80) / 2
+    assert abs(s["median_gap_ms"] - 200.0) < 1e-6
+    assert abs(s["median_ttft_ms"] - 151.5) < 1e-6   # of 300, 201, 102, 100 ms
+    log = tmp_path / "pd"
+    log.mkdir()
+    (log / "records-pd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/ttft_epochs.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    name, reqs, p50, batches = r.stdout.splitlines()[1].split()[:4]
+    assert (name, reqs, batches) == ("pd/pd", "4", "2") and abs(float(p50) - 151.5) <= 0.5

@@ -78,3 +78,17 @@ def test_prefill_warmup_runs_every_size_and_changes_no_output(tiny_model, capfd)
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 6)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"after the warm-up, prompt {i}")
+
+
+def test_priority_stream_names_a_phase_and_needs_no_green_context():
+    """The stream priority is start-time config: a phase or nothing, and not with an SM partition,
+    whose green-context streams have one priority (said before any CUDA call)."""
+    import torch
+    from pydantic import ValidationError
+
+    from pdrollout.engine.runtime.streams import make_streams
+    with pytest.raises(ValidationError, match="priority_stream"):
+        EngineConfig(model="m", priority_stream="high")
+    assert EngineConfig(model="m", priority_stream="p").priority_stream == "p"
+    with pytest.raises(ValueError, match="sm_partition"):
+        make_streams(torch.device("cuda", 0), 8, "p")

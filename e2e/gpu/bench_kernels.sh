@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The decode step and the 8k prefill chunk under each opt-in kernel, one process per variant,
+# side by side in one call, with a table last (e2e/gpu/bench_engine.py does the timing).
+# Usage (GPU machine, repo root): bash e2e/gpu/bench_kernels.sh OUTDIR [NAME='ARGS'...]
+#   default variants: the defaults (fused add + norm and routing in bf16), those two unfused, and
+#   each opt-in kernel on top of the defaults: the split-KV decode attention, the paged prefill one.
+set -uo pipefail
+out="${1:?output dir}"; shift
+source "$(dirname "$0")/env.sh"
+mkdir -p "$out"
+variants=("$@")
+[ ${#variants[@]} -gt 0 ] || variants=(
+  "base="
+  "unfused=--add-norm torch --router torch"
+  "splits=--kv-splits auto"
+  "prefill=--prefill-attention triton"
+)
+for v in "${variants[@]}"; do
+  name="${v%%=*}"; args="${v#*=}"
+  echo "== $name: $args"
+  # shellcheck disable=SC2086
+  timeout "${VARIANT_TIMEOUT:-180}" python3 "$(dirname "$0")/bench_engine.py" $args --out "$out/$name.json" \
+    > "$out/$name.log" 2>&1 || { echo "$name failed (exit $?)"; tail -5 "$out/$name.log"; }
+done
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+every = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("*.json")) if f.stem != "summary"}
+(out / "summary.json").write_text(json.dumps(every, indent=1))   # one file to bring back
+rows = []
+for name, d in every.items():
+    rows.append((name, d["decode_replay_ms"], d["decode_replay_over_floor"], d["decode_step_ms"],
+                 d["decode_ms_per_token"], d["prefill_chunk_ms"], d["prefill_fraction_of_peak"]))
+print(f"{'variant':<12}{'replay ms':>10}{'/floor':>8}{'step ms':>9}{'ms/tok':>8}{'8k ms':>8}{'of peak':>9}")
+for r in rows:
+    print(f"{r[0]:<12}{r[1]:>10.2f}{r[2]:>8.3f}{r[3]:>9.2f}{r[4]:>8.2f}{r[5]:>8.1f}{r[6]:>9.3f}")
+PY
