@@ -75,6 +75,7 @@ def main():
     # pd: the decode steps on D's own stream, as a pd server runs them (the 8k chunks' figure then
     # includes the end of the prefill riding beside D: compare it under normal)
     ap.add_argument("--mode", choices=["normal", "pd"], default="normal")
+    ap.add_argument("--temperature", type=float, default=0.0, help="1.0: every row samples (an RL rollout)")
     ap.add_argument("--priority-stream", choices=["p", "d"], default=None)
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
@@ -107,7 +108,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
         ids = torch.randint(2, cfg.vocab_size, (a.ctx,), generator=g).tolist()
-        e.submit(f"r{i}", ids, SamplingParams(max_new_tokens=a.steps + 8, temperature=0.0, ignore_eos=True))
+        e.submit(f"r{i}", ids, SamplingParams(max_new_tokens=a.steps + 8, temperature=a.temperature,
+                                              ignore_eos=True))
     prefill_times, prefill_tokens = [], []
     while any(r.status.value != "decode" for r in e.schedulers[0].reqs.values()):
         torch.cuda.synchronize()
@@ -160,7 +162,7 @@ def main():
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "kv_splits": a.kv_splits, "router": a.router, "prefill_attention": a.prefill_attention,
-           "mode": a.mode, "priority_stream": a.priority_stream,
+           "mode": a.mode, "priority_stream": a.priority_stream, "temperature": a.temperature,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,

@@ -131,3 +131,4 @@ class StepReport:
     p_pending: bool = False                         # this step's P epoch is still in flight
     p_done: int | None = None                       # the epoch whose P finished in this step: its
     #                                                 rows' tokens are in `tokens`
+    p_epoch: object = None                          # records.PEpoch: its timing (one rank, solo_overlap)

@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class PEpoch:
+    """A P epoch that ran beside D (pd on one rank with solo_overlap), timed on its thread. Where
+    its time went: issuing the forward (the thread's CPU time, the rest waiting for the GIL or a
+    host sync), then the GPU finishing kernels already issued (wall - enqueue)."""
+    tokens: int
+    wall_s: float      # planned -> its logits complete
+    enqueue_s: float   # its thread's forward, first kernel issued to the last (host syncs included)
+    cpu_s: float       # the thread's CPU time in that forward
+
+
+@dataclass(frozen=True)
 class StepRecord:
     step: int
     t: float                          # monotonic start of the step
@@ -24,3 +35,4 @@ class StepRecord:
     spec_verify: int = 0                       # speculation: decode rows of this D iteration
     spec_proposed: int = 0                     # draft tokens they carried
     spec_accepted: int = 0                     # draft tokens the target accepted
+    p_epoch: PEpoch | None = None              # the P epoch that finished in this step (one rank)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..model.qwen3_moe import ForwardBatch
@@ -32,6 +33,32 @@ from .batch import forward_order
 def buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return sorted(set(small + list(range(16, max_batch, 16)) + [max_batch]))
+
+
+def graph_inputs(rows: list[RowSpec], bucket: int, block_size: int, null_slot: int,
+                 host: torch.Tensor) -> tuple[int, int]:
+    """A replay's inputs into the int64 host buffer, one graph row per token of `rows` (in order):
+    [ids | positions | slots | lengths] of `bucket` each, then the block tables [bucket, width].
+    Padding rows: length 0, the null slot. Returns (tokens, width). In numpy, a slice per row: the
+    host's work of every D step (torch's per-element writes cost several times more)."""
+    b, bs = bucket, block_size
+    width = max((len(r.blocks) for r in rows), default=1)
+    a = host[:4 * b + b * width].numpy()
+    a[:] = 0
+    ids, pos, slots, lens = a[:b], a[b:2 * b], a[2 * b:3 * b], a[3 * b:4 * b]
+    tables = a[4 * b:].reshape(b, width)
+    i = 0
+    for r in rows:
+        k, blocks = r.length, np.asarray(r.blocks, dtype=np.int64)
+        p = np.arange(r.start, r.start + k)
+        ids[i:i + k] = r.tokens
+        pos[i:i + k] = p
+        lens[i:i + k] = p + 1
+        slots[i:i + k] = blocks[p // bs] * bs + p % bs
+        tables[i:i + k, :len(blocks)] = blocks
+        i += k
+    slots[i:] = null_slot
+    return i, width
 
 
 class DecodeGraphs:
@@ -90,25 +117,9 @@ class DecodeGraphs:
         one per token in forward_order; the replay is enqueued on the current stream. Inputs go up
         in one copy from a pinned buffer, reused only after the step synchronized (its logits were
         sampled)."""
-        rows = forward_order(rows)
-        bs, b = self.block_size, bucket
-        n = sum(r.length for r in rows)
-        width = max((len(r.blocks) for r in rows), default=1)
-        host = self._host[:4 * b + b * width]
-        host.zero_()
-        ids, pos, slots, lens = host[:b], host[b:2 * b], host[2 * b:3 * b], host[3 * b:4 * b]
-        slots[n:] = self.null_slot
-        tables = host[4 * b:].view(b, width)
-        i = 0
-        for r in rows:
-            table = torch.tensor(r.blocks)
-            for j in range(r.length):
-                p = r.start + j
-                ids[i], pos[i], lens[i] = r.tokens[j], p, p + 1
-                slots[i] = r.blocks[p // bs] * bs + p % bs
-                tables[i, :len(r.blocks)] = table
-                i += 1
-        flat = host.to(self.input_ids.device, non_blocking=True)
+        b = bucket
+        n, width = graph_inputs(forward_order(rows), b, self.block_size, self.null_slot, self._host)
+        flat = self._host[:4 * b + b * width].to(self.input_ids.device, non_blocking=True)
         self.input_ids[:b].copy_(flat[:b])
         self.positions[:b].copy_(flat[b:2 * b])
         self.slot_mapping[:b].copy_(flat[2 * b:3 * b])

@@ -9,9 +9,11 @@ phase has its own upload staging buffer (batch.py), so they share the worker saf
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..protocol.plan import Phase, StepPlan
+from ..protocol.records import PEpoch
 
 
 class SoloEpochs:
@@ -19,15 +21,28 @@ class SoloEpochs:
         self.w = worker
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="P")
         self.flight: tuple[StepPlan, Future] | None = None   # the plan whose P is running, and it
+        self.finished: PEpoch | None = None   # the timing of the epoch the last run() finished
+
+    def _epoch(self, plan: StepPlan, planned: float):
+        """On the P thread: the forward, then its stream drained, timed (PEpoch)."""
+        w = self.w
+        t0, c0 = time.monotonic(), time.thread_time()
+        logits = w.forward(Phase.PREFILL, plan, lambda r: r.prefill, wait=False)
+        t1, c1 = time.monotonic(), time.thread_time()
+        if w.cuda:
+            w.streams["p"].synchronize()
+        tokens = sum(r.length for r in plan.replicas[w.replica].prefill)
+        return logits, PEpoch(tokens, time.monotonic() - planned, t1 - t0, c1 - c0)
 
     def run(self, plan: StepPlan):
         """(D logits, P logits, D replayed a graph, the plan whose P the P logits are); P logits None
         while the epoch is still in flight."""
         w = self.w
+        self.finished = None
         if self.flight is None:
             if plan.p_flight is not None:
                 raise RuntimeError(f"step {plan.step}: the plan continues P epoch {plan.p_flight}, none is in flight")
-            p = self._pool.submit(w.forward, Phase.PREFILL, plan, lambda r: r.prefill)
+            p = self._pool.submit(self._epoch, plan, time.monotonic())
             self.flight = (plan, p)
         elif plan.p_any or plan.p_flight != self.flight[0].step:
             raise RuntimeError(f"step {plan.step}: P epoch {self.flight[0].step} is in flight, the plan says "
@@ -39,4 +54,5 @@ class SoloEpochs:
         if not p.done():
             return d, None, graph, None
         self.flight = None
-        return d, p.result(), graph, started
+        logits, self.finished = p.result()
+        return d, logits, graph, started

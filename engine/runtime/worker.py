@@ -11,11 +11,9 @@ next steps' D (solo_p.py). Replica leaders (local index 0) sample.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
-import zlib
 
 import torch
 
@@ -31,10 +29,7 @@ from .batch import BatchBuilder, forward_order
 from .mtp import HiddenStates
 from .options import RankOptions
 from .sampler import make_generator, request_seed, sample, verify
-
-
-class StepLogError(RuntimeError):
-    """The step log (--step-log) could not be written, e.g. its disk is full."""
+from .steplog import StepLog
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -118,10 +113,7 @@ class Worker:
         self.streams: dict = {}
         self.graphs = None
         self.pd = None
-        self._log = None
-        if options.step_log:
-            os.makedirs(options.step_log, exist_ok=True)
-            self._log = open(os.path.join(options.step_log, f"rank{rank}.jsonl"), "w")
+        self._log = StepLog(options.step_log, rank) if options.step_log else None
         self._capture_forward = None
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
@@ -173,7 +165,7 @@ class Worker:
         for nr in plan.new:
             if nr.replica == self.replica:
                 seed = request_seed(self.config.seed, nr.rid)
-                self.gens[nr.rid], self.sampling[nr.rid] = make_generator(nr.sampling, seed), nr.sampling
+                self.gens[nr.rid], self.sampling[nr.rid] = make_generator(nr.sampling, seed, self.device), nr.sampling
         for rid in plan.drop:
             self.gens.pop(rid, None)
             self.sampling.pop(rid, None)
@@ -198,6 +190,7 @@ class Worker:
         elif self.solo is not None and (plan.p_span or plan.p_flight is not None):
             logits_d, logits_p, report.graph, p_plan = self.solo.run(plan)
             report.p_pending = self.solo.flight is not None and self.solo.flight[0].step == plan.step
+            report.p_epoch = self.solo.finished
             if logits_p is not None and p_plan.step != plan.step:   # an earlier step's epoch finished
                 report.p_done = plan.p_flight
                 p_rows = list(p_plan.replicas[self.replica].prefill)
@@ -226,19 +219,14 @@ class Worker:
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
-            line = json.dumps({"step": plan.step, "rank": self.rank, "control": plan.control,
-                               "ordering": report.ordering, "rounds": report.rounds,
-                               "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
-                               "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
-                               # a P epoch spanning steps: continued here / still going / finished here
-                               "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
-                               "graph": report.graph, "wall_s": time.monotonic() - t_start,
-                               **(self.group.log_fields(mark) if self.multi else {})}) + "\n"
-            try:
-                self._log.write(line)
-                self._log.flush()
-            except OSError as e:   # a full disk: say which file, the group ends with "error"
-                raise StepLogError(f"rank {self.rank}: step log {self._log.name}: {e.strerror or e}") from e
+            self._log.write({"step": plan.step, "rank": self.rank, "control": plan.control,
+                             "ordering": report.ordering, "rounds": report.rounds,
+                             "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
+                             "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
+                             # a P epoch spanning steps: continued here / still going / finished here
+                             "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
+                             "graph": report.graph, "wall_s": time.monotonic() - t_start,
+                             **(self.group.log_fields(mark) if self.multi else {})})
         return report
 
     # ---- forwards ------------------------------------------------------------------------
@@ -262,7 +250,7 @@ class Worker:
             self._want_routes(batch, mine)
             with self.group.span("forward", s, phase.path, plan.step) if self.multi else contextlib.nullcontext():
                 logits = self.model(batch, self.kv)
-        if wait:
+        if wait or batch.routes is not None:   # the routes' host copy below runs on another stream
             s.synchronize()                   # eager: the step's logits are complete for sampling
         self._keep_routes(phase, batch, mine)
         self.hidden.keep(batch, mine)

@@ -52,6 +52,13 @@ class ServerMetrics:
         # the D iteration's own cost (a P epoch may run beside it, on several ranks or with solo_overlap)
         self.decode_step = Histogram(metric.DECODE_STEP, "Wall time of steps with decode rows and no prefill tokens",
                                      buckets=_STEP, registry=r)
+        # P epochs beside D (one rank, solo_overlap): where an epoch's time goes (records.PEpoch)
+        self.p_epoch = Histogram(metric.P_EPOCH, "P epoch beside D: planned to its logits complete",
+                                 buckets=_STEP, registry=r)
+        self.p_epoch_enqueue = Histogram(metric.P_EPOCH_ENQUEUE, "P epoch: its forward's kernels issued, first to last",
+                                         buckets=_STEP, registry=r)
+        self.p_epoch_cpu = Histogram(metric.P_EPOCH_CPU, "P epoch: its thread's CPU time while issuing",
+                                     buckets=_STEP, registry=r)
         self.decode_wait = Histogram(metric.DECODE_WAIT, "Decode row ready to its step started (planner)",
                                      buckets=_SHORT, registry=r)
         self.turnstile_wait = Histogram(metric.TURNSTILE_WAIT,
@@ -124,6 +131,10 @@ class ServerMetrics:
             self.steps.inc()
             if rec.decode_rows and not rec.prefill_tokens:
                 self.decode_step.observe(rec.duration_s)
+            if rec.p_epoch is not None:
+                self.p_epoch.observe(rec.p_epoch.wall_s)
+                self.p_epoch_enqueue.observe(rec.p_epoch.enqueue_s)
+                self.p_epoch_cpu.observe(rec.p_epoch.cpu_s)
             for w in rec.decode_wait_s:
                 self.decode_wait.observe(w)
             for w in rec.turnstile_wait_s:

@@ -13,6 +13,7 @@ from ..protocol import metrics as metric
 # Server metrics scraped before and after a run (docs/SERVER.md).
 DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOUS, metric.ROLLOUT_MAKESPAN
 DECODE_STEP = metric.DECODE_STEP
+P_EPOCH, P_EPOCH_ENQUEUE, P_EPOCH_CPU = metric.P_EPOCH, metric.P_EPOCH_ENQUEUE, metric.P_EPOCH_CPU
 ROUNDS, STALLS = metric.total(metric.ROUNDS), metric.total(metric.STALLS)
 
 
@@ -88,6 +89,11 @@ def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
         # noisy for (pd against normal on a decode-only workload: the same graph replays)
         "mean_decode_step_ms": mean_ms(DECODE_STEP),
         "decode_steps": None if delta(DECODE_STEP + "_count") is None else int(delta(DECODE_STEP + "_count")),
+        # P epochs beside D (one rank): their mean wall time, and of it the issuing and its CPU time
+        "mean_p_epoch_ms": mean_ms(P_EPOCH),
+        "mean_p_epoch_enqueue_ms": mean_ms(P_EPOCH_ENQUEUE),
+        "mean_p_epoch_cpu_ms": mean_ms(P_EPOCH_CPU),
+        "p_epochs": None if delta(P_EPOCH + "_count") is None else int(delta(P_EPOCH + "_count")),
         "mean_rendezvous_ms": mean_ms(RENDEZVOUS),
         "turnstile_rounds": None if rounds is None else int(rounds),
         "stalls": None if stalls is None else int(stalls),

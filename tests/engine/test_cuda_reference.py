@@ -92,3 +92,27 @@ def test_cuda_mtp_verify_steps_replay_graphs_that_keep_hidden_states(tmp_path, m
     assert not any(r.graph for r in eager_records)
     counts = lambda recs: (sum(r.spec_proposed for r in recs), sum(r.spec_accepted for r in recs))
     assert counts(records)[0] > 0 and counts(records) == counts(eager_records)
+
+
+def test_cuda_sampling_draws_on_the_device_from_each_requests_seed(tiny_model):
+    """Temperature 1 with top-p on CUDA: the requests' generators live on the device (no logits row
+    goes to the host), and a seeded request's tokens are the same alone and beside other sampling
+    requests (the batched exponential race: runtime/sampler.py)."""
+    from pdrollout.engine.scheduler.request import SamplingParams
+
+    def go(prompts):
+        e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="pd", block_size=4,
+                                num_blocks=512, max_running=8))
+        for i, p in enumerate(prompts):
+            e.submit(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5 + i,
+                                                ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        devices = set()
+        while e.has_unfinished():
+            for o in e.step():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+            devices |= {g.device.type for g in e.worker.gens.values()}
+        assert devices == {"cuda"}, devices
+        return out
+    alone, together = go(PROMPTS[:1]), go(PROMPTS)
+    assert len(alone["r0"]) == 12 and together["r0"] == alone["r0"]

@@ -48,6 +48,14 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
     assert sum(s["decode_rows"] > 0 for s in during) >= len(started)   # D went on beside every epoch
     for s in during:
         assert max(x for x in started if x < s["step"]) == s["p_flight"]
+    # Each epoch is timed on its thread: the P tokens of every step that started one, and its
+    # time split into issuing (here the 50 ms sleep, which is no CPU time) and the rest.
+    epochs = [r.p_epoch for r in engine.records if r.p_epoch is not None]
+    assert len(epochs) >= len(started)
+    assert sum(e.tokens for e in epochs) == sum(r.prefill_tokens for r in engine.records if r.decode_rows)
+    for e in epochs:
+        assert e.tokens > 0 and e.wall_s >= e.enqueue_s >= P_DELAY_S, e
+        assert e.cpu_s < e.enqueue_s - 0.8 * P_DELAY_S, e
 
 
 @pytest.mark.parametrize("mode,overlap,bound,want", [("pd", True, None, 200.0), ("pd", True, 50.0, 50.0),

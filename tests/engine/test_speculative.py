@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from stats import chi2_sf
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
@@ -147,12 +148,6 @@ def test_bad_speculation_config_is_a_clear_error(tiny_model):
 
 # --- temperature > 0 ---------------------------------------------------------------------------
 
-def _chi2_sf(x: float, dof: int) -> float:
-    """Upper tail of chi-square (Wilson-Hilferty): enough for a 1e-3 threshold."""
-    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 def test_rejection_sampling_matches_the_target_distribution():
     """The acceptance rule alone, with a point-mass draft: the first emitted token is distributed as
     p0, and the pair (first, second) given the first draft accepted as p0(d0) * p1.
@@ -178,7 +173,7 @@ def test_rejection_sampling_matches_the_target_distribution():
     for counts, expected in ((first, p0 * n), (pair, p0[drafts[0]] * p1 * n)):
         keep = expected >= 5
         stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-        assert _chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (counts, expected)
+        assert chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (counts, expected)
     # The rule does accept: the draft's rate is p0(d0) (3 sigma of a binomial)
     rate = first[drafts[0]] / n
     assert abs(rate - p0[drafts[0]]) < 3 * math.sqrt(p0[drafts[0]] * (1 - p0[drafts[0]]) / n)
@@ -230,7 +225,7 @@ def test_sampled_outputs_follow_the_target_end_to_end(tiny_model, mtp_target, pr
     table = [[x.count(c) for c in cats] for x in (pairs[0], pairs[3])]
     stat = sum((table[x][c] - (table[0][c] + table[1][c]) / 2) ** 2 / ((table[0][c] + table[1][c]) / 2)
                for c in range(len(cats)) for x in (0, 1))
-    assert len(cats) > 1 and _chi2_sf(stat, len(cats) - 1) > 1e-3, (cats, table)
+    assert len(cats) > 1 and chi2_sf(stat, len(cats) - 1) > 1e-3, (cats, table)
 
 
 # --- the draft-model proposer --------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """/control (live, validated as a whole), /metrics (parsed by prometheus-client) and rollout makespan."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -68,6 +69,7 @@ CONTRACT = {
     "gauge": ["num_running_reqs", "num_queue_reqs", "token_usage", "multiplexing_active", "segment_span",
               "rollout_makespan_seconds"],
     "histogram": ["time_to_first_token_seconds", "e2e_request_latency_seconds", "decode_wait_seconds", "decode_step_seconds",
+                  "p_epoch_seconds", "p_epoch_enqueue_seconds", "p_epoch_cpu_seconds",
                   "turnstile_rendezvous_seconds", "rollout_makespan_seconds_hist"],
     "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished"],
 }
@@ -146,3 +148,33 @@ def test_speculation_in_meta_info_metrics_and_model_info(start_server):
                       ("spec_accepted_drafts_total", "spec_accepted_drafts")):
         assert after["pdrollout:" + name] - before.get("pdrollout:" + name, 0) == meta[key], name
     assert s.stop() == 0, s.log
+
+
+def test_p_epochs_beside_d_are_counted_and_timed(server, start_server):
+    """pd on one rank with solo_overlap (on by default on CUDA; asked for here on CPU): a prompt that
+    arrives while another request decodes runs as a P epoch beside D, and /metrics times it (wall,
+    issuing, the P thread's CPU time). The shared server runs no epochs: its counts stay put."""
+    before = _metrics(server)
+    assert server.http.post("/generate", json=BODY).status_code == 200
+    assert _metrics(server)["pdrollout:p_epoch_seconds_count"] == before["pdrollout:p_epoch_seconds_count"] == 0
+    srv = start_server("--engine-config", json.dumps(
+        {"solo_overlap": True, "control": {"activation": "on", "p_burst_first": False}}))
+    long = {"input_ids": [3, 4, 5, 6], "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with srv.http.stream("POST", "/generate", json=long) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))   # it decodes now
+        for i in range(3):   # each prompt's P runs beside the long request's D steps
+            out = srv.http.post("/generate", json={"input_ids": [7 + i, 8, 9, 10, 11, 12],
+                                                   "sampling_params": {"max_new_tokens": 2}})
+            assert out.status_code == 200, out.text
+        running = _metrics(srv)
+        for _ in lines:
+            pass
+    assert running["pdrollout:num_running_reqs"] == 1   # the long one was still decoding
+    n = running["pdrollout:p_epoch_seconds_count"]
+    assert n >= 3, running
+    assert running["pdrollout:p_epoch_enqueue_seconds_count"] == running["pdrollout:p_epoch_cpu_seconds_count"] == n
+    wall, issue = running["pdrollout:p_epoch_seconds_sum"], running["pdrollout:p_epoch_enqueue_seconds_sum"]
+    cpu = running["pdrollout:p_epoch_cpu_seconds_sum"]
+    assert wall >= issue and issue + 1e-3 * n >= cpu > 0, running   # one thread's CPU time fits its wall time
+    assert srv.stop() == 0, srv.log

@@ -74,6 +74,15 @@ pdrollout:rollout_makespan_seconds 5.25
 pdrollout:decode_step_seconds_bucket{le="+Inf"} 200.0
 pdrollout:decode_step_seconds_sum 5.5
 pdrollout:decode_step_seconds_count 200.0
+# TYPE pdrollout:p_epoch_seconds histogram
+pdrollout:p_epoch_seconds_sum 2.0
+pdrollout:p_epoch_seconds_count 10.0
+# TYPE pdrollout:p_epoch_enqueue_seconds histogram
+pdrollout:p_epoch_enqueue_seconds_sum 0.5
+pdrollout:p_epoch_enqueue_seconds_count 10.0
+# TYPE pdrollout:p_epoch_cpu_seconds histogram
+pdrollout:p_epoch_cpu_seconds_sum 0.25
+pdrollout:p_epoch_cpu_seconds_count 10.0
 """
 
 
@@ -87,6 +96,8 @@ def test_server_measures_from_scrapes():
     assert m["turnstile_rounds"] == 41 and m["stalls"] == 3
     assert m["server_rollout_makespan_s"] == 5.25
     assert m["decode_steps"] == 200 and m["mean_decode_step_ms"] == pytest.approx(27.5)   # none before
+    assert m["p_epochs"] == 10 and m["mean_p_epoch_ms"] == pytest.approx(200.0)
+    assert m["mean_p_epoch_enqueue_ms"] == pytest.approx(50.0) and m["mean_p_epoch_cpu_ms"] == pytest.approx(25.0)
     s = summarize(RECORDS, before, after)
     assert s["stalls"] == 3 and s["rendezvous_count"] == 40
 
