@@ -64,7 +64,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[
     q = torch.empty_like(probs)
     for i, g in enumerate(gens):
         q[i].exponential_(generator=g)
-    return torch.argmax(probs / q, dim=-1)
+    # The CPU's draw is -log1p(-u) with u in [0, 1): exactly 0 now and then, which would make a
+    # masked token's 0 / 0 a NaN that argmax picks (CUDA's excludes 0 already).
+    return torch.argmax(probs / q.clamp_min_(_TINY), dim=-1)
 
 
 def verify(logits: torch.Tensor, drafts: list[int], p: SamplingParams, gen: torch.Generator) -> list[int]:
