@@ -78,25 +78,26 @@ def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
         n, s = delta(hist + "_count"), delta(hist + "_sum")
         return None if not n or s is None else 1000.0 * s / n
 
-    rdv = delta(RENDEZVOUS + "_count")
-    stalls, rounds = delta(STALLS), delta(ROUNDS)
+    def count(name):   # a counter's, or a histogram's `_count`
+        n = delta(name)
+        return None if n is None else int(n)
+
     return {
         "mean_decode_wait_ms": mean_ms(DECODE_WAIT),
-        "decode_wait_count": None if delta(DECODE_WAIT + "_count") is None
-        else int(delta(DECODE_WAIT + "_count")),
-        "rendezvous_count": None if rdv is None else int(rdv),
+        "decode_wait_count": count(DECODE_WAIT + "_count"),
+        "rendezvous_count": count(RENDEZVOUS + "_count"),
         # decode-only steps' mean wall time: the per-step comparison a short run's makespan is too
         # noisy for (pd against normal on a decode-only workload: the same graph replays)
         "mean_decode_step_ms": mean_ms(DECODE_STEP),
-        "decode_steps": None if delta(DECODE_STEP + "_count") is None else int(delta(DECODE_STEP + "_count")),
+        "decode_steps": count(DECODE_STEP + "_count"),
         # P epochs beside D (one rank): their mean wall time, and of it the issuing and its CPU time
         "mean_p_epoch_ms": mean_ms(P_EPOCH),
         "mean_p_epoch_enqueue_ms": mean_ms(P_EPOCH_ENQUEUE),
         "mean_p_epoch_cpu_ms": mean_ms(P_EPOCH_CPU),
-        "p_epochs": None if delta(P_EPOCH + "_count") is None else int(delta(P_EPOCH + "_count")),
+        "p_epochs": count(P_EPOCH + "_count"),
         "mean_rendezvous_ms": mean_ms(RENDEZVOUS),
-        "turnstile_rounds": None if rounds is None else int(rounds),
-        "stalls": None if stalls is None else int(stalls),
+        "turnstile_rounds": count(ROUNDS),
+        "stalls": count(STALLS),
         "server_rollout_makespan_s": after.get(ROLLOUT_MAKESPAN),
     }
 
