@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--add-norm", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
     ap.add_argument("--router", choices=["auto", "torch", "fused"], default="auto")
-    ap.add_argument("--prefill-attention", choices=["sdpa", "triton"], default="sdpa")
+    ap.add_argument("--prefill-attention", choices=["auto", "sdpa", "triton"], default="auto")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
     ap.add_argument("--speculative", choices=["ngram", "mtp"], default="ngram", help="the proposer under -k")
@@ -119,7 +119,11 @@ def main():
         prefill_times.append(time.perf_counter() - t)
         prefill_tokens.append(sum(w.prefill_tokens for w in launched[0].replicas))
         e.finish(launched)
-    # Decode: whole engine steps, then graph replay alone.
+    # Decode: whole engine steps, then graph replay alone. Under pd the last P epoch may still be in
+    # flight when every row reads `decode`: step until each row has its first token, or the timed
+    # steps below would count D steps of fewer rows.
+    while any(not r.output for r in e.schedulers[0].reqs.values()):
+        e.step()
     for _ in range(3):
         e.step()
     torch.cuda.synchronize()

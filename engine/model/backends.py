@@ -7,8 +7,9 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
                                  (each attention backend also owns the prologue: q/k norm, RoPE,
                                  KV write; torch ops, or prologue.py's kernels with `qk_prologue: fused`)
              PagedAttention      CUDA: Triton paged decode kernel for the decode rows (tensor-only
-                                 metadata: graph-capturable), SDPA over the gathered context for
-                                 prefill segments
+                                 metadata: graph-capturable); prefill segments all in one Triton
+                                 launch from the paged cache (bf16), or SDPA per segment over its
+                                 gathered context (`prefill_attention: sdpa`; fp32)
   experts    ReferenceExperts    one expert at a time (CPU)
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
@@ -170,11 +171,11 @@ class Backends:
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
                   prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
-                  router: str = "auto", prefill: str = "sdpa") -> Backends:
+                  router: str = "auto", prefill: str = "auto") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
     decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
-    `prefill`: sdpa|triton (EngineConfig.prefill_attention);
+    `prefill`: auto|sdpa|triton (EngineConfig.prefill_attention);
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
@@ -182,6 +183,8 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
     bf16 = dtype == torch.bfloat16
     prologue, add_norm, router = (("fused" if bf16 else "torch") if k == "auto" else k
                                   for k in (prologue, add_norm, router))
+    if prefill == "auto":
+        prefill = "triton" if bf16 else "sdpa"
     backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill))
     if add_norm == "fused":
         from .norms import fused_add_norm

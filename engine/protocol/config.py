@@ -217,15 +217,17 @@ class EngineConfig(BaseModel):
     # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
-    # step in one Triton launch straight from the paged cache (model/paged_prefill.py); opt-in until timed
-    prefill_attention: Literal["sdpa", "triton"] = "sdpa"
+    # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
+    # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and
+    # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md)
+    prefill_attention: Literal["auto", "sdpa", "triton"] = "auto"
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
-    # first. A P epoch beside D's graphs otherwise gets SMs only between D's kernels: 200-300 ms for
-    # ~300 tokens a P epoch at P1 (docs/PERF.md), P's TTFT. None: equal priorities
+    # first. None: equal priorities (measured: p at P1 did not shorten P epochs, which were bound by
+    # their thread issuing kernels, not by SMs; docs/PERF.md)
     priority_stream: Literal["p", "d"] | None = None
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
