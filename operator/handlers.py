@@ -205,8 +205,10 @@ def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None
 def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, namespace: str, body, patch,
                    logger) -> str | None:
     """Apply RecreateGroupOnPodRestart. Returns why the group is restarting, or None."""
-    # The memo is current within this process; status carries the record across operator restarts.
-    recorded = memo.get("group_pods") or status.get("groupPods")
+    # The memo is current within this process, also when it holds "none yet" right after a restart: a
+    # timer's body can trail this process's own last status patch, and its stale groupPods would make
+    # the new group's pods look recreated alone. Status carries the record across operator restarts.
+    recorded = memo["group_pods"] if "group_pods" in memo else status.get("groupPods")
     fault = group.group_fault(pods, recorded)
     if s.restart_policy != "RecreateGroupOnPodRestart" or fault is None:
         members = group.membership(pods, s.topology.nodes)

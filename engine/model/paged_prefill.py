@@ -6,8 +6,9 @@ per layer. Here one program takes BLOCK_M query rows of one segment for one quer
 segment's context through its slot list (the same slots the gather would read) up to its last
 query's position, and keeps an online softmax: causal, aligned bottom-right (a segment's queries are
 the last q_len of its ctx_len positions), GQA by index (query head h reads KV head h // group).
-Opt-in (`EngineConfig.prefill_attention: triton`) until timed on the H200; tested under Triton's
-interpreter on CPU and compiled on the GPU.
+The default in bf16 on CUDA (`EngineConfig.prefill_attention: auto`): timed on the H200 at P1, pd's
+P epochs of many short segments were 28 % shorter than with SDPA (docs/PERF.md); tested under
+Triton's interpreter on CPU and compiled on the GPU.
 """
 from __future__ import annotations
 

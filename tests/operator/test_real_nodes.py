@@ -378,10 +378,11 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
     # PID 1 it lost the SIGTERM, ran its whole grace period and joined the next group by node 0's name,
     # which then lost it (exit 4). The pause container is PID 1 now, and a rank joins only a store with
     # its slot free (docs/OPERATOR.md, real-kubelet findings).
-    assert st["phase"] == "Running" and st["groupRestarts"] == 1, st
+    restarts = _events(c, ns, cr_uid, "GroupRestart")
+    # the events' messages name the fault behind each restart (a second one came 1 in 4 CI runs)
+    assert st["phase"] == "Running" and st["groupRestarts"] == 1, (st, [e["message"] for e in restarts])
     assert {n: p["metadata"]["uid"] for n, p in _live_pods(c, ns, name).items()} == \
         {n: p["metadata"]["uid"] for n, p in pods.items()}
-    restarts = _events(c, ns, cr_uid, "GroupRestart")
     assert _count(restarts) == st["groupRestarts"], [e["message"] for e in restarts]
     times["group restarts for one deleted pod"] = st["groupRestarts"]
 

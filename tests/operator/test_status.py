@@ -1,4 +1,5 @@
 """Phase/conditions and group-restart decisions as pure functions."""
+import logging
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -127,6 +128,44 @@ def test_group_fault_detection():
     again["metadata"]["uid"] = "new-uid"
     assert "r-1 was recreated without its group" in group.group_fault([pod("r-0"), again], recorded)
     assert group.group_fault([pod("r-0"), again], None) is None, "nothing recorded: nothing to compare"
+
+
+def test_a_restart_forgets_the_old_group_even_when_the_status_read_trails(monkeypatch):
+    """After a group restart the handler's memo says "no group recorded yet". A timer's body can still
+    carry the old groupPods (its watch event trails the status patch): the new group's pods must not
+    look recreated alone, or one deleted pod costs two group restarts."""
+    from types import SimpleNamespace
+    from pdrollout.operator import handlers
+    from pdrollout.operator.models import PDRolloutSpec
+    deleted = []
+    monkeypatch.setattr(handlers.kube, "delete_pods", lambda ns, pods: deleted.append(sorted(
+        p["metadata"]["name"] for p in pods)))
+    monkeypatch.setattr(handlers.kopf, "warn", lambda *a, **k: None)
+    spec = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}, "network": {"ibHCAs": ["mlx5_0"]},
+                                         "topology": {"nodes": 2, "gpusPerNode": 1, "expertParallel": 2}})
+    log = logging.getLogger("test")
+    old = {"r-0": "r-0", "r-1": "r-1"}
+
+    def tick(pods, status, memo):
+        patch = SimpleNamespace(status={})
+        return handlers._group_restart(spec, pods, status, memo, "ns", {}, patch, log), patch.status
+
+    memo = {}
+    again = pod("r-1")
+    again["metadata"]["uid"] = "new-uid"
+    why, patched = tick([pod("r-0"), again], {"groupPods": old}, memo)     # r-1 deleted by hand
+    assert "recreated without its group" in why and deleted == [["r-0", "r-1"]]
+    assert patched["groupRestarts"] == 1 and memo["group_pods"] is None
+    new = [pod("r-0"), pod("r-1")]
+    for p_ in new:
+        p_["metadata"]["uid"] += "-2"
+    stale = {"groupPods": old}          # this tick's body predates the restart's status patch
+    why, patched = tick(new, stale, memo)
+    assert why is None and deleted == [["r-0", "r-1"]], "no second restart"
+    assert memo["group_pods"] == {"r-0": "r-0-2", "r-1": "r-1-2"} == patched["groupPods"]
+    # a fresh operator process has no memo: the status's record is used
+    why, _ = tick(new, {"groupPods": old}, {})
+    assert "recreated without its group" in why
 
 
 def test_membership_only_of_a_complete_group():
