@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
-from ..model.loader import load_model
+from ..model.loader import load_model, resolve_dtype
 from ..protocol.config import EngineConfig, ModelConfig
 from ..protocol.plan import Phase, RowSpec
 from ..scheduler.kv_pool import BlockPool
@@ -97,8 +97,8 @@ class DraftProposer(PagedProposer):
     def __init__(self, config: EngineConfig, device: torch.device, num_blocks: int, model=None) -> None:
         """`model`: the draft, loaded once and shared by the replicas' proposers (None: load it)."""
         cfg = ModelConfig.load(config.draft_model)   # its vocabulary was checked with the config
-        self.model = model if model is not None else load_model(config.draft_model, device=device)
-        dtype = next(self.model.parameters()).dtype
+        dtype = resolve_dtype("auto", cfg)           # what proposer_block_bytes sized the cache for
+        self.model = model if model is not None else load_model(config.draft_model, device=device, dtype=dtype)
         super().__init__(cfg, cfg.num_hidden_layers, dtype, device, num_blocks, config.block_size)
 
     def _forward(self, rows: list[RowSpec], phase: Phase) -> list[int]:

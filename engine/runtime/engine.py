@@ -19,6 +19,7 @@ from ..protocol.records import StepRecord
 from ..scheduler.request import RequestError, RequestOutput, SamplingParams
 from ..scheduler.scheduler import Scheduler
 from .engine_ops import EngineOps
+from .kv_budget import spare_blocks
 
 
 def _spec_counts(launched) -> dict:
@@ -41,7 +42,7 @@ class Engine(EngineOps):
         self.config, self.worker, self.topo = config, worker, worker.topo
         self.model_config = worker.cfg
         proposers = [None] * self.topo.adp
-        spare = config.max_running * -(-config.speculative_k // config.block_size)
+        spare = spare_blocks(config)
         self.mtps = []   # the MTP proposers, one per replica: fed the target's hidden states (_exchange)
         paged, models = [], []   # model proposers and the models only they hold (memory release)
         if config.speculative == "draft":   # on rank 0, beside the planner: its drafts travel in the plan

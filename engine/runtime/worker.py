@@ -26,6 +26,7 @@ from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
+from .kv_budget import kv_blocks
 from .mtp import HiddenStates
 from .options import RankOptions
 from .sampler import make_generator, request_seed, sample, verify
@@ -47,13 +48,6 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 def shard_of(topo: Topology, rank: int) -> Shard:
     # ETP>1 replicates each expert shard over its ETP group (no expert tensor parallelism).
     return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
-
-
-def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
-    """The same block count on every rank: each rank's KV budget over its share of the KV heads."""
-    per = KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
-                                  cfg.num_key_value_heads // topo.atp, cfg.head_dim, dtype)
-    return config.num_blocks or max(config.kv_cache_bytes // per, 1)
 
 
 class Worker:

@@ -284,3 +284,41 @@ def test_logprobs_of_verified_tokens_match_without_speculation(tiny_model):
     assert runs[0][0] == runs[1][0]
     for rid in runs[0][1]:
         assert runs[1][1][rid] == pytest.approx(runs[0][1][rid], abs=1e-4)
+
+
+# --- the proposers' caches inside the KV budget ----------------------------------------------------
+
+@pytest.mark.parametrize("proposer", ["draft", "draft-bf16", "mtp"])
+def test_proposer_caches_come_out_of_the_kv_budget(tiny_model, mtp_target, small_draft, tmp_path, proposer):
+    """Rank 0 holds the target's cache and one proposer cache (num_blocks + spare blocks) per replica:
+    together inside kv_cache_bytes, and no block left over that would still have fit. A bf16 draft
+    beside an fp32 target costs half an fp32 draft's block (its dtype is known before it loads)."""
+    from pdrollout.engine.model.kv_cache import KVCache
+    from pdrollout.engine.runtime.kv_budget import spare_blocks
+    budget, k = 3 << 20, 3
+    target = mtp_target if proposer == "mtp" else tiny_model
+    extra = {}
+    if proposer == "draft":
+        extra = {"draft_model": str(small_draft)}
+    elif proposer == "draft-bf16":
+        extra = {"draft_model": str(write_checkpoint(tiny_config(vocab_size=VOCAB, num_hidden_layers=1), tmp_path,
+                                                     seed=5, dtype="bfloat16"))}
+    config = EngineConfig(model=str(target), block_size=4, kv_cache_bytes=budget, max_running=8,
+                          speculative=proposer.split("-")[0], speculative_k=k, **extra)
+    eng = Engine(config)
+    caches = [p.kv for p in eng.proposer_memory.proposers]
+    w = eng.worker
+    per = KVCache.bytes_per_block(w.cfg.num_hidden_layers, 4, w.cfg.num_key_value_heads, w.cfg.head_dim, w.dtype)
+    one = [c.nbytes() // (c.shape[0] // 4) for c in caches]            # a proposer cache's bytes per block
+    held = w.num_blocks * per + sum((w.num_blocks + spare_blocks(config)) * b for b in one)
+    assert held <= budget < held + per + sum(one)
+    assert all(c.shape[0] // 4 == w.num_blocks + spare_blocks(config) + 1 for c in caches)   # + the null block
+    plain = Engine(EngineConfig(model=str(target), block_size=4, kv_cache_bytes=budget, max_running=8))
+    assert w.num_blocks < plain.worker.num_blocks == budget // per
+    draft_dtype = caches[0].k[0].dtype
+    assert draft_dtype == (torch.bfloat16 if proposer == "draft-bf16" else w.dtype)
+    out, _ = run_all(eng, [[1, 2, 3, 4, 5]], max_new_tokens=6)    # and it serves
+    assert len(out["r0"]) == 6
+    with pytest.raises(ValueError, match="holds no block beside the 1 .* proposer cache"):
+        Engine(EngineConfig(model=str(target), block_size=4, kv_cache_bytes=per, max_running=8,
+                            speculative=proposer.split("-")[0], speculative_k=k, **extra))
