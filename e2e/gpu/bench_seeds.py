@@ -24,6 +24,10 @@ call, then summarized.
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start
 (~19 s of a ~45 s P1 run on the H200) per run. Without it each run gets a fresh server.
     DEVICE=cpu ... --preset tiny                         # dry run on CPU
+    ... --reuse-server --py-spy 15 --variant spy:pd:{}   # each run's server sampled by py-spy (native
+                                                         # frames) into its pyspy.txt; the figures of a
+                                                         # sampled run are perturbed (no baseline needed);
+                                                         # python3 e2e/gpu/spy_summary.py .../pyspy.txt
 """
 from __future__ import annotations
 
@@ -101,8 +105,28 @@ def job_dir(args, job: dict) -> Path:
     return Path(args.out) / job["variant"]["name"] / f"{job['pressure']}-s{job['seed']}" / job["mode"]
 
 
-def run_job(job: dict, gpu: str | None, args, log, url: str | None = None) -> None:
-    """One `pdrollout bench` of one mode: on a fresh server, or on the one at `url` (--reuse-server)."""
+def profile_server(pid: int, out: Path, args) -> threading.Thread:
+    """--py-spy: the server's threads sampled with native frames (CUDA driver calls, the GIL) for
+    args.py_spy seconds from args.py_spy_delay on, as folded stacks in OUT/.../pyspy.txt
+    (e2e/gpu/spy_summary.py reads them). Sampling pauses the process: that run's figures are not
+    comparable, so a profiled variant gets its own name."""
+    def record():
+        time.sleep(args.py_spy_delay)
+        cmd = ["py-spy", "record", "-p", str(pid), "--native", "--threads", "-r", "100",
+               "-d", str(args.py_spy), "-f", "raw", "-o", str(out / "pyspy.txt")]
+        with open(out / "pyspy.log", "w") as f:
+            try:
+                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.py_spy + 60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                f.write(f"py-spy failed: {e}\n")
+    th = threading.Thread(target=record, daemon=True)
+    th.start()
+    return th
+
+
+def run_job(job: dict, gpu: str | None, args, log, url: str | None = None, pid: int | None = None) -> None:
+    """One `pdrollout bench` of one mode: on a fresh server, or on the one at `url` (--reuse-server,
+    whose process is `pid`)."""
     out = job_dir(args, job)
     cmd = ["pdrollout", "bench", "--modes", job["mode"], "--preset", args.preset, "--seed", str(job["seed"]),
            "--pressure", job["pressure"], "--no-progress", "--out", str(out)]
@@ -116,11 +140,14 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None) -> No
     env = gpu_env(gpu)
     t = time.time()
     out.mkdir(parents=True, exist_ok=True)
+    spy = profile_server(pid, out, args) if args.py_spy and pid else None
     with open(out / "bench.log", "w") as f:
         try:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.job_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
+    if spy:
+        spy.join()
     log(f"gpu {gpu} {job['variant']['name']} {job['pressure']} seed {job['seed']} {job['mode']}: rc {rc} "
         f"in {time.time() - t:.0f} s")
 
@@ -166,7 +193,7 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
             while left and live.died() is None:
                 if not first:
                     reset(live.url)
-                run_job(left.pop(0), gpu, args, log, url=live.url)
+                run_job(left.pop(0), gpu, args, log, url=live.url, pid=live.proc.pid)
                 first = False
 
 
@@ -289,11 +316,17 @@ def main() -> int:
     ap.add_argument("--skip-existing", action="store_true",
                     help="run only the jobs without results in OUT (resume a run cut short)")
     ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
+    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
+                    help="with --reuse-server: sample each run's server with py-spy (native frames) for "
+                         "SECONDS into its pyspy.txt (perturbs that run: give the variant its own name)")
+    ap.add_argument("--py-spy-delay", type=float, default=5.0, help="seconds into each run before sampling")
     args = ap.parse_args()
     out = Path(args.out)
     if not args.summarize:
         variants = [parse_variant(v) for v in args.variant] or [parse_variant("base:normal,mixed,pd:{}")]
-        if not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):
+        if args.py_spy and not args.reuse_server:
+            ap.error("--py-spy needs --reuse-server (the server's process is then this script's child)")
+        if not args.py_spy and not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):
             ap.error("the first variant is the baseline: it must run normal and mixed")
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.pressures = args.pressures.split(",")

@@ -110,3 +110,41 @@ def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
     assert r.returncode == 0, r.stderr
     name, reqs, p50, batches = r.stdout.splitlines()[1].split()[:4]
     assert (name, reqs, batches) == ("pd/pd", "4", "2") and abs(float(p50) - 151.5) <= 0.5
+
+
+def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp_path):
+    """py-spy's folded stacks of a server: only the stacks through the P epoch count, each of our
+    frames once per stack (inclusive), leaves and their libraries by self time."""
+    epoch = "thread (0x1);_bootstrap (threading.py:1);_epoch (/r/engine/runtime/solo_p.py:30);" \
+            "forward (/r/engine/runtime/worker.py:200);"
+    folded = tmp_path / "pyspy.txt"
+    folded.write_text("\n".join([
+        epoch + "attend (/r/engine/model/backends.py:74);cuLaunchKernel (libcuda.so.1) 6",
+        epoch + "take_gil (libpython3.12.so.1.0) 3",
+        epoch + "experts (/r/engine/model/backends.py:87);cuLaunchKernel (libcuda.so.1) 1",
+        "thread (0x2);main (cli.py:1);step (/r/engine/runtime/engine.py:135);cudaStreamSynchronize (libcudart.so.13) 50",
+    ]) + "\n")
+    script = str(ROOT / "e2e/gpu/spy_summary.py")
+    r = subprocess.run([sys.executable, script, str(folded), "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["samples"] == 10
+    ours = {row["frame"].split(" ")[0]: row["share"] for row in s["ours_inclusive"]}
+    assert ours == {"_epoch": 1.0, "forward": 1.0, "attend": 0.6, "experts": 0.1}
+    assert [(row["frame"].split(" ")[0], row["share"]) for row in s["leaf_self"]] == \
+        [("cuLaunchKernel", 0.7), ("take_gil", 0.3)]
+    assert {row["frame"]: row["share"] for row in s["library_self"]} == {"libcuda.so.1": 0.7, "libpython3.12.so.1.0": 0.3}
+    r = subprocess.run([sys.executable, script, str(folded), "--match", "no_such_frame"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no sampled stack passes through a frame matching 'no_such_frame' (60 samples" in r.stderr
+    folded.write_text("not folded\n")
+    r = subprocess.run([sys.executable, script, str(folded)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "line 1: not 'frame;frame;... COUNT'" in r.stderr
+
+
+def test_bench_seeds_py_spy_needs_a_server_of_its_own(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path), "--py-spy", "5",
+                        "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--py-spy needs --reuse-server" in r.stderr
