@@ -20,10 +20,11 @@ def _reference(q, k, v, qw, kw, eps, cos, sin, k_cache, v_cache, slots):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7])
-def test_fused_prologue_matches_the_torch_ops(dtype, tokens):
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 8, 2), (7, 8, 2), (5, 20, 4)])
+def test_fused_prologue_matches_the_torch_ops(dtype, tokens, heads, kv_heads):
+    """20 heads: two programs of 16 per token, the second one's last 12 masked."""
     g = torch.Generator().manual_seed(tokens)
-    heads, kv_heads, d, nslots, eps = 8, 2, 64, 40, 1e-6
+    d, nslots, eps = 64, 40, 1e-6
     q = torch.randn(tokens, heads, d, generator=g).to(dtype)
     k = torch.randn(tokens, kv_heads, d, generator=g).to(dtype)
     v = torch.randn(tokens, kv_heads, d, generator=g).to(dtype)
