@@ -1,7 +1,9 @@
 # Helpers shared by start.sh (kwok mode) and real-nodes.sh; sourced after `dir` is set.
 
 log() { echo "[cluster] $(date +%H:%M:%S) $*"; }
-die() { echo "[cluster] $*" >&2; tail -n 30 "$dir"/logs/*.log >&2 || true; bash "$here/stop.sh" "$dir" >&2; exit 1; }
+# the reason again last: the logs' tails before it would bury it in a caller's last-N-bytes view
+die() { echo "[cluster] $*" >&2; tail -n 30 "$dir"/logs/*.log >&2 || true; bash "$here/stop.sh" "$dir" >&2
+        echo "[cluster] failed: $*" >&2; exit 1; }
 
 start() {  # start NAME CMD...: background, logged, pid recorded for stop.sh, command kept for restart.sh
   local name="$1"; shift

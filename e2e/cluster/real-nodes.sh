@@ -196,9 +196,12 @@ for ((i = 0; i < nodes; i++)); do
    ctr=(ctr --address "$dir/nodes/node-$i/containerd.sock" -n k8s.io)
    have="$("${ctr[@]}" images ls -q)"
    for ref in $have; do  # earlier builds of our images: their layers go with them (containerd's GC)
+     # --sync: the GC is done before the imports below start. Asynchronous, it removed a base-layer
+     # snapshot that an import had just found present and was unpacking onto ("parent snapshot ...
+     # does not exist").
      case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE " in
        *" $ref "*) ;;
-       *) "${ctr[@]}" images rm "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
+       *) "${ctr[@]}" images rm --sync "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
      esac
    done
    for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE"; do
@@ -274,7 +277,9 @@ EOF
 log "CoreDNS on $cp_ip:53"
 start coredns "${cp[@]}" "$(bin coredns)" -conf "$dir/Corefile"
 
-for p in "${pids[@]}"; do wait "$p" || die "image import failed (logs/import-*.log)"; done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || die "image import into node-$i failed: $(tail -n 1 "$dir/logs/import-$i.log")"
+done
 log "images imported in $((SECONDS - t0)) s"
 
 # --- nodes: kubelet and kube-proxy, each inside its node's namespace ---------------------------------
