@@ -84,6 +84,10 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         if store is not None and code != EXIT_STALL:   # tell the group at once, with the cause
             report_lost(dist.PrefixStore("wd", store), rank, f"rank {rank} failed ({exit_name(code)}): "
                         f"{type(e).__name__}: {e}", code)
+        # last, Worker.exit_now's line: an error outside a step (rank 0 gone while this rank waited for
+        # its next plan) ends here, and an orphaned rank has no one else to say how it ended
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"[rank {rank}] exit {code} ({exit_name(code)}): {type(e).__name__}: {first}", file=sys.stderr, flush=True)
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 
