@@ -39,6 +39,12 @@ def name(code: int | None) -> str:
     return NAMES.get(code, "signal" if code is not None and code < 0 else f"exit {code}")
 
 
+def last_words(rank: int, code: int, err: BaseException) -> str:
+    """The one line a rank leaves on how it ended (its log's tail: an orphaned rank has no one else)."""
+    first = str(err).splitlines()[0] if str(err) else ""
+    return f"[rank {rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}"
+
+
 def is_connection_lost(exc: BaseException) -> bool:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_STALL, exit_code, name as exit_name
+from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_STALL, exit_code, last_words, name as exit_name
 from ..protocol.layout import GroupLayout, LayoutError
 from ..protocol.topology import Topology, TopologyError
 
@@ -86,8 +86,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
                         f"{type(e).__name__}: {e}", code)
         # last, Worker.exit_now's line: an error outside a step (rank 0 gone while this rank waited for
         # its next plan) ends here, and an orphaned rank has no one else to say how it ended
-        first = str(e).splitlines()[0] if str(e) else ""
-        print(f"[rank {rank}] exit {code} ({exit_name(code)}): {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+        print(last_words(rank, code, e), file=sys.stderr, flush=True)
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 

@@ -352,7 +352,7 @@ class Worker:
     def exit_now(self, err: BaseException) -> None:
         """The group failed and a thread may be stuck inside a collective: leave with the verdict,
         after the exit hooks had their say."""
-        from ..protocol.exits import EXIT_STALL, name
+        from ..protocol.exits import EXIT_STALL, last_words, name
         code = self.verdict(err)
         if self.wd is not None:   # tell the group the cause first, so every rank exits with its code
             from .watchdog import report_lost
@@ -366,9 +366,7 @@ class Worker:
                 print(f"[rank {self.rank}] exit hook failed: {e!r}", file=sys.stderr, flush=True)
         # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to
         # say it); last, after the hooks ended this node's other ranks, so a log's tail is the verdict
-        first = str(err).splitlines()[0] if str(err) else ""
-        print(f"[rank {self.rank}] exit {code} ({name(code)}): {type(err).__name__}: {first}",
-              file=sys.stderr, flush=True)
+        print(last_words(self.rank, code, err), file=sys.stderr, flush=True)
         os._exit(code)
 
     def side(self, rank: int) -> int:
