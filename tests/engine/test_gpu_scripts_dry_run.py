@@ -148,3 +148,23 @@ def test_bench_seeds_py_spy_needs_a_server_of_its_own(tmp_path):
                         "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--py-spy needs --reuse-server" in r.stderr
+
+
+def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
+    """Every run is served by one pd server whose live control was switched before it: the pairs
+    alternate which activation goes first, every run completes all its rows, and the table's ratios
+    come from the pairs."""
+    out = tmp_path / "ab"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/decode_ab.py"), str(out), "--model", str(tmp_path / "m"),
+                        "--model-preset", "tiny", "--rows", "3", "--output", "6", "--pairs", "2"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("server up") == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["order"] == [[0, "off"], [0, "auto"], [1, "auto"], [1, "off"]]
+    for pair in summary["runs"].values():
+        for activation, res in pair.items():
+            assert res["mode"] == activation and res["completed"] == 3 and res["total_output_tokens"] == 18
+    assert summary["table"]["makespan_s"]["auto_vs_off"]["n"] == 2
+    log = (out / "server.log").read_text()
+    assert log.count("control set to") == 4 and "'activation': 'off'" in log and "'activation': 'auto'" in log
