@@ -77,8 +77,18 @@ def main():
     ap.add_argument("--mode", choices=["normal", "pd"], default="normal")
     ap.add_argument("--temperature", type=float, default=0.0, help="1.0: every row samples (an RL rollout)")
     ap.add_argument("--priority-stream", choices=["p", "d"], default=None)
+    ap.add_argument("--align", choices=["auto", "torch"], default="auto",
+                    help="torch: the MoE align as torch ops at every size (the one-launch kernel's A/B)")
+    ap.add_argument("--qkv", choices=["fused", "separate"], default="fused",
+                    help="separate: three q/k/v GEMMs a layer (Attention.fuse_qkv's A/B)")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
+    if a.align == "torch":
+        from pdrollout.engine.model import fused_moe
+        fused_moe.ALIGN_KERNEL_MAX_PAIRS = 0
+    if a.qkv == "separate":
+        from pdrollout.engine.model.qwen3_moe import Qwen3MoeModel
+        Qwen3MoeModel.fuse_projections = lambda self: 0
     bw, peak = measure_ceilings()
     cfg_d = load_preset("qwen3-30b-a3b")
     cfg_d["num_hidden_layers"] = a.layers
@@ -165,7 +175,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
-           "kv_splits": a.kv_splits, "router": a.router, "prefill_attention": a.prefill_attention,
+           "kv_splits": a.kv_splits, "router": a.router, "align": a.align, "qkv": a.qkv, "prefill_attention": a.prefill_attention,
            "mode": a.mode, "priority_stream": a.priority_stream, "temperature": a.temperature,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,

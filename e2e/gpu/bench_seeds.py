@@ -105,6 +105,14 @@ def job_dir(args, job: dict) -> Path:
     return Path(args.out) / job["variant"]["name"] / f"{job['pressure']}-s{job['seed']}" / job["mode"]
 
 
+def spy_command(pid: int, path: Path, seconds: int) -> list[str]:
+    """py-spy's --duration is whole seconds: "15.0" makes it panic before it samples anything."""
+    if not isinstance(seconds, int) or seconds < 1:
+        raise ValueError(f"py-spy samples whole seconds >= 1, got {seconds!r}")
+    return ["py-spy", "record", "-p", str(pid), "--native", "--threads", "-r", "100",
+            "-d", str(seconds), "-f", "raw", "-o", str(path)]
+
+
 def profile_server(pid: int, out: Path, args) -> threading.Thread:
     """--py-spy: the server's threads sampled with native frames (CUDA driver calls, the GIL) for
     args.py_spy seconds from args.py_spy_delay on, as folded stacks in OUT/.../pyspy.txt
@@ -112,8 +120,7 @@ def profile_server(pid: int, out: Path, args) -> threading.Thread:
     comparable, so a profiled variant gets its own name."""
     def record():
         time.sleep(args.py_spy_delay)
-        cmd = ["py-spy", "record", "-p", str(pid), "--native", "--threads", "-r", "100",
-               "-d", str(args.py_spy), "-f", "raw", "-o", str(out / "pyspy.txt")]
+        cmd = spy_command(pid, out / "pyspy.txt", args.py_spy)
         with open(out / "pyspy.log", "w") as f:
             try:
                 subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.py_spy + 60)
@@ -316,7 +323,7 @@ def main() -> int:
     ap.add_argument("--skip-existing", action="store_true",
                     help="run only the jobs without results in OUT (resume a run cut short)")
     ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
-    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
+    ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
                     help="with --reuse-server: sample each run's server with py-spy (native frames) for "
                          "SECONDS into its pyspy.txt (perturbs that run: give the variant its own name)")
     ap.add_argument("--py-spy-delay", type=float, default=5.0, help="seconds into each run before sampling")

@@ -93,6 +93,7 @@ def main() -> int:
     ap.add_argument("--model", default="/tmp/pdrollout-bench-model")
     ap.add_argument("--engine-config", default="{}", help="JSON merged over bench_seeds' BASE_CONFIG")
     ap.add_argument("--run-timeout", type=float, default=300)
+    ap.add_argument("--step-log", action="store_true", help="the server's per-step log in OUT/steps")
     args = ap.parse_args()
     if args.pairs < 1:
         ap.error("--pairs must be at least 1")
@@ -113,8 +114,8 @@ def main() -> int:
     from pdrollout.engine.workload.servers import serve
     runs: dict = {}
     t = time.time()
-    with serve(args.model, "pd", str(out / "server.log"), device=device(),
-               extra_args=("--engine-config", json.dumps(config))) as live:
+    extra = ("--engine-config", json.dumps(config)) + (("--step-log", str(out / "steps")) if args.step_log else ())
+    with serve(args.model, "pd", str(out / "server.log"), device=device(), extra_args=extra) as live:
         print(f"server up in {time.time() - t:.0f} s", flush=True)
         for n, (pair, activation) in enumerate(order(args.pairs)):
             if n:

@@ -233,4 +233,5 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
     model.tie_weights_if_needed()
     d = cfg.head_dim
     model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    model.fuse_projections()
     return model

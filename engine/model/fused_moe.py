@@ -1,10 +1,11 @@
 """Fused routed experts (Triton): the MoE block in two kernels and one fp32 sum, for the few rows per
 expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are mostly padding.
 
-1. `align` (torch, fixed shapes: graph-capturable): the (token, slot) pairs grouped by local expert
-   (sort-free at decode sizes: running counts per expert), each expert's run padded to a multiple of BLOCK_M, one expert id per block (`num_local` marks a
-   block past the end: the kernels leave it at once). Pairs routed to another rank's experts are
-   left out; their rows stay zero.
+1. `align` (fixed shapes: graph-capturable): the (token, slot) pairs grouped by local expert, each
+   expert's run padded to a multiple of BLOCK_M, one expert id per block (`num_local` marks a block
+   past the end: the kernels leave it at once). Pairs routed to another rank's experts are left out;
+   their rows stay zero. Up to ALIGN_KERNEL_MAX_PAIRS one Triton launch (`align_fused`: counts and
+   slots by atomics); past it torch ops around one sort.
 2. gate/up kernel: per block of BLOCK_M pairs and BLOCK_N intermediate columns, the gate and up
    tiles accumulate together over H and SiLU(gate)·up is written once (no [rows, 2I] round trip).
 3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
@@ -62,6 +63,75 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     first = torch.arange(blocks, device=dev) * block_m
     block_expert = torch.searchsorted(pend, first, right=True).to(torch.int32)   # num_local: past the end
     return sorted_ids[:rows], block_expert, blocks
+
+
+ALIGN_KERNEL_MAX_PAIRS = 8192   # up to here one program lays out the pairs; past it the sort wins
+
+
+@functools.cache
+def _align_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def align_pairs(ids, sorted_ids, block_expert, cursor, n, expert_offset, num_local, rows, blocks,
+                    BM: tl.constexpr, BP: tl.constexpr, E_PAD: tl.constexpr, BB: tl.constexpr):
+        # One program, in four passes separated by barriers (its threads see each other's global
+        # writes after one). `cursor` holds each expert's count, then the next free row of its run.
+        e = tl.arange(0, E_PAD)
+        tl.store(cursor + e, tl.zeros([E_PAD], tl.int32))
+        tl.debug_barrier()
+        for p0 in range(0, n, BP):
+            p = p0 + tl.arange(0, BP)
+            local = tl.load(ids + p, mask=p < n, other=-1) - expert_offset
+            owned = (p < n) & (local >= 0) & (local < num_local)
+            tl.atomic_add(cursor + local, 1, mask=owned)
+        tl.debug_barrier()
+        counts = tl.load(cursor + e, mask=e < num_local, other=0, volatile=True)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        tl.debug_barrier()   # every thread has its counts before they become run starts
+        tl.store(cursor + e, ends - padded)
+        for r0 in range(0, rows, BP):   # a row no pair takes is padding (n)
+            r = r0 + tl.arange(0, BP)
+            tl.store(sorted_ids + r, tl.full([BP], 0, tl.int32) + n, mask=r < rows)
+        tl.debug_barrier()
+        # each owned pair takes its expert's next row: the order inside a run is the atomics', which
+        # changes no result (each row of a tile is computed alone; combine sums a token's slots in order)
+        for p0 in range(0, n, BP):
+            p = p0 + tl.arange(0, BP)
+            local = tl.load(ids + p, mask=p < n, other=-1) - expert_offset
+            owned = (p < n) & (local >= 0) & (local < num_local)
+            dest = tl.atomic_add(cursor + local, 1, mask=owned)
+            tl.store(sorted_ids + dest, p.to(tl.int32), mask=owned)
+        # a block's expert: the runs that end at or before its first row (num_local: past the end)
+        ends = tl.where(e < num_local, ends, 1 << 30)
+        for b0 in range(0, blocks, BB):
+            b = b0 + tl.arange(0, BB)
+            first = b * BM
+            expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+            tl.store(block_expert + b, expert, mask=b < blocks)
+
+    return align_pairs
+
+
+def align_fused(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
+    """`align`'s layout in one launch (decode and short prefill: ~30 small kernels a layer fewer).
+    Each expert's run holds the same pairs as `align`'s, in an order of the atomics' choosing."""
+    import triton
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    blocks = -(-(n + min(num_local, n) * (block_m - 1)) // block_m)   # align's bound: fixed shapes
+    rows = blocks * block_m
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_local + 1)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    interpret = triton_interpreting()
+    _align_kernel()[(1,)](topk_ids.contiguous(), sorted_ids, block_expert, cursor, n, expert_offset, num_local,
+                          rows, blocks, BM=block_m, BP=1024, E_PAD=e_pad, BB=64,
+                          **({} if interpret else dict(num_warps=4)))
+    return sorted_ids, block_expert, blocks
 
 
 @functools.cache
@@ -181,7 +251,8 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     e_local, two_i, hidden = gate_up.shape
     inter = two_i // 2
     n = t * k
-    sorted_ids, block_expert, blocks = align(topk_ids, e_local, expert_offset, block_m)
+    lay_out = align_fused if n <= ALIGN_KERNEL_MAX_PAIRS else align
+    sorted_ids, block_expert, blocks = lay_out(topk_ids, e_local, expert_offset, block_m)
     wdtype = x.dtype if fp8 is not None else gate_up.dtype
     act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
     y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)   # owned pairs' rows: all written

@@ -188,4 +188,5 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
     model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
     for p in model.parameters():
         p.requires_grad_(False)
+    model.fuse_projections()
     return model

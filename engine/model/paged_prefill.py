@@ -20,6 +20,9 @@ from .kernels import triton_interpreting
 
 BLOCK_M = 64   # query rows per program
 BLOCK_N = 64   # context positions per step of the walk
+# The launch's tile shape and pipelining; e2e/gpu/attn_kernels.py sweeps them on the GPU.
+TILES = dict(block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2)
+LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -28,12 +31,14 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def attend(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, tiles_ptr, scale,
+    def attend(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, tiles_ptr, scale2,
                sq_t, sq_h, sk_s, sk_h, so_t, so_h,
                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                PRECISION: tl.constexpr, F32: tl.constexpr):
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
+        # heads vary fastest: the GROUP query heads of one KV head run side by side (its K/V tiles
+        # stay in L2), and the longest tiles (plan_tiles' order) start first
+        h = tl.program_id(0)
+        tile = tl.program_id(1)
         kvh = h // GROUP
         # a tile: first query row (in q), its rows, the first row's context position, the context
         # length visible to its last row, and where its segment's slots start
@@ -50,6 +55,7 @@ def _kernel():
                     mask=rmask[:, None], other=0.0)
         if F32:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 are exact
             q = q.to(tl.float32)
+        # online softmax in base 2 (scale2 = scale · log2 e): exp2 is the SFU's native op
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
@@ -61,11 +67,13 @@ def _kernel():
             v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kmask[:, None], other=0.0)
             if F32:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale2
+            if start + BN > pos0 + 1:   # the diagonal (bottom-right causal) and the context's end;
+                # the blocks before the tile's first row are seen whole by every row
+                s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m = m_new
@@ -76,10 +84,13 @@ def _kernel():
     return attend
 
 
-def plan_tiles(seqs, device: torch.device, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_tiles(seqs, device: torch.device, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch's metadata for prefill segments `seqs` (q_start, q_len, ctx_len, slots): their
     slots concatenated (int64), and one int64 row per tile of block_m queries: (first row, rows,
-    first row's context position, context its last row sees, offset of the segment's slots)."""
+    first row's context position, context its last row sees, offset of the segment's slots),
+    longest walk first (a causal segment's last tiles read the most: started last, they would run
+    alone at the end of the launch). block_m: the launch's (default TILES')."""
+    block_m = block_m or TILES["block_m"]
     tiles, offset = [], 0
     for s in seqs:
         first = s.ctx_len - s.q_len
@@ -87,24 +98,27 @@ def plan_tiles(seqs, device: torch.device, block_m: int = BLOCK_M) -> tuple[torc
             rows = min(block_m, s.q_len - m0)
             tiles.append((s.q_start + m0, rows, first + m0, first + m0 + rows, offset))
         offset += s.ctx_len
+    tiles.sort(key=lambda t: -t[3])
     slots = torch.cat([s.slots.to(device=device, dtype=torch.int64) for s in seqs]) if seqs else \
         torch.zeros(0, dtype=torch.int64, device=device)
     return slots, torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5).to(device, non_blocking=True)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None, plan=None):
+def paged_prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None, plan=None, tiles: dict | None = None):
     """Same function as kernels.prefill_attention (q: [T, H, D]; k/v_cache: [slots, KVH, D]); `plan`:
-    plan_tiles(seqs, ...) when the caller keeps it across layers (one build per step)."""
+    plan_tiles(seqs, ...) when the caller keeps it across layers (one build per step), made with
+    the same block_m as `tiles` (default TILES)."""
+    cfg = TILES if tiles is None else {**TILES, **tiles}
     out = torch.empty_like(q) if out is None else out
-    slots, tiles = plan if plan is not None else plan_tiles(seqs, q.device)
-    if tiles.shape[0] == 0:
+    slots, tile_rows = plan if plan is not None else plan_tiles(seqs, q.device, cfg["block_m"])
+    if tile_rows.shape[0] == 0:
         return out
     h, d = q.shape[1], q.shape[2]
     interpret = triton_interpreting()
-    _kernel()[(tiles.shape[0], h)](
-        q, k_cache, v_cache, out, slots, tiles, scale,
+    _kernel()[(h, tile_rows.shape[0])](
+        q, k_cache, v_cache, out, slots, tile_rows, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        GROUP=h // k_cache.shape[1], D=d, BM=BLOCK_M, BN=BLOCK_N,
+        GROUP=h // k_cache.shape[1], D=d, BM=cfg["block_m"], BN=cfg["block_n"],
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32", F32=interpret,
-        num_warps=4, num_stages=2)
+        **({} if interpret else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     return out

@@ -91,11 +91,45 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, self.eps)
         self.k_norm = RMSNorm(d, self.eps)
 
+    def fuse_qkv(self) -> bool:
+        """q, k and v as row blocks of one weight: one GEMM a layer instead of three (at decode the
+        three launches took ~3× their read). The parameters keep their checkpoint names and become
+        views of it, so in-place loads and weight updates reach the fused weight; whatever gives a
+        parameter new storage (memory release/resume) ends the fusion until this runs again, and
+        until then the forward takes the three GEMMs (`_qkv_weight`). bf16/fp32 without bias only."""
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if any(type(m) is not nn.Linear or m.bias is not None or m.weight.numel() == 0 for m in lins):
+            return False
+        fused = torch.cat([m.weight.data for m in lins])
+        at = 0
+        for m in lins:
+            n = m.weight.shape[0]
+            m.weight.data = fused[at:at + n]
+            at += n
+        return True
+
+    def _qkv_weight(self) -> torch.Tensor | None:
+        """The fused weight while q, k and v lie back to back in one storage, else None."""
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        if type(self.q_proj) is not nn.Linear or self.q_proj.bias is not None or q.numel() == 0:
+            return None
+        row = q.shape[1] * q.element_size()
+        if k.data_ptr() != q.data_ptr() + q.shape[0] * row or v.data_ptr() != k.data_ptr() + k.shape[0] * row \
+                or not q.is_contiguous() or q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+            return None
+        return q.as_strided((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), (q.shape[1], 1))
+
     def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        qkv = self._qkv_weight()
+        if qkv is not None:
+            q, k, v = F.linear(x, qkv).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                              self.kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         # q/k norm, RoPE, the KV write (backends.py: the torch ops, or one fused kernel per operand)
         q = self.backends.attention.prologue(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
                                              k_cache, v_cache, batch.slot_mapping)
@@ -270,6 +304,11 @@ class Qwen3MoeModel(nn.Module):
             p.requires_grad_(False)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def fuse_projections(self) -> int:
+        """Every attention layer's q/k/v as one weight (Attention.fuse_qkv), after loading and after a
+        memory resume; returns how many were fused."""
+        return sum(m.fuse_qkv() for m in self.modules() if isinstance(m, Attention))
 
     def tie_weights_if_needed(self):
         if self.cfg.tie_word_embeddings:

@@ -141,6 +141,7 @@ class ProposerMemory:
             for m, saved in zip(self.models, self._backup):
                 for n, t in m.named_parameters():
                     t.data = saved[n].to(t.device)
+                m.fuse_projections()
             self._backup = []
         self.released -= tags
 

@@ -160,6 +160,7 @@ class RankWeights:
         if "weights" in tags and "weights" in self.released:
             for name, p in w.model.named_parameters():
                 p.data = self._backup.pop(name).to(w.device, non_blocking=True)
+            w.model.fuse_projections()   # each parameter has storage of its own again
             if w.cuda:   # the arena is written again by the next release
                 torch.cuda.synchronize(w.device)
         if "kv_cache" in tags and "kv_cache" in self.released:

@@ -9,7 +9,7 @@ import torch
 
 from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
-from pdrollout.engine.model.fused_moe import BLOCK_M, align, experts_fused
+from pdrollout.engine.model.fused_moe import BLOCK_M, align, align_fused, experts_fused
 
 
 def _case(t, k, total, hidden, inter, num_local, dtype, seed):
@@ -74,6 +74,36 @@ def test_align_counts_and_sorts_to_the_same_layout(monkeypatch):
     monkeypatch.setattr(fm, "SORT_FREE_MAX", 0)
     sorted_ = align(ids, num_local=32, expert_offset=4)
     assert all(torch.equal(a, b) for a, b in zip(counted[:2], sorted_[:2])) and counted[2] == sorted_[2]
+
+
+def _runs(sorted_ids, block_expert, blocks, n, block_m=BLOCK_M):
+    """{block: (expert, sorted pairs)}: a layout up to the order inside each block."""
+    got = sorted_ids.view(blocks, block_m)
+    return {b: (int(block_expert[b]), sorted(int(p) for p in got[b] if p < n)) for b in range(blocks)}
+
+
+@pytest.mark.parametrize("t,k,num_local,offset,block_m", [
+    (1, 8, 128, 0, 16),      # one decode row
+    (64, 8, 128, 0, 16),     # a decode batch of the 30B shape
+    (300, 8, 32, 4, 16),     # EP: ids below and above this rank's experts
+    (300, 8, 32, 4, 64),     # another block size
+])
+def test_the_align_kernel_lays_out_the_pairs_as_the_torch_ops(t, k, num_local, offset, block_m):
+    ids = torch.randint(0, num_local + 2 * offset, (t, k), generator=torch.Generator().manual_seed(t))
+    ids[0, 0] = -1                                                 # an empty slot from an all-to-all
+    ref = align(ids, num_local, offset, block_m)
+    got = align_fused(ids, num_local, offset, block_m)
+    assert got[2] == ref[2] and got[0].shape == ref[0].shape and got[0].dtype == ref[0].dtype
+    assert torch.equal(got[1], ref[1])
+    assert _runs(*got, ids.numel(), block_m) == _runs(*ref, ids.numel(), block_m)
+
+
+def test_past_the_kernels_bound_the_torch_align_gives_the_same_experts(monkeypatch):
+    import pdrollout.engine.model.fused_moe as fm
+    x, ids, w, gu, dn = _case(37, 4, 16, 96, 80, 16, torch.float32, seed=5)
+    fused = experts_fused(x, ids, w, gu, dn, block_n=32, block_k=32)
+    monkeypatch.setattr(fm, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    assert torch.equal(experts_fused(x, ids, w, gu, dn, block_n=32, block_k=32), fused)
 
 
 def _fp8_experts(num_local, hidden, inter, block, seed):

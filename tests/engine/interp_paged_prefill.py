@@ -67,6 +67,20 @@ def test_tiles_cover_each_segment_once():
     assert int(tiles[:, 1].sum()) == sum(s.q_len for s in seqs)
     assert tiles.shape[0] == sum(-(-s.q_len // BLOCK_M) for s in seqs)
     assert all(int(t[3]) == int(t[2]) + int(t[1]) for t in tiles)   # the last row sees itself
+    ends = tiles[:, 3].tolist()
+    assert ends == sorted(ends, reverse=True)   # the longest walks start first
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])
+def test_other_tile_shapes_match_the_reference(tiles):
+    """The sweep's shapes (e2e/gpu/attn_kernels.py): a plan made with the launch's block_m; blocks
+    before a tile's first row skip the causal mask, the rest apply it."""
+    q, k, v, seqs = segments(SHAPES + [(9, 200)], 16, 4, 2, 32, torch.float32, seed=3)
+    out = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, tiles=tiles)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, 32 ** -0.5)
+    assert rel(out, ref) < 1e-5
+    plan = plan_tiles(seqs, q.device, tiles["block_m"])
+    assert torch.equal(paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan, tiles=tiles), out)
 
 
 def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):

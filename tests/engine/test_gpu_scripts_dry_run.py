@@ -148,6 +148,27 @@ def test_bench_seeds_py_spy_needs_a_server_of_its_own(tmp_path):
                         "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--py-spy needs --reuse-server" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path), "--py-spy", "15.0",
+                        "--reuse-server"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid int value: '15.0'" in r.stderr
+
+
+def test_py_spy_is_given_whole_seconds():
+    """py-spy panicked on `-d 15.0` (its duration is an integer) and the H200 run sampled nothing."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from bench_seeds import spy_command
+    finally:
+        sys.path.remove(str(ROOT / "e2e/gpu"))
+    cmd = spy_command(123, Path("/tmp/x.txt"), 15)
+    assert cmd[cmd.index("-d") + 1] == "15" and cmd[cmd.index("-p") + 1] == "123"
+    for bad in (15.0, 0, "15"):
+        try:
+            spy_command(123, Path("/tmp/x.txt"), bad)
+        except ValueError as e:
+            assert "whole seconds" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
 
 
 def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
@@ -168,3 +189,16 @@ def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
     assert summary["table"]["makespan_s"]["auto_vs_off"]["n"] == 2
     log = (out / "server.log").read_text()
     assert log.count("control set to") == 4 and "'activation': 'off'" in log and "'activation': 'auto'" in log
+
+
+def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
+    out = tmp_path / "attn.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/attn_kernels.py"), str(out), "--sweep"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["default_rel_err"] < 2e-2 and len(row["sweep"]) == 2
+    assert {e["config"]["block_m"] for e in row["sweep"]} == {16, 32} and all(e["rel_err"] < 2e-2 for e in row["sweep"])
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/attn_kernels.py"), str(out), "--shapes", "16k"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "unknown shapes ['16k']" in r.stderr

@@ -100,6 +100,19 @@ def test_prefill_attention_matches_reference(kernel):
         assert rel(out[rows], ref[rows]) < 2e-2
 
 
+@pytest.mark.parametrize("tokens,num_local,offset", [(1, 128, 0), (64, 128, 0), (1024, 128, 0), (300, 32, 32)])
+def test_the_align_kernel_lays_out_pairs_as_the_torch_ops(tokens, num_local, offset):
+    """Compiled: the barriers and atomics of one program (the interpreter runs it sequentially)."""
+    from pdrollout.engine.model.fused_moe import align, align_fused
+    g = torch.Generator(device=cuda).manual_seed(tokens)
+    ids = torch.randint(0, 128, (tokens, 8), generator=g, device=cuda)
+    ref, got = align(ids, num_local, offset), align_fused(ids, num_local, offset)
+    assert got[2] == ref[2] and torch.equal(got[1], ref[1])
+    n, bm = ids.numel(), ref[0].numel() // ref[2]
+    for a, b in zip(got[0].view(-1, bm).tolist(), ref[0].view(-1, bm).tolist()):
+        assert sorted(p for p in a if p < n) == sorted(p for p in b if p < n)
+
+
 def _experts(kernel: str):
     from pdrollout.engine.model import fused_moe, kernels
     return {"grouped": kernels.experts_grouped, "fused": fused_moe.experts_fused}[kernel]

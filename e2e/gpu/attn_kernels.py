@@ -1,0 +1,141 @@
+"""Prefill attention of the Qwen3-30B-A3B shape (32 query heads, 4 KV heads, head dim 128, bf16) from
+the paged cache: the Triton launch (model/paged_prefill.py) at its default tiles and over a sweep of
+tile shapes, warps and stages, beside SDPA per segment (kernels.prefill_attention), each as a CUDA
+graph replay, in causal TFLOP/s. Decides paged_prefill.TILES (issue 19: the 8k chunk spent 35 ms of
+its 165 ms here, ~190 TFLOP/s).
+
+    python3 e2e/gpu/attn_kernels.py OUT.json [--shapes 8k,p1] [--sweep]
+      8k: one chunk of 4 fresh 2,048-token prompts (bench_engine's prefill step)
+      p1: 32 continuation segments of 256 new tokens over 1,792 cached (a P epoch at P1)
+    DEVICE=cpu python3 e2e/gpu/attn_kernels.py OUT.json --sweep   # dry run: a tiny shape, the interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+if os.environ.get("DEVICE") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
+from pdrollout.engine.model import ops  # noqa: E402
+from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention, plan_tiles  # noqa: E402
+from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402
+
+# (new tokens, context) per segment
+SHAPES = {"8k": [(2048, 2048)] * 4, "p1": [(256, 2048)] * 32, "tiny": [(40, 40), (9, 70), (1, 33)]}
+
+
+def make(shape, h: int, kvh: int, d: int, block: int, dev, g):
+    """q packed; each segment's context in shuffled cache blocks, as a long-running cache has them."""
+    nblocks = sum(-(-c // block) for _, c in shape) + 1
+    k = torch.randn(nblocks * block, kvh, d, generator=g, device=dev).to(torch.bfloat16)
+    v = torch.randn(nblocks * block, kvh, d, generator=g, device=dev).to(torch.bfloat16)
+    perm = torch.randperm(nblocks, generator=g, device=dev)
+    seqs, start, at = [], 0, 0
+    for n, c in shape:
+        blocks = perm[at:at + -(-c // block)]
+        at += blocks.numel()
+        pos = torch.arange(c, device=dev)
+        seqs.append(SeqSlice(start, n, c, blocks[pos // block] * block + pos % block))
+        start += n
+    q = torch.randn(start, h, d, generator=g, device=dev).to(torch.bfloat16)
+    return q, k, v, seqs
+
+
+def causal_flops(seqs, h: int, d: int) -> float:
+    """QKᵀ and PV over the keys each query sees (bottom-right causal)."""
+    keys = sum(s.q_len * (s.ctx_len - s.q_len) + s.q_len * (s.q_len + 1) // 2 for s in seqs)
+    return 4.0 * keys * h * d
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def configs(cpu: bool):
+    if cpu:
+        return [dict(block_m=16, block_n=16, num_warps=4, num_stages=2), dict(block_m=32, block_n=16, num_warps=4, num_stages=2)]
+    return [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+
+
+def run_shape(name: str, a, dev, cpu: bool) -> dict:
+    h, kvh, d = (4, 2, 16) if cpu else (32, 4, 128)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, seqs = make(SHAPES["tiny" if cpu else name], h, kvh, d, 16, dev, g)
+    scale = d ** -0.5
+    flops = causal_flops(seqs, h, d)
+    if cpu:
+        ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, scale)
+    else:
+        from pdrollout.engine.model.kernels import prefill_attention
+        ref = prefill_attention(q, k, v, seqs, scale)
+    row = {"shape": name, "segments": len(seqs), "tokens": int(q.shape[0]), "tflop": flops / 1e12,
+           "default": dict(TILES), "default_rel_err": rel(paged_prefill_attention(q, k, v, seqs, scale), ref)}
+    if not cpu:
+        from pdrollout.engine.model.kernels import prefill_attention
+        row["sdpa_us"] = timed(lambda: prefill_attention(q, k, v, seqs, scale), 20) * 1e6
+        plan = plan_tiles(seqs, dev)   # built once per step in the engine: not timed
+        row["default_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan), 20) * 1e6
+        row["sdpa_tflops"], row["default_tflops"] = flops / row["sdpa_us"] / 1e6, flops / row["default_us"] / 1e6
+    if a.sweep:
+        out = []
+        for cfg in configs(cpu):
+            plan = plan_tiles(seqs, dev, cfg["block_m"])
+            run = lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=cfg)  # noqa: E731
+            try:
+                entry = {"config": cfg, "rel_err": rel(run(), ref)}
+                if not cpu:
+                    entry["us"] = timed(run, 20) * 1e6
+                    entry["tflops"] = flops / entry["us"] / 1e6
+            except Exception as exc:   # past shared memory or registers: reported, not fatal
+                entry = {"config": cfg, "error": str(exc).splitlines()[0][:120]}
+            out.append(entry)
+        ok = [e for e in out if e.get("rel_err", 1) < 2e-2]
+        row["sweep"] = sorted(out, key=lambda e: e.get("us", 0) if e in ok else float("inf"))
+        if ok and not cpu:
+            row["best_us"], row["best_config"] = row["sweep"][0]["us"], row["sweep"][0]["config"]
+            row["best_tflops"] = row["sweep"][0]["tflops"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--shapes", default="8k,p1")
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    cpu = os.environ.get("DEVICE") == "cpu"
+    dev = torch.device("cpu" if cpu else "cuda")
+    names = a.shapes.split(",")
+    bad = [n for n in names if n not in SHAPES]
+    if bad:
+        ap.error(f"unknown shapes {bad}; choose from {', '.join(SHAPES)}")
+    rows = [run_shape(n, a, dev, cpu) for n in (names[:1] if cpu else names)]
+    meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
+            "machine": os.environ.get("MACHINE", "unknown"), "nproc": 1, "seed": 0,
+            "command": "python3 e2e/gpu/attn_kernels.py " + " ".join(sys.argv[1:])}
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print("shape  segs  tokens  sdpa us  default us  TFLOP/s (sdpa/default/best)  best config")
+    for r in rows:
+        print(f"{r['shape']:5} {r['segments']:5} {r['tokens']:7} {r.get('sdpa_us', 0):8.0f} {r.get('default_us', 0):11.0f}  "
+              f"{r.get('sdpa_tflops', 0):6.0f} / {r.get('default_tflops', 0):4.0f} / {r.get('best_tflops', 0):4.0f}  "
+              f"{r.get('best_config')}")
+    wrong = [r["shape"] for r in rows if r["default_rel_err"] > 2e-2
+             or any(e.get("rel_err", 0) > 2e-2 for e in r.get("sweep", []))]
+    if wrong:
+        print(f"paged prefill attention differs from the reference on {wrong}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
