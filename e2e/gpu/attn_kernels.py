@@ -72,15 +72,14 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
     q, k, v, seqs = make(SHAPES["tiny" if cpu else name], h, kvh, d, 16, dev, g)
     scale = d ** -0.5
     flops = causal_flops(seqs, h, d)
+    from pdrollout.engine.model.kernels import prefill_attention
     if cpu:
         ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, scale)
     else:
-        from pdrollout.engine.model.kernels import prefill_attention
         ref = prefill_attention(q, k, v, seqs, scale)
     row = {"shape": name, "segments": len(seqs), "tokens": int(q.shape[0]), "tflop": flops / 1e12,
            "default": dict(TILES), "default_rel_err": rel(paged_prefill_attention(q, k, v, seqs, scale), ref)}
     if not cpu:
-        from pdrollout.engine.model.kernels import prefill_attention
         row["sdpa_us"] = timed(lambda: prefill_attention(q, k, v, seqs, scale), 20) * 1e6
         plan = plan_tiles(seqs, dev)   # built once per step in the engine: not timed
         row["default_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan), 20) * 1e6

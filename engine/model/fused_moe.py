@@ -28,6 +28,12 @@ BLOCK_M = 16     # rows per block: tl.dot's minimum, and ~ the rows an expert se
 SORT_FREE_MAX = 1 << 20   # pairs × experts up to which `align` counts instead of sorting
 
 
+def align_blocks(n: int, num_local: int, block_m: int) -> int:
+    """Blocks the layout of n pairs over num_local experts can need (each run padded to block_m): a
+    bound from the shapes alone, so a captured graph keeps its sizes."""
+    return -(-(n + min(num_local, n) * (block_m - 1)) // block_m)
+
+
 def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: int = BLOCK_M):
     """(sorted pair ids padded with n = T·K, expert id per block (num_local: none), blocks)."""
     n = topk_ids.numel()
@@ -35,7 +41,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     local = (topk_ids - expert_offset).flatten()
     owned = (local >= 0) & (local < num_local)
     key = torch.where(owned, local, torch.full_like(local, num_local))
-    blocks = -(-(n + min(num_local, n) * (block_m - 1)) // block_m)     # the most any routing needs
+    blocks = align_blocks(n, num_local, block_m)
     rows = blocks * block_m
     if n * (num_local + 1) <= SORT_FREE_MAX:
         # sort-free (decode): a pair's rank among its expert's pairs from a running count per expert,
@@ -121,7 +127,7 @@ def align_fused(topk_ids: torch.Tensor, num_local: int, expert_offset: int, bloc
     import triton
     n = topk_ids.numel()
     dev = topk_ids.device
-    blocks = -(-(n + min(num_local, n) * (block_m - 1)) // block_m)   # align's bound: fixed shapes
+    blocks = align_blocks(n, num_local, block_m)
     rows = blocks * block_m
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)

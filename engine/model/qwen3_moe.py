@@ -97,9 +97,9 @@ class Attention(nn.Module):
         views of it, so in-place loads and weight updates reach the fused weight; whatever gives a
         parameter new storage (memory release/resume) ends the fusion until this runs again, and
         until then the forward takes the three GEMMs (`_qkv_weight`). bf16/fp32 without bias only."""
-        lins = (self.q_proj, self.k_proj, self.v_proj)
-        if any(type(m) is not nn.Linear or m.bias is not None or m.weight.numel() == 0 for m in lins):
+        if not self._plain_qkv():
             return False
+        lins = (self.q_proj, self.k_proj, self.v_proj)
         fused = torch.cat([m.weight.data for m in lins])
         at = 0
         for m in lins:
@@ -108,11 +108,16 @@ class Attention(nn.Module):
             at += n
         return True
 
+    def _plain_qkv(self) -> bool:
+        """q, k and v are loaded bf16/fp32 linears without bias: what one GEMM can stand for."""
+        return all(type(m) is nn.Linear and m.bias is None and m.weight.numel() > 0
+                   for m in (self.q_proj, self.k_proj, self.v_proj))
+
     def _qkv_weight(self) -> torch.Tensor | None:
         """The fused weight while q, k and v lie back to back in one storage, else None."""
-        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
-        if type(self.q_proj) is not nn.Linear or self.q_proj.bias is not None or q.numel() == 0:
+        if not self._plain_qkv():
             return None
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
         row = q.shape[1] * q.element_size()
         if k.data_ptr() != q.data_ptr() + q.shape[0] * row or v.data_ptr() != k.data_ptr() + k.shape[0] * row \
                 or not q.is_contiguous() or q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():

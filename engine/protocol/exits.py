@@ -39,6 +39,11 @@ def name(code: int | None) -> str:
     return NAMES.get(code, "signal" if code is not None and code < 0 else f"exit {code}")
 
 
+def lost_report(rank: int, code: int, err: BaseException) -> str:
+    """What a failing rank tells its group (watchdog.report_lost) before it exits with `code`."""
+    return f"rank {rank} failed ({name(code)}): {type(err).__name__}: {err}"
+
+
 def last_words(rank: int, code: int, err: BaseException) -> str:
     """The one line a rank leaves on how it ended (its log's tail: an orphaned rank has no one else)."""
     first = str(err).splitlines()[0] if str(err) else ""

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_STALL, exit_code, last_words, name as exit_name
+from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_STALL, exit_code, last_words, lost_report, name as exit_name
 from ..protocol.layout import GroupLayout, LayoutError
 from ..protocol.topology import Topology, TopologyError
 
@@ -82,8 +82,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         code = box[0].wd.verdict(e) if box else exit_code(e)
         print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if store is not None and code != EXIT_STALL:   # tell the group at once, with the cause
-            report_lost(dist.PrefixStore("wd", store), rank, f"rank {rank} failed ({exit_name(code)}): "
-                        f"{type(e).__name__}: {e}", code)
+            report_lost(dist.PrefixStore("wd", store), rank, lost_report(rank, code, e), code)
         # last, Worker.exit_now's line: an error outside a step (rank 0 gone while this rank waited for
         # its next plan) ends here, and an orphaned rank has no one else to say how it ended
         print(last_words(rank, code, e), file=sys.stderr, flush=True)

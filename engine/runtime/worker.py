@@ -352,13 +352,12 @@ class Worker:
     def exit_now(self, err: BaseException) -> None:
         """The group failed and a thread may be stuck inside a collective: leave with the verdict,
         after the exit hooks had their say."""
-        from ..protocol.exits import EXIT_STALL, last_words, name
+        from ..protocol.exits import EXIT_STALL, last_words, lost_report
         code = self.verdict(err)
         if self.wd is not None:   # tell the group the cause first, so every rank exits with its code
             from .watchdog import report_lost
             if code != EXIT_STALL:
-                report_lost(self.wd.store, self.rank, f"rank {self.rank} failed ({name(code)}): "
-                            f"{type(err).__name__}: {err}", code)
+                report_lost(self.wd.store, self.rank, lost_report(self.rank, code, err), code)
         for hook in self.exit_hooks:
             try:
                 hook(err, code)
