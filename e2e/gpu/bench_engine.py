@@ -7,6 +7,8 @@ Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] [
   --fp8                  block-FP8 weights (the config's quantization_config, as FP8 releases declare)
   --speculative-k K      speculation, K drafts per decode row: the decode steps are then verify
                          steps, and tokens per row per step are reported beside their time
+  --prefill-graph-tokens N  P's piecewise graphs up to N tokens (0: eager); P forwards of an epoch's
+                         shapes are timed both ways (p_forwards)
   --speculative ngram|mtp  the proposer (default ngram); mtp adds one MTP layer to the config
                          (num_nextn_predict_layers: 1; random weights build the head)
 """
@@ -56,6 +58,51 @@ def measure_ceilings():
     return bw, flops
 
 
+# P forwards as a P epoch carries them (continuation turns over cached context), (segments, new
+# tokens each, context before): P1's epochs carried 160-320 new tokens (docs/PERF.md)
+P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536))
+
+
+def time_p_forwards(e, reps: int = 10) -> dict:
+    """Each P_SHAPES forward eager and through P's piecewise graphs, on free slots at the top of the
+    cache: wall (issued and complete) and issuing time (the host's share), medians of `reps`."""
+    from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
+    w = e.worker
+    dev, top = w.device, w.kv.null_slot
+    out = {}
+    for segs, new, ctx in P_SHAPES:
+        ids, pos, slots, seqs, t = [], [], [], [], 0
+        base = top - segs * (ctx + new)
+        for i in range(segs):
+            first = base + i * (ctx + new)
+            ids += [7 + i] * new
+            pos += range(ctx, ctx + new)
+            slots += range(first + ctx, first + ctx + new)
+            seqs.append(SeqSlice(t, new, ctx + new, torch.arange(first, first + ctx + new, device=dev)))
+            t += new
+        long = lambda xs: torch.tensor(list(xs), dtype=torch.long, device=dev)
+        batch = ForwardBatch(long(ids), long(pos), long(slots), seqs, long(range(new - 1, t, new)))
+        row = {"tokens": t, "segments": segs}
+        runs = {"eager": lambda: w.model(batch, w.kv)}
+        if w.p_graphs is not None and w.p_graphs.fits(batch):
+            runs["graphed"] = lambda: w.p_graphs.forward(batch)
+        for name, run in runs.items():
+            walls, issues = [], []
+            for _ in range(reps + 2):
+                batch.prefill_plan = None
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+                issues.append(t1 - t0)
+            walls, issues = sorted(walls[2:]), sorted(issues[2:])
+            row[f"{name}_ms"], row[f"{name}_issue_ms"] = walls[reps // 2] * 1e3, issues[reps // 2] * 1e3
+        out[f"{segs}x{new}"] = row
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
@@ -81,6 +128,8 @@ def main():
                     help="torch: the MoE align as torch ops at every size (the one-launch kernel's A/B)")
     ap.add_argument("--qkv", choices=["fused", "separate"], default="fused",
                     help="separate: three q/k/v GEMMs a layer (Attention.fuse_qkv's A/B)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="P's piecewise graphs up to this many tokens (0: P eager; default: the engine's)")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     if a.align == "torch":
@@ -106,6 +155,7 @@ def main():
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             decode_kv_splits=a.kv_splits if a.kv_splits == "auto" else int(a.kv_splits),
                             router=a.router, prefill_attention=a.prefill_attention, priority_stream=a.priority_stream,
+                            prefill_graph_tokens=a.prefill_graph_tokens,
                             **({"speculative": a.speculative, "speculative_k": a.speculative_k}
                                if a.speculative_k else {}),
                             control=ControlSettings(prefill_budget_tokens=a.chunk)))
@@ -184,6 +234,8 @@ def main():
            "decode_ms_per_token": step_s / max(spec["tokens_per_row_step"], 1e-9) * 1e3, "prefill_chunk_tokens": a.chunk,
            "prefill_chunk_ms": chunk_s * 1e3, "prefill_tflops": chunk_flops / chunk_s / 1e12,
            "prefill_fraction_of_peak": chunk_flops / chunk_s / peak}
+    res["p_forwards"] = time_p_forwards(e)
+    res["prefill_graph_tokens"] = e.worker.p_graphs.buckets[-1] if e.worker.p_graphs is not None else 0
     Path(a.out).write_text(json.dumps(res, indent=1))
     w = max(len(k) for k in res)
     for k, v in res.items():

@@ -29,11 +29,14 @@ every = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("*.json")) i
 (out / "summary.json").write_text(json.dumps(every, indent=1))   # one file to bring back
 rows = []
 for name, d in every.items():
+    p = d.get("p_forwards", {}).get("8x32", {})   # a P1-sized epoch's forward: eager / P's graphs
     rows.append((name, d["decode_replay_ms"], d["decode_replay_over_floor"], d["decode_step_ms"],
                  d["decode_ms_per_token"], d["tokens_per_row_step"], d["prefill_chunk_ms"],
-                 d["prefill_fraction_of_peak"]))
+                 d["prefill_fraction_of_peak"], p.get("eager_ms", float("nan")), p.get("graphed_ms", float("nan"))))
 # tok/row: tokens per decode row and step (1 without speculation: fewer means rows sat out steps)
-print(f"{'variant':<12}{'replay ms':>10}{'/floor':>8}{'step ms':>9}{'ms/tok':>8}{'tok/row':>8}{'8k ms':>8}{'of peak':>9}")
+print(f"{'variant':<12}{'replay ms':>10}{'/floor':>8}{'step ms':>9}{'ms/tok':>8}{'tok/row':>8}{'8k ms':>8}{'of peak':>9}"
+      f"{'P256 eager':>11}{'P256 graph':>11}")
 for r in rows:
-    print(f"{r[0]:<12}{r[1]:>10.2f}{r[2]:>8.3f}{r[3]:>9.2f}{r[4]:>8.2f}{r[5]:>8.2f}{r[6]:>8.1f}{r[7]:>9.3f}")
+    print(f"{r[0]:<12}{r[1]:>10.2f}{r[2]:>8.3f}{r[3]:>9.2f}{r[4]:>8.2f}{r[5]:>8.2f}{r[6]:>8.1f}{r[7]:>9.3f}"
+          f"{r[8]:>11.2f}{r[9]:>11.2f}")
 PY

@@ -2,7 +2,7 @@
 
 The SDPA path (`kernels.prefill_attention`) gathers each segment's context out of the cache and calls
 SDPA once per segment and layer: a step of 30 continuation segments is 30 launches and 60 gathers
-per layer. Here one program takes BLOCK_M query rows of one segment for one query head, walks that
+per layer. Here one program takes block_m query rows of one segment for one query head, walks that
 segment's context through its slot list (the same slots the gather would read) up to its last
 query's position, and keeps an online softmax: causal, aligned bottom-right (a segment's queries are
 the last q_len of its ctx_len positions), GQA by index (query head h reads KV head h // group).
@@ -18,10 +18,10 @@ import torch
 
 from .kernels import triton_interpreting
 
-BLOCK_M = 64   # query rows per program
-BLOCK_N = 64   # context positions per step of the walk
-# The launch's tile shape and pipelining; e2e/gpu/attn_kernels.py sweeps them on the GPU.
-TILES = dict(block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2)
+# The launch's tile shape and pipelining, swept by e2e/gpu/attn_kernels.py on the H200: 128 × 128 with
+# 8 warps was within 1.3 % of the best of 36 at both the 8k chunk (309 TFLOP/s) and a P1 epoch's 32
+# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md)
+TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 LOG2E = 1.4426950408889634
 
 

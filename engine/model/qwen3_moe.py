@@ -125,6 +125,12 @@ class Attention(nn.Module):
         return q.as_strided((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), (q.shape[1], 1))
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
+        q = self.project(x, cos, sin, k_cache, v_cache, batch.slot_mapping)
+        return self.o_proj(self.attend(q, k_cache, v_cache, batch))
+
+    def project(self, x, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+        """q/k/v, their norms and RoPE, this step's K/V written to the cache: the rows' queries
+        [t, heads, head_dim]. Reads no batch metadata but the slots, so a graph can hold it."""
         t = x.shape[0]
         qkv = self._qkv_weight()
         if qkv is not None:
@@ -136,10 +142,14 @@ class Attention(nn.Module):
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
         # q/k norm, RoPE, the KV write (backends.py: the torch ops, or one fused kernel per operand)
-        q = self.backends.attention.prologue(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
-                                             k_cache, v_cache, batch.slot_mapping)
+        return self.backends.attention.prologue(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
+                                                k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        """The attention of q over the paged cache: [t, heads × head_dim], before o_proj. Reads the
+        batch's segments and tables: the step-shaped part of a layer."""
         o = self.backends.attention(q, k_cache, v_cache, batch, self.head_dim ** -0.5)
-        return self.o_proj(o.reshape(t, self.heads * self.head_dim))   # t may be 0 on a rank
+        return o.reshape(q.shape[0], self.heads * self.head_dim)   # t may be 0 on a rank
 
 
 class RMSNorm(nn.Module):
@@ -322,9 +332,16 @@ class Qwen3MoeModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         """Returns fp32 logits for `batch.logits_indices` rows: [S, vocab]."""
-        x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = ops.rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
-        x = self._layers(self.model.layers, x, cos, sin, kv, batch)
+        x, cos, sin = self.embed(batch.input_ids, batch.positions)
+        return self.logits(self._layers(self.model.layers, x, cos, sin, kv, batch), batch)
+
+    def embed(self, input_ids, positions):
+        """The residual stream's start and the rows' RoPE tables."""
+        x = self.model.embed_tokens(input_ids)
+        return (x, *ops.rope_cos_sin(positions, self.inv_freq, x.dtype))
+
+    def logits(self, x, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits of `batch.logits_indices` rows from the last layer's residual stream x."""
         if batch.want_hidden:   # after the final norm: what vLLM's Qwen3-Next MTP is fed (docs/ARCHITECTURE.md)
             batch.hidden = self.model.norm(x)
             x = batch.hidden.index_select(0, batch.logits_indices)
@@ -346,20 +363,30 @@ class Qwen3MoeModel(nn.Module):
         return self.lm_head(x).float(), x
 
     def _layers(self, layers, x, cos, sin, kv, batch: ForwardBatch) -> torch.Tensor:
-        """Decoder layers over residual stream x (layer i's KV in kv.k[i], kv.v[i]); before the final norm."""
-        col = self.collectives
+        """Decoder layers over residual stream x (layer i's KV in kv.k[i], kv.v[i]); before the final
+        norm. Cut at each attention (project | attend | after_attention): the pieces a graph of the
+        P forward holds (runtime/prefill_graphs.py) are exactly these calls."""
+        x, h = self.enter(layers, x)
+        for i, layer in enumerate(layers):
+            q = layer.self_attn.project(h, cos, sin, kv.k[i], kv.v[i], batch.slot_mapping)
+            x, h = self.after_attention(layers, i, x, layer.self_attn.attend(q, kv.k[i], kv.v[i], batch), batch)
+        return x
+
+    def enter(self, layers, x):
+        """(x, the first layer's normed input)."""
+        ln = layers[0].input_layernorm
+        return self.backends.residual_norm(x, None, ln.weight, ln.eps)
+
+    def after_attention(self, layers, i: int, x, o, batch: ForwardBatch):
+        """Layer i from its attention output o on: o_proj, residual add + norm, the MLP, then the next
+        layer's input norm: (x, its normed input); after the last layer (x + MLP out, None)."""
+        col, layer = self.collectives, layers[i]
         # each residual add and the norm after it are one call (backends.add_norm may fuse them)
         norm = self.backends.residual_norm
-        ln = layers[0].input_layernorm
-        x, h = norm(x, None, ln.weight, ln.eps)
-        for i, layer in enumerate(layers):
-            h = layer.self_attn(h, cos, sin, kv.k[i], kv.v[i], batch)
-            ln = layer.post_attention_layernorm
-            x, h = norm(x, col.attn_reduce(h, batch.phase), ln.weight, ln.eps)
-            h = layer.mlp(h, batch, col)
-            if i + 1 < len(layers):
-                ln = layers[i + 1].input_layernorm
-                x, h = norm(x, h, ln.weight, ln.eps)
-            else:
-                x = x + h
-        return x
+        ln = layer.post_attention_layernorm
+        x, h = norm(x, col.attn_reduce(layer.self_attn.o_proj(o), batch.phase), ln.weight, ln.eps)
+        h = layer.mlp(h, batch, col)
+        if i + 1 < len(layers):
+            ln = layers[i + 1].input_layernorm
+            return norm(x, h, ln.weight, ln.eps)
+        return x + h, None

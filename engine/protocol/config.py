@@ -221,6 +221,11 @@ class EngineConfig(BaseModel):
     # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and
     # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md)
     prefill_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
+    # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
+    # issuing ~10-15 ms of kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere;
+    # 0: off. On CPU a number runs the same pieces eagerly (the padding and buffers, for tests).
+    prefill_graph_tokens: int | None = Field(default=None, ge=0)
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
@@ -239,6 +244,14 @@ class EngineConfig(BaseModel):
     speculative: Literal["ngram", "draft", "mtp"] | None = None
     speculative_k: int = 4                                # draft tokens proposed per decode row
     draft_model: str | None = None                        # checkpoint of speculative="draft"
+
+    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
+        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
+        if multi:
+            return 0
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0
+        return 4096 if device_type == "cuda" and self.cuda_graphs else 0
 
     def solo_overlap_on(self, device_type: str) -> bool:
         return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"

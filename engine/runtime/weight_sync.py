@@ -116,9 +116,11 @@ class RankWeights:
     # ---- memory ---------------------------------------------------------------------------
     def _release(self, tags) -> None:
         w = self.w
-        if w.graphs is not None:   # graphs hold the weights' and the KV cache's addresses
+        if w.graphs is not None or w.p_graphs is not None:   # graphs hold the weights' and the KV cache's addresses
             self._had_graphs = True
             w.graphs = None
+            if w.p_graphs is not None:
+                w.p_graphs.drop()
         if "weights" in tags and "weights" not in self.released:
             # the copy outlives the release so outputs after resume equal those before
             params = list(w.model.named_parameters())

@@ -109,10 +109,16 @@ class Worker:
         self.pd = None
         self._log = StepLog(options.step_log, rank) if options.step_log else None
         self._capture_forward = None
+        self.p_graphs = None   # piecewise graphs of forwards that carry P (one rank)
         if self.multi:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
         elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
+        p_tokens = config.prefill_graph_tokens_on(self.device.type, self.multi)
+        if p_tokens:
+            from .prefill_graphs import PrefillGraphs
+            self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
+            self.p_graphs.capture()
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
@@ -143,9 +149,11 @@ class Worker:
         self.graphs.capture()
 
     def recapture(self) -> None:
-        """D's graphs again, after a memory resume moved the tensors they read."""
+        """D's and P's graphs again, after a memory resume moved the tensors they read."""
         if self._capture_forward is not None:
             self._capture(self._capture_forward)
+        if self.p_graphs is not None:
+            self.p_graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReport:
@@ -220,6 +228,8 @@ class Worker:
                              # a P epoch spanning steps: continued here / still going / finished here
                              "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
                              "graph": report.graph, "wall_s": time.monotonic() - t_start,
+                             # P forwards served by P's pieces so far (an epoch's may still be in flight)
+                             "p_graph_replays": self.p_graphs.replays if self.p_graphs is not None else None,
                              **(self.group.log_fields(mark) if self.multi else {})})
         return report
 
@@ -233,7 +243,7 @@ class Worker:
         if not self.cuda:
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
-            logits = self.model(batch, self.kv)
+            logits = self._model(phase, batch)
             self._keep_routes(phase, batch, mine)
             self.hidden.keep(batch, mine)
             return logits
@@ -243,12 +253,18 @@ class Worker:
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
             with self.group.span("forward", s, phase.path, plan.step) if self.multi else contextlib.nullcontext():
-                logits = self.model(batch, self.kv)
+                logits = self._model(phase, batch)
         if wait or batch.routes is not None:   # the routes' host copy below runs on another stream
             s.synchronize()                   # eager: the step's logits are complete for sampling
         self._keep_routes(phase, batch, mine)
         self.hidden.keep(batch, mine)
         return logits
+
+    def _model(self, phase: Phase, batch) -> torch.Tensor:
+        """A forward that carries P replays P's pieces when they hold it (prefill_graphs.py)."""
+        if phase is not Phase.DECODE and self.p_graphs is not None and self.p_graphs.fits(batch):
+            return self.p_graphs.forward(batch)
+        return self.model(batch, self.kv)
 
     # ---- routing replay (return_routed_experts) ------------------------------------------
     def _want_routes(self, batch, rows) -> None:

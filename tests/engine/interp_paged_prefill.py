@@ -8,7 +8,7 @@ import torch
 
 from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
-from pdrollout.engine.model.paged_prefill import BLOCK_M, paged_prefill_attention, plan_tiles
+from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention, plan_tiles
 from pdrollout.engine.model.qwen3_moe import SeqSlice
 
 
@@ -32,6 +32,7 @@ def segments(shapes, block_size, h, kvh, d, dtype, seed):
 
 # fresh prompts (q_len == ctx), continuations over a cached prefix, one new token, and a segment of
 # more than two query tiles
+BLOCK_M = TILES["block_m"]   # query rows per program
 SHAPES = [(37, 37), (20, 90), (1, 70), (2 * BLOCK_M + 5, 2 * BLOCK_M + 40), (3, 3)]
 
 

@@ -20,8 +20,9 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
     e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode=mode, block_size=4,
                             num_blocks=512, max_running=8, mixed_chunk_tokens=20,
                             control=ControlSettings(prefill_budget_tokens=24)))
-    assert e.worker.graphs is not None
+    assert e.worker.graphs is not None and e.worker.p_graphs is not None
     out, _ = run_all(e, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    assert e.worker.p_graphs.replays > 0   # P forwards replayed their pieces (prefill_graphs.py)
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {mode} prompt {i}")
@@ -43,6 +44,7 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
     out, _ = run_all(e, PROMPTS, lambda e: spans.append(e._flight is not None or e.worker.solo.flight is not None),
                      max_new_tokens=12, ignore_eos=True)
     assert any(spans), "no P epoch ran beside D"
+    assert e.worker.p_graphs.replays > 0   # the epochs replayed P's pieces on P's stream
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")

@@ -1,0 +1,153 @@
+"""Piecewise CUDA graphs of the P forward on one rank: every forward that carries prefill (a P
+epoch, `normal`'s P step, `mixed`'s fused step) replays captured pieces instead of issuing ~35 eager
+kernels a layer from Python.
+
+Why: a P epoch at P1 carries 160-320 new tokens, ~10-15 ms of kernels, and its thread spent ~90 ms
+issuing them (docs/PERF.md); every first token in the epoch waited for that host time. D has had
+graphs from the start because its shapes are fixed; P's are not, in two ways:
+- the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
+  null slot, so padding writes no real K/V), and one set of pieces is captured per bucket;
+- the segments (how many, how long, how much context): only the attention reads them, so the
+  attention stays eager and the graph is cut around it, as SGLang's and vLLM's piecewise graphs do.
+  A layer is then one replay and one attention launch.
+
+The pieces are the model's own calls (Qwen3MoeModel.embed/enter/project/after_attention/logits),
+so the graphed forward is the eager one cut at each attention, reading and writing static buffers:
+  head      embed, RoPE tables, layer 0's input norm and project (q/k/v, norm, RoPE, KV write)
+  layer i   layer i-1 from o_proj to layer i's project
+  tail      the last layer from o_proj to the final residual add
+The final norm and lm_head run eagerly on the sampled rows only (padding would cost a vocab GEMM).
+
+Not on several ranks: there P stops at each MoE layer's boundary for the turnstile and its experts
+go through DeepEP's normal path, whose dispatch sizes are read on the host. Not for routing replay
+or MTP's hidden states (the graphs keep neither). Without `graphs` (CPU, tests) the pieces run
+eagerly through the same buffers and padding.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..model.qwen3_moe import ForwardBatch
+from ..protocol.plan import Phase
+
+# From 32 tokens on, padding costs a bucket at most 1.5× the tokens: in P's kernels (MoE GEMMs, projections), never in
+# its attention (eager, real rows only).
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def buckets(max_tokens: int) -> list[int]:
+    if max_tokens < 1:
+        raise ValueError(f"prefill graphs need a token bound >= 1, got {max_tokens}")
+    return [b for b in BUCKETS if b < max_tokens] + [max_tokens]
+
+
+class PrefillGraphs:
+    def __init__(self, model, kv, max_tokens: int, graphs: bool = True):
+        self.model, self.kv, self.graphs = model, kv, graphs
+        self.layers = model.model.layers
+        self.buckets = buckets(max_tokens)
+        n, dev = self.buckets[-1], kv.k[0].device
+        attn = self.layers[0].self_attn
+        dtype = model.model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), kv.null_slot, dtype=torch.long, device=dev)
+        self.x = torch.zeros(n, model.cfg.hidden_size, dtype=dtype, device=dev)             # residual stream
+        self.q = torch.zeros(n, attn.heads, attn.head_dim, dtype=dtype, device=dev)         # the next attention's queries
+        self.o = torch.zeros(n, attn.heads * attn.head_dim, dtype=dtype, device=dev)        # its output (real rows)
+        cos, _ = model.embed(self.input_ids[:1], self.positions[:1])[1:]
+        self.cos = torch.zeros(n, cos.shape[-1], dtype=cos.dtype, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        # bucket -> the pieces, in order: head, layers 1..L-1, tail (graph replays, or eager calls)
+        self.pieces: dict[int, list[Callable[[], None]]] = {}
+        self.replays = 0      # forwards served by the pieces (the step log and tests read it)
+
+    # ---- the pieces ---------------------------------------------------------------------------
+    def _stub(self, b: int) -> ForwardBatch:
+        """What the MLP pieces read of a batch: its phase and no routing ids (one rank: no comm)."""
+        return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [],
+                            self.positions[:0], phase=Phase.PREFILL)
+
+    def _head(self, b: int) -> None:
+        m, kv = self.model, self.kv
+        x, cos, sin = m.embed(self.input_ids[:b], self.positions[:b])
+        self.cos[:b].copy_(cos)
+        self.sin[:b].copy_(sin)
+        x, h = m.enter(self.layers, x)
+        self.x[:b].copy_(x)
+        self.q[:b].copy_(self.layers[0].self_attn.project(h, cos, sin, kv.k[0], kv.v[0], self.slot_mapping[:b]))
+
+    def _layer(self, b: int, i: int, stub: ForwardBatch) -> None:
+        """Layer i-1 from its attention output to layer i's queries (the tail when i is past the last)."""
+        x, h = self.model.after_attention(self.layers, i - 1, self.x[:b], self.o[:b], stub)
+        self.x[:b].copy_(x)
+        if h is not None:
+            self.q[:b].copy_(self.layers[i].self_attn.project(h, self.cos[:b], self.sin[:b], self.kv.k[i],
+                                                              self.kv.v[i], self.slot_mapping[:b]))
+
+    def _calls(self, b: int) -> list[Callable[[], None]]:
+        stub = self._stub(b)
+        return [lambda: self._head(b)] + [lambda i=i: self._layer(b, i, stub) for i in range(1, len(self.layers) + 1)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket's pieces, largest first into one memory pool (replays never overlap: one P
+        forward at a time). Padding and capture write K/V only to the null slot. Without `graphs`
+        the pieces are the eager calls themselves."""
+        self.slot_mapping.fill_(self.kv.null_slot)
+        if not self.graphs:
+            self.pieces = {b: self._calls(b) for b in self.buckets}
+            return
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                for call in self._calls(b):   # warm-up: Triton compiles, cuBLAS picks per shape
+                    call()
+            torch.cuda.synchronize()
+            for b in reversed(self.buckets):
+                graphs = []
+                for call in self._calls(b):
+                    g = torch.cuda.CUDAGraph()
+                    # thread_local: the watchdog and D's thread touch streams while we capture
+                    with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
+                        call()
+                    graphs.append(g.replay)
+                self.pieces[b] = graphs
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def drop(self) -> None:
+        """Forget the pieces (a memory release is about to move what they read): forwards run
+        eagerly until capture() runs again."""
+        self.pieces = {}
+
+    # ---- a forward ----------------------------------------------------------------------------
+    def fits(self, batch: ForwardBatch) -> bool:
+        t = batch.input_ids.shape[0]
+        return 0 < t <= self.buckets[-1] and batch.routes is None and not batch.want_hidden and bool(self.pieces)
+
+    def bucket(self, t: int) -> int:
+        return next(b for b in self.buckets if b >= t)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward of `batch` (fits() holds) on the current stream: fp32 logits of its
+        sampled rows. The buffers are reused by the next forward once this one's kernels ran."""
+        t = batch.input_ids.shape[0]
+        b = self.bucket(t)
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slot_mapping[:t].copy_(batch.slot_mapping)
+        if t < b:   # the last forward's slots: padding must not write real K/V
+            self.slot_mapping[t:b].fill_(self.kv.null_slot)
+        pieces = self.pieces[b]
+        pieces[0]()
+        for i, layer in enumerate(self.layers):
+            self.o[:t].copy_(layer.self_attn.attend(self.q[:t], self.kv.k[i], self.kv.v[i], batch))
+            pieces[i + 1]()
+        self.replays += 1
+        return self.model.logits(self.x[:t], batch)
