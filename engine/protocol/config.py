@@ -223,8 +223,9 @@ class EngineConfig(BaseModel):
     prefill_attention: Literal["auto", "sdpa", "triton"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
-    # issuing ~10-15 ms of kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere;
-    # 0: off. On CPU a number runs the same pieces eagerly (the padding and buffers, for tests).
+    # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
+    # `cuda_graphs: false`: off. On CPU a number runs the same pieces eagerly (the padding and
+    # buffers, for tests). Several ranks: off (P stops at each MoE boundary there).
     prefill_graph_tokens: int | None = Field(default=None, ge=0)
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
