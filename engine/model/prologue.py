@@ -70,7 +70,7 @@ def _norm_rope(x, w, cos, sin, out, slots, eps: float) -> None:
 
 def qk_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slot_mapping):
     """q normalized and rotated in place (returned); k normalized, rotated and written to k_cache at
-    slot_mapping; v copied to v_cache. Same result as the torch ops in Attention.forward."""
+    slot_mapping; v copied to v_cache. Same result as the torch ops in Attention.project."""
     if k_cache.dtype != k.dtype:
         raise ValueError(f"the fused prologue rounds in the activations' dtype: KV cache {k_cache.dtype} "
                          f"!= activations {k.dtype}")

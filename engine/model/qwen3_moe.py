@@ -124,10 +124,6 @@ class Attention(nn.Module):
             return None
         return q.as_strided((q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]), (q.shape[1], 1))
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch: ForwardBatch):
-        q = self.project(x, cos, sin, k_cache, v_cache, batch.slot_mapping)
-        return self.o_proj(self.attend(q, k_cache, v_cache, batch))
-
     def project(self, x, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
         """q/k/v, their norms and RoPE, this step's K/V written to the cache: the rows' queries
         [t, heads, head_dim]. Reads no batch metadata but the slots, so a graph can hold it."""

@@ -57,8 +57,7 @@ class PrefillGraphs:
         self.x = torch.zeros(n, model.cfg.hidden_size, dtype=dtype, device=dev)             # residual stream
         self.q = torch.zeros(n, attn.heads, attn.head_dim, dtype=dtype, device=dev)         # the next attention's queries
         self.o = torch.zeros(n, attn.heads * attn.head_dim, dtype=dtype, device=dev)        # its output (real rows)
-        cos, _ = model.embed(self.input_ids[:1], self.positions[:1])[1:]
-        self.cos = torch.zeros(n, cos.shape[-1], dtype=cos.dtype, device=dev)
+        self.cos = torch.zeros(n, attn.head_dim, dtype=dtype, device=dev)   # ops.rope_cos_sin's rows
         self.sin = torch.zeros_like(self.cos)
         # bucket -> the pieces, in order: head, layers 1..L-1, tail (graph replays, or eager calls)
         self.pieces: dict[int, list[Callable[[], None]]] = {}

@@ -1,5 +1,5 @@
 """The fused attention prologue (model/prologue.py: per-head RMSNorm, RoPE, KV write) against the
-torch ops of Attention.forward, on CPU under Triton's interpreter (run by test_triton_interpreted.py
+torch ops of Attention.project, on CPU under Triton's interpreter (run by test_triton_interpreted.py
 in a process of its own)."""
 from __future__ import annotations
 

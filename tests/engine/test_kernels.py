@@ -219,7 +219,7 @@ def test_gathered_experts_match_reference_in_fp32():
 
 @pytest.mark.parametrize("tokens", [1, 64, 3000])
 def test_fused_prologue_matches_the_torch_ops(tokens):
-    """Per-head RMSNorm + RoPE + KV write (model/prologue.py) against Attention.forward's torch ops."""
+    """Per-head RMSNorm + RoPE + KV write (model/prologue.py) against Attention.project's torch ops."""
     from pdrollout.engine.model.prologue import qk_prologue
     g = torch.Generator(device=cuda).manual_seed(7)
     heads, kv_heads, d, nslots, eps = 32, 4, 128, 4096, 1e-6
