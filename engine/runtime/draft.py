@@ -11,8 +11,16 @@ valid; a step feeds the entries after those (the accepted ones: one prefill-styl
 single entries, each its own previous draft. Positions from the request's last real token on held
 drafts only, so they are not kept: the next step rewrites them with what the target accepted (the
 proposer's own rollback).
+
+A finished request's valid entries are kept (`kept`, oldest first, dropped when the cache needs room):
+an agent's next turn starts with its previous turn's tokens, so at admission its request adopts them
+(`adopt`) instead of recomputing its whole context. The MTP head's entries also need the target's
+hidden states, which a target prefix-cache hit skips computing: the scheduler caps the target's reuse
+at the entries the head adopted, so under `mtp` the prefix cache serves an agent's turns as without it.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -22,6 +30,21 @@ from ..protocol.config import EngineConfig, ModelConfig
 from ..protocol.plan import Phase, RowSpec
 from ..scheduler.kv_pool import BlockPool
 from .batch import BatchBuilder
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (slice compares run in C: bisect on them)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n      # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class PagedProposer:
@@ -35,11 +58,115 @@ class PagedProposer:
         self.batches = BatchBuilder(block_size, device, block_tables=block_tables)
         self.blocks: dict[str, list[int]] = {}
         self.seen: dict[str, list[int]] = {}    # the sequence whose KV is valid, by rid
+        self.tokens: dict[str, list[int]] = {}  # each rid's request tokens, the source of its entries
+        # finished requests: id -> (tokens, seen, blocks, block chain), oldest first; found by the
+        # hash chain of their tokens' full blocks, as the target's prefix cache finds blocks
+        self.kept: OrderedDict[int, tuple[list[int], list[int], list[int], list[int]]] = OrderedDict()
+        self._by_chain: dict[int, set[int]] = {}
+        self._kept_ids = 0
+        self._peeked: dict[str, tuple[int, int]] = {}   # rid -> (its tokens' length, peek) while kept is unchanged
+
+    def _entries(self, tokens: int) -> int:
+        """Entries of the proposer's sequence that depend only on a request's first `tokens` tokens."""
+        return tokens
+
+    def _chain(self, tokens: list[int]) -> list[int]:
+        """A hash per full block of `tokens`, each covering every token before it."""
+        bs, h, out = self.pool.block_size, 0, []
+        for j in range(len(tokens) // bs):
+            h = hash((h, tuple(tokens[j * bs:(j + 1) * bs])))
+            out.append(h)
+        return out
 
     def forget(self, alive: set[str]) -> None:
+        """Finished requests' valid entries go to `kept` (their blocks with them)."""
         for rid in [r for r in self.blocks if r not in alive]:
-            self.pool.release(self.blocks.pop(rid))
-            del self.seen[rid]
+            self._retire(rid)
+
+    def _retire(self, rid: str) -> None:
+        blocks, seen, tokens = self.blocks.pop(rid), self.seen.pop(rid), self.tokens.pop(rid, None)
+        chain = self._chain(tokens) if seen and tokens is not None else []
+        if not chain:
+            self.pool.release(blocks)
+            return
+        self._kept_ids += 1
+        self.kept[self._kept_ids] = (list(tokens), seen, blocks, chain)
+        for h in chain:
+            self._by_chain.setdefault(h, set()).add(self._kept_ids)
+        self._peeked.clear()
+
+    def _own(self, rid: str, tokens: list[int]) -> int | None:
+        """A live rid's valid entries, if they are of these tokens (a finished rid may come back as
+        a new request before `forget` runs: None)."""
+        seen = self.seen.get(rid)
+        if seen is None or self._sequence(tokens)[:len(seen)] != seen:
+            return None
+        return len(seen)
+
+    def _drop(self, kid: int) -> tuple[list[int], list[int]]:
+        """Takes a kept entry out; returns its (seen, blocks)."""
+        _, seen, blocks, chain = self.kept.pop(kid)
+        for h in chain:
+            ids = self._by_chain[h]
+            ids.discard(kid)
+            if not ids:
+                del self._by_chain[h]
+        self._peeked.clear()
+        return seen, blocks
+
+    def drop_kept(self) -> int:
+        """Every kept entry (new weights make them stale); returns how many."""
+        n = len(self.kept)
+        for kid in list(self.kept):
+            self.pool.release(self._drop(kid)[1])
+        return n
+
+    def clear(self) -> None:
+        """Nothing held: no request's entries, none kept (the cache's memory is released)."""
+        self.forget(set())
+        self.drop_kept()
+
+    def _best(self, tokens: list[int]) -> tuple[int | None, int]:
+        """The kept entry with the most entries valid for `tokens`, and how many: the candidates
+        share the deepest full block found; the exact common prefix decides."""
+        best, most = None, 0
+        for h in reversed(self._chain(tokens)):
+            ids = self._by_chain.get(h)
+            if not ids:
+                continue
+            for kid in ids:
+                kt, seen, _, _ = self.kept[kid]
+                n = min(len(seen), self._entries(common_prefix(kt, tokens)))
+                if n > most:
+                    best, most = kid, n
+            break
+        return best, most
+
+    def peek(self, rid: str, tokens: list[int]) -> int:
+        """What `adopt` would return; changes nothing (the planner asks every step)."""
+        own = self._own(rid, tokens)
+        if own is not None:
+            return own
+        memo = self._peeked.get(rid)
+        if memo is None or memo[0] != len(tokens):
+            memo = self._peeked[rid] = (len(tokens), self._best(tokens)[1])
+        return memo[1]
+
+    def adopt(self, rid: str, tokens: list[int]) -> int:
+        """At admission: the request takes the kept entries valid for its tokens (its own, if it is
+        being recomputed after a retraction). Returns its valid entries: positions from there on
+        must be computed (by the target, for the MTP head's hidden states)."""
+        own = self._own(rid, tokens)
+        if own is not None:
+            return own
+        if rid in self.blocks:   # the rid's last request, finished: its entries may serve this one
+            self._retire(rid)
+        kid, n = self._best(tokens)
+        if kid is None:
+            return 0
+        seen, blocks = self._drop(kid)
+        self.blocks[rid], self.seen[rid], self.tokens[rid] = blocks, seen[:n], tokens
+        return n
 
     def _room(self, rid: str, seq: list[int], upto: int) -> bool:
         """Blocks for positions < upto; a request whose sequence changed under its rid starts over."""
@@ -49,6 +176,9 @@ class PagedProposer:
         more = self.pool.blocks_for(upto) - len(blocks)
         if more > 0:
             got = self.pool.allocate(more)
+            while got is None and self.kept:   # the oldest kept entries make room
+                self.pool.release(self._drop(next(iter(self.kept)))[1])
+                got = self.pool.allocate(more)
             if got is None:
                 return False      # no room: this row gets no drafts this step
             blocks += got
@@ -66,8 +196,12 @@ class PagedProposer:
     def propose(self, wants: list[tuple[str, list[int], int]], alive: set[str]) -> dict[str, list[int]]:
         """`wants`: (rid, tokens, k) per decode row; returns up to k drafts per rid (greedy)."""
         self.forget(alive)
-        seqs = [(rid, self._sequence(toks), k) for rid, toks, k in wants if k > 0]
-        seqs = [(rid, seq, k) for rid, seq, k in seqs if seq and self._room(rid, seq, len(seq) + k - 1)]
+        seqs = []
+        for rid, toks, k in wants:
+            seq = self._sequence(toks) if k > 0 else None
+            if seq and self._room(rid, seq, len(seq) + k - 1):
+                self.tokens[rid] = toks
+                seqs.append((rid, seq, k))
         # the entries the proposer has not seen (at least the last), one row each
         rows, live = [], []
         for rid, seq, k in seqs:
@@ -122,7 +256,7 @@ class ProposerMemory:
         tags = tags - self.released
         if "kv_cache" in tags:   # an idle engine: no request holds KV, so no proposer state is in use
             for p in self.proposers:
-                p.forget(set())
+                p.clear()
                 p.kv.release()
         if "weights" in tags:
             for m in self.models:   # host copies: outputs after resume equal those before
@@ -131,6 +265,9 @@ class ProposerMemory:
                 for t in params.values():
                     t.data = t.data.new_empty(0)
         self.released |= tags
+
+    def drop_kept(self) -> int:
+        return sum(p.drop_kept() for p in self.proposers)
 
     def resume(self, tags: set[str]) -> None:
         tags = tags & self.released

@@ -62,7 +62,7 @@ class Engine(EngineOps):
         self.proposer_memory = None
         if paged:
             from .draft import ProposerMemory
-            proposers = [p.propose for p in paged]
+            proposers = paged
             self.proposer_memory = ProposerMemory(paged, models)
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
@@ -130,6 +130,8 @@ class Engine(EngineOps):
         """Drops cached prefix blocks; False while a request holds KV (or, unless allowed, waits)."""
         if self.holds_kv() or (not allow_waiting and any(s.reqs for s in self.schedulers)):
             return False
+        if self.proposer_memory is not None:
+            self.proposer_memory.drop_kept()
         return all(s.flush_cache(allow_waiting) for s in self.schedulers)
 
     # --- the loop ---------------------------------------------------------------------------

@@ -127,6 +127,8 @@ class EngineOps:
         if flush_cache:   # prefix blocks of the old weights; blocks a request holds stay with it
             for s in self.schedulers:
                 s.drop_cached()
+            if self.proposer_memory is not None:   # the proposers' kept entries came from the old weights
+                self.proposer_memory.drop_kept()
 
     def _need_weights(self, what: str) -> None:
         if "weights" in self.released:
@@ -147,6 +149,8 @@ class EngineOps:
         if "kv_cache" in tags:   # the cache's content is gone: no prefix block may be reused
             for s in self.schedulers:
                 s.drop_cached()
+            if self.proposer_memory is not None:   # the proposers' kept entries came from the old weights
+                self.proposer_memory.drop_kept()
         self.run_op("release", tags=tags)
         if self.proposer_memory is not None:
             self.proposer_memory.release(set(tags))

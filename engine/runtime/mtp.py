@@ -102,8 +102,16 @@ class MTPProposer(PagedProposer):
             for rid in [r for r in held if r not in alive]:
                 del held[rid]
 
+    def _retire(self, rid: str) -> None:
+        super()._retire(rid)
+        self.hidden.pop(rid, None)   # a new request under the rid brings its own
+        self._last.pop(rid, None)
+
     def _sequence(self, tokens: list[int]) -> list[int]:
         return tokens[1:]
+
+    def _entries(self, tokens: int) -> int:
+        return max(tokens - 1, 0)   # entry i pairs the target's state at i with token i + 1
 
     def _ready(self, rid: str, seq: list[int], start: int) -> bool:
         base, h = self.hidden.get(rid, (0, None))

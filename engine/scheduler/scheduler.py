@@ -52,7 +52,7 @@ class Launched:
 class Scheduler:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, proposer=None,
                  clock=time.monotonic) -> None:
-        """`proposer`: a draft model's `propose(wants, alive)` (runtime/draft.py); None: n-gram.
+        """`proposer`: a model proposer (runtime/draft.py: `propose`, `adopt`, `peek`); None: n-gram.
         `clock`: arrivals, waits and the planner's now (a simulator's virtual clock: e2e/plan_sim.py)."""
         self.config, self.model_config = config, model_config
         self.clock = clock
@@ -68,9 +68,10 @@ class Scheduler:
         self.spec_k = config.speculative_k if config.speculative else 0
         self._drafts: dict[str, list[int]] = {}   # this step's proposals, by decode rid (with KV for them)
         self.proposer = proposer
-        # The MTP head needs the target's hidden state at every position, and a prefix-cache hit
-        # skips computing those: under mtp a request is computed whole (as under routing replay)
-        self.reuse_prefix = config.speculative != "mtp"
+        # The MTP head needs the target's hidden state at every position it has no entry for, and a
+        # prefix-cache hit skips computing those: under mtp the target reuses only what the head
+        # adopted from the request's earlier turn (runtime/draft.py)
+        self.head_caps_prefix = config.speculative == "mtp"
 
     # --- requests ---------------------------------------------------------------------------
     def check(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
@@ -210,9 +211,12 @@ class Scheduler:
                         self.clock())
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
-        if r.routes_from is not None or not self.reuse_prefix:
+        if r.routes_from is not None:
             return 0, 0      # routing is reported per computed position: no prefix reuse
-        hits, shared = self.pool.peek_prefix(r.tokens, len(r.tokens) - 1)
+        limit = len(r.tokens) - 1
+        if self.head_caps_prefix:
+            limit = min(limit, self.proposer.peek(r.rid, r.tokens))
+        hits, shared = self.pool.peek_prefix(r.tokens, limit)
         return hits * self.pool.block_size, shared
 
     def _apply_admission(self, plan: Plan) -> None:
@@ -226,8 +230,12 @@ class Scheduler:
             self.waiting.remove(r)
             res = self.reservations.open(rid)
             target = len(r.tokens)
-            reuse = r.routes_from is None and self.reuse_prefix
-            res.blocks = [] if not reuse else self.pool.match_prefix(r.tokens, target - 1, res.chain)
+            limit = target - 1
+            if self.proposer is not None:   # its entries from the request's earlier turn
+                adopted = self.proposer.adopt(rid, r.tokens)
+                limit = min(limit, adopted) if self.head_caps_prefix else limit
+            reuse = r.routes_from is None
+            res.blocks = [] if not reuse else self.pool.match_prefix(r.tokens, limit, res.chain)
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:
@@ -251,7 +259,7 @@ class Scheduler:
                 if k > 0 and r.routes_from is None:   # routing is reported per computed position
                     wants.append((rid, r.tokens, k))
             if self.proposer is not None:
-                found = self.proposer(wants, set(self.reqs))
+                found = self.proposer.propose(wants, set(self.reqs))
             else:
                 found = {rid: propose_ngram(toks, k) for rid, toks, k in wants}
             for rid, drafts in found.items():

@@ -50,8 +50,10 @@ def run_all(engine: Engine, prompts, check=None, **sp) -> tuple[dict, dict]:
 def check_invariants(engine: Engine) -> None:
     """After every step: a decode row holds exactly the target blocks of its valid KV (rejected
     drafts rolled back); the head's valid entries are the shifted accepted tokens, its blocks
-    cover them (plus the chain), and its buffer of target hidden states starts at its last valid
-    entry and holds at most the positions of one verify row after it."""
+    cover them (plus the chain; with the kept entries, every block it uses), and its buffer of
+    target hidden states starts at its last valid entry and holds at most the positions of one
+    verify row after it (or, for entries adopted from an earlier turn, every state since the
+    target's prefix hit)."""
     s, m = engine.schedulers[0], engine.mtps[0]
     k = engine.config.speculative_k
     for r in s.reqs.values():
@@ -63,16 +65,22 @@ def check_invariants(engine: Engine) -> None:
             assert seen == r.tokens[1:len(seen) + 1], r.rid
             assert len(m.blocks[r.rid]) >= m.pool.blocks_for(len(seen))
             base, h = m.hidden[r.rid]
-            assert base == len(seen) - 1 and 1 <= len(h) <= k + 2, (r.rid, base, len(h), len(seen))
-    held = sum(len(b) for b in m.blocks.values())
+            assert base <= len(seen) - 1 and base + len(h) >= r.computed, (r.rid, base, len(h), len(seen))
+            # after a propose the buffer starts at the last valid entry and holds one verify row past
+            # it; entries adopted at admission, none proposed from yet: every state since the hit
+            assert len(h) <= k + 2 or base + len(h) == r.computed, (r.rid, len(h))
+    held = sum(len(b) for b in m.blocks.values()) + sum(len(e[2]) for e in m.kept.values())
     assert m.pool.num_used() == held
 
 
 def assert_idle(engine: Engine) -> None:
     for s in engine.schedulers:
         assert s.pool.num_used() == 0 and not s.reservations.live and not s.reservations.draining
-    engine.mtps[0].forget(set())   # what the next propose does for finished requests
-    assert engine.mtps[0].pool.num_used() == 0 and not engine.mtps[0].hidden
+    m = engine.mtps[0]
+    m.forget(set())   # what the next propose does for finished requests: their entries are kept
+    assert m.pool.num_used() == sum(len(e[2]) for e in m.kept.values()) and not m.hidden and not m.blocks
+    m.clear()
+    assert m.pool.num_used() == 0 and not m.kept
 
 
 _BASE: dict[str, dict] = {}
@@ -107,6 +115,32 @@ def test_mtp_with_p_epochs_beside_d_and_a_tight_pool(mtp_model):
         eng = engine_for(mtp_model, mode, k, **kw)
         assert run_all(eng, PROMPTS, check=check_invariants)[0] == want, mode
         assert_idle(eng)
+
+
+
+def two_turns(engine: Engine, check=None) -> tuple[dict, dict]:
+    """Every prompt, then each conversation's next turn (the same rid): its first turn's tokens and
+    five new ones. Returns the second turns' (tokens, last outputs)."""
+    first = run_all(engine, PROMPTS, check)[0]
+    turns = [p + first[f"r{i}"] + [(5 * i + j) % VOCAB for j in range(5)] for i, p in enumerate(PROMPTS)]
+    return run_all(engine, turns, check)
+
+
+@pytest.mark.parametrize("mode,kw", [("normal", {}), ("mixed", {"num_blocks": 40}), ("pd", {"solo_overlap": True})])
+def test_agent_turns_keep_the_prefix_cache_under_mtp(mtp_model, mode, kw):
+    """An agent's next turn adopts its first turn's head entries, and the target reuses its prefix up
+    to them (before, MTP turned the prefix cache off): outputs equal those without speculation, with
+    a pool tight enough that kept entries make room (mixed), and beside P epochs (pd)."""
+    want_out, want_last = two_turns(engine_for(mtp_model, mode, **kw))
+    eng = engine_for(mtp_model, mode, 2, **kw)
+    out, last = two_turns(eng, check_invariants)
+    assert out == want_out
+    hits = [o.cached_tokens for o in last.values()]
+    assert sum(hits) > 0 and all(h <= w.cached_tokens for h, w in zip(hits, want_last.values())), hits
+    assert all(o.spec[1] > 0 for o in last.values())
+    eng.mtps[0].forget(set())
+    assert eng.mtps[0].kept and eng.flush_cache() and not eng.mtps[0].kept   # kept entries go with the cache
+    assert_idle(eng)
 
 
 # --- the drafts against a reference computation -------------------------------------------------
@@ -169,14 +203,25 @@ def test_mtp_drafts_equal_a_reference_computation(mtp_model):
     cfg = ModelConfig.load(mtp_model)
     eng = engine_for(mtp_model, "pd", 3)
     calls = []
-    propose = eng.schedulers[0].proposer
+    proposer = eng.schedulers[0].proposer
+    propose = proposer.propose
 
     def spy(wants, alive):
         got = propose(wants, alive)
         calls.append(([(rid, list(toks), k) for rid, toks, k in wants], got))
         return got
-    eng.schedulers[0].proposer = spy
-    run_all(eng, PROMPTS[:2], max_new_tokens=8)
+    proposer.propose = spy
+    adopt, adopted = proposer.adopt, []
+    proposer.adopt = lambda rid, toks: adopted.append(adopt(rid, toks)) or adopted[-1]
+    out = run_all(eng, PROMPTS[:2], max_new_tokens=8)[0]
+    # the agents' next turns (the same rids, as a client may reuse them): each adopts its first
+    # turn's head entries and the target reuses its prefix up to them, so the drafts below also
+    # check entries computed a turn earlier
+    turns = [p + out[f"r{i}"] + [(3 * i + j) % VOCAB for j in range(5)] for i, p in enumerate(PROMPTS[:2])]
+    last = run_all(eng, turns, max_new_tokens=8)[1]
+    assert adopted[:2] == [0, 0] and all(n > len(p) for n, p in zip(adopted[2:], PROMPTS)), adopted
+    for i, o in enumerate(last.values()):   # the target's hit: whole blocks up to the head's entries
+        assert o.cached_tokens == adopted[2 + i] // 4 * 4 > 0, (o.cached_tokens, adopted)
     checked = 0
     for wants, got in calls:
         for rid, toks, k in wants:
