@@ -20,7 +20,8 @@ The final norm and lm_head run eagerly on the sampled rows only (padding would c
 
 Not on several ranks: there P stops at each MoE layer's boundary for the turnstile and its experts
 go through DeepEP's normal path, whose dispatch sizes are read on the host. Not for routing replay
-or MTP's hidden states (the graphs keep neither). Without `graphs` (CPU, tests) the pieces run
+(the pieces keep no expert ids). MTP's hidden states come out of the eager final norm, over the
+real rows (a new tensor: the next replay cannot overwrite it). Without `graphs` (CPU, tests) the pieces run
 eagerly through the same buffers and padding.
 """
 from __future__ import annotations
@@ -127,7 +128,7 @@ class PrefillGraphs:
     # ---- a forward ----------------------------------------------------------------------------
     def fits(self, batch: ForwardBatch) -> bool:
         t = batch.input_ids.shape[0]
-        return 0 < t <= self.buckets[-1] and batch.routes is None and not batch.want_hidden and bool(self.pieces)
+        return 0 < t <= self.buckets[-1] and batch.routes is None and bool(self.pieces)
 
     def bucket(self, t: int) -> int:
         return next(b for b in self.buckets if b >= t)

@@ -108,13 +108,17 @@ def test_greedy_identical_with_mtp_speculation(mtp_model, mode):
 
 
 def test_mtp_with_p_epochs_beside_d_and_a_tight_pool(mtp_model):
-    """pd with solo_overlap (P on a thread of its own: its hidden states arrive steps later) and a
-    pool that barely holds the requests (drafts shrink to the free blocks): outputs unchanged."""
-    for mode, kw, k in (("pd", {"solo_overlap": True}, 3), ("mixed", {"num_blocks": 24}, 2)):
+    """pd with solo_overlap (P on a thread of its own: its hidden states arrive steps later), a
+    pool that barely holds the requests (drafts shrink to the free blocks), and P through its
+    piecewise forward (the hidden states from its final norm): outputs unchanged."""
+    for mode, kw, k in (("pd", {"solo_overlap": True}, 3), ("mixed", {"num_blocks": 24}, 2),
+                        ("pd", {"solo_overlap": True, "prefill_graph_tokens": 16}, 2)):
         want = run_all(engine_for(mtp_model, mode, **kw), PROMPTS)[0]
         eng = engine_for(mtp_model, mode, k, **kw)
         assert run_all(eng, PROMPTS, check=check_invariants)[0] == want, mode
         assert_idle(eng)
+        if "prefill_graph_tokens" in kw:   # P's pieces ran (eagerly on CPU) and fed the head
+            assert eng.worker.p_graphs.replays > 0
 
 
 

@@ -86,11 +86,27 @@ def test_what_the_pieces_do_not_hold_runs_eagerly(tiny_model):
     assert not graphs.fits(batch_of([(list(range(2, 19)), 0, 0)]))   # 17 tokens: past the bound
     step.routes = []
     assert not graphs.fits(step)          # routing replay: the pieces keep no ids
-    step.routes, step.want_hidden = None, True
-    assert not graphs.fits(step)          # MTP's hidden states: nor those
     graphs.drop()
-    step.want_hidden = False
+    step.routes = None
     assert not graphs.fits(step)          # dropped for a memory release
+
+
+def test_the_pieces_give_mtp_its_hidden_states(tiny_model):
+    """The final norm runs after the last piece over every real row: MTP's hidden states (and the
+    logits beside them) equal the eager forward's, padding rows excluded."""
+    model = load_model(tiny_model, dtype=torch.float32)
+    kv_ref, kv = kv_for(model), kv_for(model)
+    graphs = PrefillGraphs(model, kv, 32, graphs=False)
+    graphs.capture()
+    segs = [([(i * 13) % 400 + 2 for i in range(11)], 0, 0), ([5, 6, 7, 8, 9], 0, 64)]   # 16 tokens
+    ref_step, step = batch_of(segs), batch_of(segs[:1] + [(segs[1][0][:4], 0, 64)])      # 15: one padding row
+    ref_step.want_hidden = step.want_hidden = True
+    ref = model(ref_step, kv_ref)
+    assert graphs.fits(step)
+    got = graphs.forward(step)
+    assert step.hidden.shape[0] == 15
+    torch.testing.assert_close(step.hidden, ref_step.hidden[:15], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)   # the first segment's logits
 
 
 @pytest.mark.parametrize("mode", ["normal", "mixed", "pd"])
