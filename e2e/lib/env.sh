@@ -39,6 +39,13 @@ PY
     echo "$stamp" > "$PDROLLOUT_VENV/.editable"
   fi
   flock -u 9
+  # The venv is shared by every checkout on the machine and its editable install points at the last
+  # one that refreshed it: each shell imports its own checkout's sources through a shim on
+  # PYTHONPATH (searched before the editable finder), so a CI clone beside a work tree stays itself.
+  mkdir -p "$root/.pdshim/pdrollout"
+  ln -sfn "$root/engine" "$root/.pdshim/pdrollout/engine"
+  ln -sfn "$root/operator" "$root/.pdshim/pdrollout/operator"
+  export PYTHONPATH="$root/.pdshim${PYTHONPATH:+:$PYTHONPATH}"
   export PDROLLOUT_VENV
   export PATH="$PDROLLOUT_VENV/bin:$PATH"
 }
