@@ -231,6 +231,12 @@ class EngineConfig(BaseModel):
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
     # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
+    # pd on one rank with solo_overlap: a step whose P is at most this many tokens runs as one fused
+    # P+D forward instead of an epoch beside D. A P of a few hundred tokens reads nearly every
+    # expert's weights, as a D step does: fused, they are read once and P's first tokens come a step
+    # sooner; beside D, the epoch slows D's steps for two steps or more (docs/PERF.md). 0: every P
+    # beside D (measured default); not on several ranks (their P spans D through the turnstile).
+    solo_fuse_tokens: int = Field(default=0, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
     # first. None: equal priorities (measured: p at P1 did not shorten P epochs, which were bound by
     # their thread issuing kernels, not by SMs; docs/PERF.md)

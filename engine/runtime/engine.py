@@ -180,10 +180,12 @@ class Engine(EngineOps):
 
     def _spans(self, plan: StepPlan) -> bool:
         """May this step's P epoch go on under the next steps' D? pd on several ranks (or on one with
-        solo_overlap), P and D in the step, no routing replay (a P epoch's routes must come back with
-        its own rows)."""
-        return ((self.topo.world > 1 or self._solo_overlap) and self.config.mode == "pd" and plan.p_any
-                and plan.d_any and not plan.routes_any)
+        solo_overlap, when its P is past `solo_fuse_tokens`), P and D in the step, no routing replay
+        (a P epoch's routes must come back with its own rows)."""
+        if not ((self.topo.world > 1 or self._solo_overlap) and self.config.mode == "pd" and plan.p_any
+                and plan.d_any and not plan.routes_any):
+            return False
+        return self.topo.world > 1 or sum(w.prefill_tokens for w in plan.replicas) > self.config.solo_fuse_tokens
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()

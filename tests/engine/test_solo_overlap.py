@@ -18,11 +18,14 @@ from pdrollout.engine.runtime.worker import Worker
 P_DELAY_S = 0.05    # each P forward takes this much longer: D steps (milliseconds here) go on meanwhile
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_model, tmp_path, overlap):
+FUSE = 16    # the hybrid case: a step whose P is at most this many tokens (here every P+D step's) runs fused
+
+
+@pytest.mark.parametrize("overlap,fuse", [(True, 0), (False, 0), (True, FUSE)])
+def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_model, tmp_path, overlap, fuse):
     cfg = EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=256, mixed_chunk_tokens=20,
                        control=ControlSettings(prefill_budget_tokens=64, span=4, activation="on"),
-                       solo_overlap=overlap)
+                       solo_overlap=overlap, solo_fuse_tokens=fuse)
     worker = Worker(cfg, Topology(1), 0, options=RankOptions(step_log=str(tmp_path)))
     forward = worker.forward
 
@@ -31,6 +34,10 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
             time.sleep(P_DELAY_S)
         return forward(phase, plan, pick, **kw)
     worker.forward = slow_p
+    epoch_steps = set()   # the steps whose P went to an epoch (one that ends inside its step too)
+    if worker.solo is not None:
+        epoch = worker.solo._epoch
+        worker.solo._epoch = lambda plan, planned: epoch_steps.add(plan.step) or epoch(plan, planned)
     engine = Engine(cfg, worker)
     out = run_all(engine, PROMPTS, max_new=10, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
@@ -43,6 +50,14 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
     if not overlap:   # one fused P+D forward per step
         assert not started and not finished and not during
         return
+    both = [s for s in steps if s["step"] > 0 and s["prefill_tokens"] and s["decode_rows"]]
+    fused = [s for s in both if s["step"] not in epoch_steps]
+    if fuse:   # small P rode in D's step; an epoch only for a larger P (the wait bound's whole budget)
+        assert fused and all(s["prefill_tokens"] <= fuse for s in fused), fused
+        assert all(s["prefill_tokens"] > fuse for s in both if s["step"] in epoch_steps)
+        assert finished == started
+        return
+    assert both and not fused
     assert started and finished == started, (started, finished)   # each epoch finishes once, in order
     assert all(s["prefill_tokens"] == 0 for s in during)          # no P planned while one is in flight
     assert sum(s["decode_rows"] > 0 for s in during) >= len(started)   # D went on beside every epoch
