@@ -114,12 +114,10 @@ class PagedProposer:
         self._peeked.clear()
         return seen, blocks
 
-    def drop_kept(self) -> int:
-        """Every kept entry (new weights make them stale); returns how many."""
-        n = len(self.kept)
+    def drop_kept(self) -> None:
+        """Every kept entry (new weights make them stale)."""
         for kid in list(self.kept):
             self.pool.release(self._drop(kid)[1])
-        return n
 
     def clear(self) -> None:
         """Nothing held: no request's entries, none kept (the cache's memory is released)."""
@@ -266,8 +264,9 @@ class ProposerMemory:
                     t.data = t.data.new_empty(0)
         self.released |= tags
 
-    def drop_kept(self) -> int:
-        return sum(p.drop_kept() for p in self.proposers)
+    def drop_kept(self) -> None:
+        for p in self.proposers:
+            p.drop_kept()
 
     def resume(self, tags: set[str]) -> None:
         tags = tags & self.released

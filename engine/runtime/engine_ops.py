@@ -149,8 +149,6 @@ class EngineOps:
         if "kv_cache" in tags:   # the cache's content is gone: no prefix block may be reused
             for s in self.schedulers:
                 s.drop_cached()
-            if self.proposer_memory is not None:   # the proposers' kept entries came from the old weights
-                self.proposer_memory.drop_kept()
         self.run_op("release", tags=tags)
         if self.proposer_memory is not None:
             self.proposer_memory.release(set(tags))

@@ -233,9 +233,9 @@ class Scheduler:
             limit = target - 1
             if self.proposer is not None:   # its entries from the request's earlier turn
                 adopted = self.proposer.adopt(rid, r.tokens)
-                limit = min(limit, adopted) if self.head_caps_prefix else limit
-            reuse = r.routes_from is None
-            res.blocks = [] if not reuse else self.pool.match_prefix(r.tokens, limit, res.chain)
+                if self.head_caps_prefix:
+                    limit = min(limit, adopted)
+            res.blocks = [] if r.routes_from is not None else self.pool.match_prefix(r.tokens, limit, res.chain)
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:
