@@ -59,8 +59,9 @@ def measure_ceilings():
 
 
 # P forwards as a P epoch carries them (continuation turns over cached context), (segments, new
-# tokens each, context before): P1's epochs carried 160-320 new tokens (docs/PERF.md)
-P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536))
+# tokens each, context before): P1's epochs carried 160-320 new tokens (docs/PERF.md); and the 8k
+# chunk of four fresh prompts alone (the forward inside `prefill_chunk_ms`' engine step)
+P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536), (4, 2048, 0))
 
 
 def time_p_forwards(e, reps: int = 10) -> dict:
@@ -235,6 +236,11 @@ def main():
            "prefill_chunk_ms": chunk_s * 1e3, "prefill_tflops": chunk_flops / chunk_s / 1e12,
            "prefill_fraction_of_peak": chunk_flops / chunk_s / peak}
     res["p_forwards"] = time_p_forwards(e)
+    if a.chunk == 8192 and a.ctx == 2048:   # the chunk's forward alone: the same FLOPs as the step's
+        fwd = res["p_forwards"]["4x2048"]
+        for name in ("eager", "graphed"):
+            if f"{name}_ms" in fwd:
+                res[f"prefill_forward_{name}_fraction_of_peak"] = chunk_flops / (fwd[f"{name}_ms"] / 1e3) / peak
     res["prefill_graph_tokens"] = e.worker.p_graphs.buckets[-1] if e.worker.p_graphs is not None else 0
     Path(a.out).write_text(json.dumps(res, indent=1))
     w = max(len(k) for k in res)

@@ -3,8 +3,9 @@
 graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
 touches. Decides `experts_kernel`'s default (issue 19).
 
-    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--fp8]
+    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--sweep-large] [--fp8]
     (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach;
+     --sweep-large: the 128-row tiles by row-block group (group_m), stages and down's own tiles;
      --fp8: the same experts as e4m3 with 128×128 block scales — the fused kernel dequantizing tiles in
      registers against today's CUDA FP8 path (the layer dequantized, then grouped GEMMs), its FP8
      floor, and the bf16 and FP8 GEMM peaks measured in the same call (issue 23))
@@ -45,14 +46,34 @@ def timed(fn, reps: int) -> float:
 def sweep(run, ref, flops: float) -> list[dict]:
     """Every tile/warp/stage combination that compiles and agrees with the reference, fastest first."""
     import itertools
+    grid = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            for bm, (bn, bk), warps, stages in itertools.product((16, 32, 64, 128), ((64, 64), (128, 64), (64, 128)),
+                                                                 (4, 8), (3, 4))]
+    return sweep_configs(run, ref, flops, grid)
+
+
+def large_configs() -> list[dict]:
+    """--sweep-large: 128-row tiles (AutoExperts' long-prefill path) by row-block group, stages and
+    down's own tiles."""
+    base = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    out = [dict(base, group_m=g) for g in (1, 4, 8, 16, 32)]
+    out += [dict(base, num_stages=4, group_m=g) for g in (8, 16)]
+    out += [dict(base, block_m=64, num_warps=4, num_stages=4, group_m=g) for g in (1, 8)]
+    for down in (dict(block_n=256, block_k=64), dict(block_n=256, block_k=64, num_stages=4), dict(block_n=128, block_k=128),
+                 dict(block_n=64, block_k=128, num_warps=4), dict(block_n=128, block_k=64, num_stages=4, group_m=32)):
+        out.append(dict(base, group_m=8, down_tiles=down))
+    return out
+
+
+def sweep_configs(run, ref, flops: float, configs: list[dict]) -> list[dict]:
+    """Each config that compiles and agrees with the reference, fastest first (a config past shared
+    memory or registers is reported, not fatal)."""
     out = []
-    for bm, (bn, bk), warps, stages in itertools.product((16, 32, 64, 128), ((64, 64), (128, 64), (64, 128)),
-                                                         (4, 8), (3, 4)):
-        cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    for cfg in configs:
         try:
             err = ((run(**cfg).double() - ref).norm() / ref.norm()).item()
             us = timed(lambda: run(**cfg), 20) * 1e6
-        except Exception as exc:   # a shape past shared memory or registers: reported, not fatal
+        except Exception as exc:
             out.append({"config": cfg, "error": str(exc).splitlines()[0][:120]})
             continue
         out.append({"config": cfg, "us": us, "tflops": flops / us / 1e6, "rel_err": err})
@@ -124,6 +145,7 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1,8,32,64,128,256,2048,8192")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-large", action="store_true", help="the 128-row tiles by group, stages and down tiles")
     ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
@@ -145,13 +167,21 @@ def main() -> int:
         if not cpu:
             from pdrollout.engine.model.kernels import experts_grouped
             floor = row["experts_touched"] * 3 * hidden * inter * 2 / bw
+            from pdrollout.engine.model.backends import AutoExperts
             row.update(grouped_us=timed(lambda: experts_grouped(x, ids, w, gate_up, down), 50) * 1e6,
                        fused_us=timed(lambda: experts_fused(x, ids, w, gate_up, down), 50) * 1e6,
+                       auto_us=timed(lambda: AutoExperts()(x, ids, w, gate_up, down), 50) * 1e6,   # the engine's pick
                        floor_us=floor * 1e6)
             row["fused_over_grouped"] = row["fused_us"] / row["grouped_us"]
             row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
             flops = 2 * t * top_k * 3 * hidden * inter
             row["grouped_tflops"] = flops / row["grouped_us"] / 1e6
+            row["auto_tflops"] = flops / row["auto_us"] / 1e6
+            if a.sweep_large:
+                row["sweep_large"] = sweep_configs(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops,
+                                                   large_configs())
+                best = row["sweep_large"][0]
+                row["best_large_us"], row["best_large_config"] = best.get("us"), best["config"]
             if a.sweep:
                 row["sweep"] = sweep(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops)
                 best = row["sweep"][0]

@@ -15,9 +15,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
                                  16 rows per expert (fused_moe.py; `experts_kernel: fused`); FP8
                                  experts stay e4m3 in HBM, dequantized per tile in registers
-             AutoExperts         fused with 16-row blocks at decode sizes, grouped between, fused with
-                                 128-row tiles for long prefill (bf16 on SM90+: `experts_kernel: auto`);
-                                 FP8 experts fused at every size
+             AutoExperts         fused, with 16-, 64- or 128-row tiles by the rows an expert sees
+                                 (bf16 on SM90+, where it was measured: `experts_kernel: auto`; FP8 too)
              GatheredExperts     batched matmuls over gathered weights (dtypes grouped GEMM lacks)
 The same expert backend runs the local experts of routed rows on every rank (`routed`): P's
 received rows, D's fixed receive slots, a single rank's top-k rows.
@@ -116,29 +115,34 @@ class FusedExperts(_Experts):
         return fused_moe.experts_fused
 
 
-# Routed (token, expert) pairs up to which the 16-row fused path beats the grouped GEMMs on the H200
-# for the Qwen3-30B-A3B expert shape (e2e/gpu/moe_kernels.py --sweep, docs/PERF.md): 64 tokens × top-8
-# 0.87× grouped, 256 × 8 1.40× (no tile shape of the sweep won there). From FUSED_LARGE_PAIRS on, the
-# fused kernels with 128-row tiles win again: 2,048 tokens 0.71×, 8,192 tokens 0.64× grouped. Decided
-# from shapes alone, so a captured graph keeps its choice.
-FUSED_MAX_PAIRS = 512
+# AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py --sweep-large on the
+# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): since the weighted outputs went to bf16 and
+# the GEMM grids to row-block groups, the fused kernels beat the grouped GEMMs at every size measured
+# (64 tokens × top-8 0.87×, 256 0.63×, 1,024 0.59×, 2,048 0.56×, 8,192 0.51× of their time). Tiles
+# grow with the rows an expert sees: 16 rows at decode sizes (an expert gets one or two rows),
+# 64 from FUSED_MEDIUM_PAIRS (256 tokens: 339 µs vs 352 with 16 rows), 128 from FUSED_LARGE_PAIRS
+# (1,024 tokens: 458 µs vs 471 with 64). Decided from shapes alone, so a captured graph keeps its choice.
+FUSED_MEDIUM_PAIRS = 2048
 FUSED_LARGE_PAIRS = 8192
-FUSED_LARGE_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+FUSED_MEDIUM_TILES = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=1)
+FUSED_LARGE_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=8)
+
+
+def fused_tiles(pairs: int) -> dict:
+    """experts_fused's tile arguments for a layer of `pairs` routed pairs ({}: its 16-row defaults)."""
+    if pairs >= FUSED_LARGE_PAIRS:
+        return FUSED_LARGE_TILES
+    return FUSED_MEDIUM_TILES if pairs >= FUSED_MEDIUM_PAIRS else {}
 
 
 class AutoExperts(_Experts):
-    # FP8 experts: the fused kernels at every size. The grouped GEMMs would need the layer's experts
-    # dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms fused.
+    # FP8 experts too: each weight tile dequantized in registers (the grouped GEMMs would need the
+    # layer's experts dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms)
     fp8_in_kernel = True
 
     def fn(self, x, topk_ids, *args, fp8=None):
-        from . import fused_moe, kernels
-        pairs = topk_ids.numel()
-        if pairs >= FUSED_LARGE_PAIRS:
-            return fused_moe.experts_fused(x, topk_ids, *args, **FUSED_LARGE_TILES, fp8=fp8)
-        if pairs <= FUSED_MAX_PAIRS or fp8 is not None:
-            return fused_moe.experts_fused(x, topk_ids, *args, fp8=fp8)
-        return kernels.experts_grouped(x, topk_ids, *args)
+        from . import fused_moe
+        return fused_moe.experts_fused(x, topk_ids, *args, **fused_tiles(topk_ids.numel()), fp8=fp8)
 
 
 class GatheredExperts(_Experts):

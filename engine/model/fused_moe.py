@@ -9,7 +9,11 @@ expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are 
 2. gate/up kernel: per block of BLOCK_M pairs and BLOCK_N intermediate columns, the gate and up
    tiles accumulate together over H and SiLU(gate)·up is written once (no [rows, 2I] round trip).
 3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
-   of an fp32 [T·K, H] buffer (deterministic: no atomics).
+   of a [T·K, H] buffer in the weights' dtype, as the reference rounds it (deterministic: no atomics;
+   at 8k tokens an fp32 buffer cost half a GB of writes and reads a layer).
+Both GEMM kernels run a 1-D grid in groups of `group_m` row blocks that walk their column tiles
+together: down's activations (100 MB a layer at 8k tokens) are then read from HBM once, not once
+per column tile.
 4. combine kernel: each token's K slots summed in order, slots of another rank's experts skipped
    (their rows are never written, so the buffer needs no zero fill), cast once to the output dtype.
 Every weight tile an expert needs is read once per block of its rows. Tested against
@@ -147,9 +151,15 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
-                sx, swe, swn, swk, ws, sse, ssn, ssk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                sx, swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
+        # GM row blocks share a group: its programs walk their column tiles together, so the blocks'
+        # rows and their experts' weight tiles are read from L2, not HBM, by the group's programs
+        pid, n_tiles = tl.program_id(0), tl.cdiv(I, BN)
+        first = pid // (GM * n_tiles) * GM
+        size = tl.minimum(blocks - first, GM)
+        pid_m = first + pid % (GM * n_tiles) % size
+        pid_n = pid % (GM * n_tiles) // size
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
             return
@@ -193,9 +203,13 @@ def _kernels(interpret: bool):
     # module imports Triton only when a kernel first runs
     @triton.jit
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
-             swe, swn, swk, ws, sse, ssn, ssk, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+             swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
+        pid, n_tiles = tl.program_id(0), tl.cdiv(H, BN)
+        first = pid // (GM * n_tiles) * GM
+        size = tl.minimum(blocks - first, GM)
+        pid_m = first + pid % (GM * n_tiles) % size
+        pid_n = pid % (GM * n_tiles) // size
         e = tl.load(block_expert + pid_m)
         if e >= num_local:
             return
@@ -220,10 +234,11 @@ def _kernels(interpret: bool):
                 acc += tl.dot(a, wt, input_precision="ieee")
             else:
                 acc += tl.dot(a, wt)
-        # the reference rounds each expert's output to the weights' dtype before weighting it
+        # as the reference: each expert's output rounded to the weights' dtype, then weighted in it
         acc = acc.to(act.dtype.element_ty).to(tl.float32)
         rw = tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)
-        tl.store(y + pair[:, None] * H + cols[None, :], acc * rw[:, None], mask=valid[:, None] & cmask[None, :])
+        tl.store(y + pair[:, None] * H + cols[None, :], (acc * rw[:, None]).to(y.dtype.element_ty),
+                 mask=valid[:, None] & cmask[None, :])
 
     @triton.jit
     def combine(y, topk_ids, out, expert_offset, num_local, H: tl.constexpr, K: tl.constexpr,
@@ -235,7 +250,7 @@ def _kernels(interpret: bool):
         for k in range(K):
             e = tl.load(topk_ids + t * K + k) - expert_offset
             owned = (e >= 0) & (e < num_local)
-            acc += tl.load(y + (t * K + k) * H + cols, mask=cmask & owned, other=0.0)
+            acc += tl.load(y + (t * K + k) * H + cols, mask=cmask & owned, other=0.0).to(tl.float32)
         tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
     return gate_up, down, combine
@@ -246,9 +261,11 @@ COMBINE_BH = 512    # hidden columns per combine program
 
 def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
                   block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                  num_stages: int = 3, fp8: tuple | None = None):
+                  num_stages: int = 3, group_m: int = 1, down_tiles: dict | None = None, fp8: tuple | None = None):
     """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]. The tile
-    arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep.
+    arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep;
+    `group_m` row blocks walk their column tiles together (L2 reuse); `down_tiles` overrides block_n,
+    block_k, num_warps, num_stages and group_m for the down kernel (block_m is the layout's).
     `fp8` = (gate_up scale_inv, down scale_inv, quant block) with e4m3 weights (fp8.py's layout: gate's
     and up's block rows quantized apart): each weight tile is dequantized in registers, exactly as
     fp8.dequantize would (fp32 product, cast to x's dtype), so the weights cross HBM as FP8."""
@@ -261,7 +278,8 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     sorted_ids, block_expert, blocks = lay_out(topk_ids, e_local, expert_offset, block_m)
     wdtype = x.dtype if fp8 is not None else gate_up.dtype
     act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
-    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)   # owned pairs' rows: all written
+    # owned pairs' rows, all written: weighted outputs in the weights' dtype, as the reference's
+    y = torch.empty(n, hidden, dtype=wdtype, device=x.device)
     interpret = triton_interpreting()
     k_gate_up, k_down, k_combine = _kernels(interpret)
     xs = x.to(wdtype).contiguous()
@@ -275,15 +293,22 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
         if block[0] != block[1] or qb % block_k:
             raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({block_k}) divides, got {block}")
         st_gu, st_dn = s_gu.stride(), s_dn.stride()
-    tiles = dict(BM=block_m, BN=block_n, BK=block_k, F32=interpret, IEEE=ieee, QB=qb)
-    launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
-    k_gate_up[(blocks, triton.cdiv(inter, block_n))](
+    d = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, group_m=group_m)
+    d.update(down_tiles or {})
+    if fp8 is not None and qb % d["block_k"]:
+        raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({d['block_k']}) divides, got {block}")
+
+    def tiles(block_n, block_k, num_warps, num_stages, group_m):
+        launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
+        return dict(BM=block_m, BN=block_n, BK=block_k, GM=group_m, F32=interpret, IEEE=ieee, QB=qb, **launch)
+    k_gate_up[(blocks * triton.cdiv(inter, block_n),)](
         xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
-        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gu, *st_gu, **tiles, **launch)
+        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gu, *st_gu, blocks,
+        **tiles(block_n, block_k, num_warps, num_stages, group_m))
     w = topk_weights.reshape(-1).contiguous()
-    k_down[(blocks, triton.cdiv(hidden, block_n))](
+    k_down[(blocks * triton.cdiv(hidden, d["block_n"]),)](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
-        down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, **tiles, **launch)
+        down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, blocks, **tiles(**d))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     ids = topk_ids.contiguous()
     k_combine[(t, triton.cdiv(hidden, COMBINE_BH))](y, ids, out, expert_offset, e_local, hidden, k,

@@ -35,6 +35,17 @@ def test_fused_experts_match_the_reference(dtype, tol, t, k, total, num_local, o
     assert rel(out, ref) < tol
 
 
+@pytest.mark.parametrize("tiles", [dict(group_m=3), dict(group_m=8, down_tiles=dict(block_n=64, group_m=2)),
+                                   dict(down_tiles=dict(block_n=16, num_warps=8))])
+def test_row_block_groups_and_downs_own_tiles_change_no_value(tiles):
+    """The grid order (groups of row blocks, a group past the last block cut short) and down's column
+    tiles move no product between sums: the output is the default launch's, bit for bit."""
+    x, ids, w, gu, dn = _case(64, 8, 64, 96, 80, 16, torch.float32, seed=3)
+    base = experts_fused(x, ids, w, gu, dn, 32, block_n=32, block_k=32)
+    assert torch.equal(experts_fused(x, ids, w, gu, dn, 32, block_n=32, block_k=32, **tiles), base)
+    assert rel(base, ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), 32)) < 1e-6
+
+
 def test_rows_with_no_local_expert_are_zero_and_empty_slots_are_skipped():
     x, ids, w, gu, dn = _case(6, 2, 8, 96, 80, 4, torch.float32, seed=9)
     foreign = experts_fused(x, torch.full_like(ids, 7), w, gu, dn, expert_offset=0)   # expert 7: not here
@@ -192,16 +203,19 @@ def test_an_fp8_model_through_the_fused_experts_equals_the_reference_path():
     assert rel(got, moe.routed_experts(rows, ids)) < 1e-6 and torch.equal(got[1], torch.zeros(256))
 
 
-def test_auto_experts_keep_fp8_weights_in_the_fused_kernels_between_the_fused_ranges():
-    """AutoExperts takes grouped GEMMs between its two fused ranges in bf16, but FP8 experts stay in
-    the fused kernels there (the grouped path would dequantize the whole layer per forward)."""
-    from pdrollout.engine.model.backends import FUSED_LARGE_PAIRS, FUSED_MAX_PAIRS, AutoExperts
+@pytest.mark.parametrize("t", [80, 256, 1024])
+def test_auto_experts_grow_their_tiles_with_the_pairs_and_keep_fp8_weights_in_the_kernels(t):
+    """AutoExperts runs the fused kernels at every size, with 16-, 64- and 128-row tiles as the pairs
+    grow; FP8 experts stay e4m3 into the kernels at each (exact against the dequantizing reference)."""
+    from pdrollout.engine.model import fp8 as fp8mod
+    from pdrollout.engine.model.backends import AutoExperts, fused_tiles
+    k = 8
+    assert fused_tiles(t * k).get("block_m", BLOCK_M) == {80: 16, 256: 64, 1024: 128}[t]
     ex = _fp8_experts(8, 256, 128, (128, 128), seed=2)
-    t, k = 80, 8
-    assert FUSED_MAX_PAIRS < t * k < FUSED_LARGE_PAIRS and AutoExperts.fp8_in_kernel
     g = torch.Generator().manual_seed(5)
     x = torch.randn(t, 256, generator=g)
     w, ids = ops.route(torch.randn(t, 8, generator=g), k, True, torch.float32)
     fp8 = (ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, (128, 128))
+    assert AutoExperts.fp8_in_kernel
     got = AutoExperts()(x, ids, w, ex.gate_up_proj, ex.down_proj, fp8=fp8)
-    assert torch.equal(got, experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, fp8=fp8))
+    assert rel(got, fp8mod.experts_forward(x, ids, w, ex, 0)) < 1e-6

@@ -1,6 +1,8 @@
 """CUDA kernels against the reference ops (GPU machine; deselected on CPU CI by the `gpu` marker)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -125,10 +127,12 @@ def test_the_align_kernel_lays_out_pairs_as_the_torch_ops(tokens, num_local, off
 
 def _experts(kernel: str):
     from pdrollout.engine.model import fused_moe, kernels
-    return {"grouped": kernels.experts_grouped, "fused": fused_moe.experts_fused}[kernel]
+    from pdrollout.engine.model.backends import FUSED_LARGE_TILES
+    large = functools.partial(fused_moe.experts_fused, **FUSED_LARGE_TILES)   # AutoExperts' long-prefill tiles
+    return {"grouped": kernels.experts_grouped, "fused": fused_moe.experts_fused, "fused_large": large}[kernel]
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "fused"])
+@pytest.mark.parametrize("kernel", ["grouped", "fused", "fused_large"])
 @pytest.mark.parametrize("tokens,offset,num_local", [(1, 0, 128), (64, 0, 128), (4096, 0, 128), (200, 32, 32)])
 def test_routed_experts_match_reference(kernel, tokens, offset, num_local):
     experts = _experts(kernel)
