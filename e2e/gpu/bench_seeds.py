@@ -255,6 +255,16 @@ def spread(xs: list[float]) -> dict | None:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def add_invocation(path: Path, meta: dict) -> dict:
+    """OUT's meta: the first invocation's, each later one (a resume, more variants) appended under
+    "invocations" with its own command, commit and variants."""
+    if not path.exists():
+        return {**meta, "invocations": []}
+    first = json.loads(path.read_text())
+    first.setdefault("invocations", []).append(meta)
+    return first
+
+
 def summarize(out: Path) -> dict:
     """{pressure: {variant/mode: {measure: spread, 'vs_normal': spread, 'vs_mixed': spread, seeds}}}."""
     runs = {}   # (variant, pressure, seed) -> modes
@@ -348,7 +358,7 @@ def main() -> int:
                 "engine_config": BASE_CONFIG, "variants": variants,
                 "servers": "one per (variant, mode), cache flushed between runs" if args.reuse_server
                            else "a fresh one per run"}
-        (out / "meta.json").write_text(json.dumps(meta, indent=1))
+        (out / "meta.json").write_text(json.dumps(add_invocation(out / "meta.json", meta), indent=1))
         run_all(args, variants)
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -69,6 +69,10 @@ def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
     assert "quantization_config" in json.loads((tmp_path / "fp8-model-fp8" / "config.json").read_text())
     table = json.loads((out / "summary.json").read_text())["table"]["P2"]
     assert table["fp8/mixed"]["makespan_vs_mixed"]["n"] == 1
+    meta = json.loads((out / "meta.json").read_text())   # the resume's command beside the first one's
+    assert [v["name"] for v in meta["variants"]] == ["base"] and len(meta["invocations"]) == 1
+    assert [v["name"] for v in meta["invocations"][0]["variants"]] == ["base", "fp8"]
+    assert "--skip-existing" in meta["invocations"][0]["command"]
 
 
 def test_bench_seeds_gives_an_mtp_variant_a_model_with_its_head(tmp_path):
