@@ -69,9 +69,41 @@ def main():
     print(text)
 
 
+def step_phases(e) -> str:
+    """Where the step's wall goes beyond its kernels: host time before the forward, the forward on
+    the GPU (CUDA events on its stream), the wait after it, and the step's finish (ms)."""
+    w, marks = e.worker, {}
+    model = w._model
+
+    def timed_model(phase, batch):
+        marks["in"] = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = model(phase, batch)
+        end.record()
+        marks["issued"], marks["events"] = time.perf_counter(), (start, end)
+        return out
+    w._model = timed_model
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        launched = e.launch()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        e.finish(launched)
+        t2 = time.perf_counter()
+    finally:
+        w._model = model
+    gpu = marks["events"][0].elapsed_time(marks["events"][1])
+    return (f"step phases (ms): before the forward {1e3 * (marks['in'] - t0):.1f}, forward issued in "
+            f"{1e3 * (marks['issued'] - marks['in']):.1f}, forward on the GPU {gpu:.1f}, launch to synced "
+            f"{1e3 * (t1 - t0):.1f}, finish {1e3 * (t2 - t1):.1f}\n")
+
+
 def profile_prefill(e, cfg, g, a):
-    """Four steps of the same shape: two compile and warm, one is timed, the last is profiled."""
-    for i in range(4 * a.rows):
+    """Five steps of the same shape: two compile and warm, one is timed, one is profiled, the last is
+    split into phases."""
+    for i in range(5 * a.rows):
         e.submit(f"p{i}", torch.randint(2, cfg["vocab_size"], (a.row_tokens,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     e.step(), e.step()
@@ -88,7 +120,7 @@ def profile_prefill(e, cfg, g, a):
     tokens = a.rows * a.row_tokens
     text = (f"one engine step prefilling {tokens:,} tokens ({a.rows} × {a.row_tokens:,}), {a.layers} layers, "
             f"experts {e.worker.backends.name}: {wall:.1f} ms wall (unprofiled), {total:.1f} ms of kernel time\n"
-            + table)
+            + step_phases(e) + table)
     Path(a.out).write_text(text)
     print(text)
 
