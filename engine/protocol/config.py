@@ -145,6 +145,7 @@ def load_preset(name_or_path: str) -> dict:
 
 KV_SPLITS_MAX = 16   # decode attention's context splits (model/kernels.py)
 SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
+SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md)
 
 Activation = Literal["on", "off", "auto"]
 Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
@@ -234,9 +235,11 @@ class EngineConfig(BaseModel):
     # pd on one rank with solo_overlap: a step whose P is at most this many tokens runs as one fused
     # P+D forward instead of an epoch beside D. A P of a few hundred tokens reads nearly every
     # expert's weights, as a D step does: fused, they are read once and P's first tokens come a step
-    # sooner; beside D, the epoch slows D's steps for two steps or more (docs/PERF.md). 0: every P
-    # beside D (measured default); not on several ranks (their P spans D through the turnstile).
-    solo_fuse_tokens: int = Field(default=0, ge=0)
+    # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (measured
+    # at P1 on the H200: p50 TTFT 54 ms against 80 with every P beside D, makespan level or lower;
+    # docs/PERF.md), 0 elsewhere; 0: every P beside D. Not on several ranks (their P spans D through
+    # the turnstile).
+    solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
     # first. None: equal priorities (measured: p at P1 did not shorten P epochs, which were bound by
     # their thread issuing kernels, not by SMs; docs/PERF.md)
@@ -262,6 +265,11 @@ class EngineConfig(BaseModel):
 
     def solo_overlap_on(self, device_type: str) -> bool:
         return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"
+
+    def solo_fuse_tokens_on(self, device_type: str) -> int:
+        if self.solo_fuse_tokens is not None:
+            return self.solo_fuse_tokens
+        return SOLO_FUSE_TOKENS_CUDA if device_type == "cuda" else 0
 
     @field_validator("speculative_k")
     @classmethod

@@ -67,6 +67,7 @@ class Engine(EngineOps):
         self.schedulers = [Scheduler(config, worker.cfg, worker.num_blocks, p) for p in proposers]
         self.replica_of: dict[str, int] = {}
         self._solo_overlap = worker.solo is not None   # pd on one rank, its P epochs beside D
+        self._solo_fuse_tokens = config.solo_fuse_tokens_on(worker.device.type)
         self.control = config.control
         if self._solo_overlap:
             # P epochs beside D's graphs no longer stall D, so a long-waiting P may take the whole
@@ -185,7 +186,7 @@ class Engine(EngineOps):
         if not ((self.topo.world > 1 or self._solo_overlap) and self.config.mode == "pd" and plan.p_any
                 and plan.d_any and not plan.routes_any):
             return False
-        return self.topo.world > 1 or sum(w.prefill_tokens for w in plan.replicas) > self.config.solo_fuse_tokens
+        return self.topo.world > 1 or sum(w.prefill_tokens for w in plan.replicas) > self._solo_fuse_tokens
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()

@@ -31,11 +31,12 @@ def test_cuda_greedy_matches_transformers(tiny_model, mode):
 @pytest.mark.parametrize("kernels,priority", [("fused", "p"), ("auto", None)])
 def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kernels, priority):
     """The fused Triton experts, prologue, residual add + norm and routing (fp32: IEEE dots), and pd's P
-    epoch on its own stream beside D's graph replays (solo_overlap, on by default on CUDA; P's stream
-    at high priority, or equal), inside the margin rule."""
+    epoch on its own stream beside D's graph replays (solo_overlap, on by default on CUDA; every P an
+    epoch: these prompts are under the default fuse bound; P's stream at high priority, or equal),
+    inside the margin rule."""
     e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="pd", block_size=4,
                             num_blocks=512, max_running=8, experts_kernel=kernels, qk_prologue=kernels,
-                            add_norm=kernels, router=kernels, priority_stream=priority,
+                            add_norm=kernels, router=kernels, priority_stream=priority, solo_fuse_tokens=0,
                             control=ControlSettings(prefill_budget_tokens=24, activation="on")))
     assert e.worker.solo is not None
     p, d = e.worker.streams["p"].priority, e.worker.streams["d"].priority

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hf_reference import PROMPTS, assert_matches_reference, hf_greedy, run_all
-from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
+from pdrollout.engine.protocol.config import SOLO_FUSE_TOKENS_CUDA, ControlSettings, EngineConfig
 from pdrollout.engine.protocol.plan import Phase
 from pdrollout.engine.protocol.topology import Topology
 from pdrollout.engine.runtime.engine import Engine
@@ -86,6 +86,13 @@ def test_a_burst_runs_alone_by_default_only_where_p_epochs_run_beside_d(tiny_mod
     cfg = EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64, solo_overlap=overlap,
                        control=ControlSettings(p_burst_first=given))
     assert Engine(cfg).control.p_burst_first is want
+
+
+@pytest.mark.parametrize("given,cuda,cpu", [(None, SOLO_FUSE_TOKENS_CUDA, 0), (0, 0, 0), (64, 64, 64)])
+def test_small_p_rides_in_ds_step_by_default_only_on_cuda(tiny_model, given, cuda, cpu):
+    cfg = EngineConfig(model=str(tiny_model), mode="pd", solo_fuse_tokens=given)
+    assert (cfg.solo_fuse_tokens_on("cuda"), cfg.solo_fuse_tokens_on("cpu")) == (cuda, cpu)
+    assert Engine(cfg.model_copy(update={"solo_overlap": True, "block_size": 4, "num_blocks": 64}))._solo_fuse_tokens == cpu
 
 
 def test_prefill_warmup_runs_every_size_and_changes_no_output(tiny_model, capfd):
