@@ -9,13 +9,14 @@ expert of decode and short prefill, where a grouped GEMM's 64-128-row tiles are 
 2. gate/up kernel: per block of BLOCK_M pairs and BLOCK_N intermediate columns, the gate and up
    tiles accumulate together over H and SiLU(gate)·up is written once (no [rows, 2I] round trip).
 3. down kernel: act × down[e]ᵀ, scaled by the pair's routing weight, stored to the pair's own row
-   of a [T·K, H] buffer in the weights' dtype, as the reference rounds it (deterministic: no atomics;
-   at 8k tokens an fp32 buffer cost half a GB of writes and reads a layer).
+   of a [T·K, H] buffer in the dtype the kernels compute in (the weights', or the activations' with
+   FP8 weights), as the reference rounds it (deterministic: no atomics; at 8k tokens an fp32 buffer
+   cost half a GB of writes and reads a layer).
+4. combine kernel: each token's K slots summed in order, slots of another rank's experts skipped
+   (their rows are never written, so the buffer needs no zero fill), cast once to the output dtype.
 Both GEMM kernels run a 1-D grid in groups of `group_m` row blocks that walk their column tiles
 together: down's activations (100 MB a layer at 8k tokens) are then read from HBM once, not once
 per column tile.
-4. combine kernel: each token's K slots summed in order, slots of another rank's experts skipped
-   (their rows are never written, so the buffer needs no zero fill), cast once to the output dtype.
 Every weight tile an expert needs is read once per block of its rows. Tested against
 ops.experts_reference on CPU under Triton's interpreter (tests/engine/interp_fused_moe.py) and on the
 GPU (tests/engine/test_kernels.py).
@@ -278,7 +279,7 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     sorted_ids, block_expert, blocks = lay_out(topk_ids, e_local, expert_offset, block_m)
     wdtype = x.dtype if fp8 is not None else gate_up.dtype
     act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
-    # owned pairs' rows, all written: weighted outputs in the weights' dtype, as the reference's
+    # owned pairs' rows, all written: weighted outputs in the compute dtype, as the reference's
     y = torch.empty(n, hidden, dtype=wdtype, device=x.device)
     interpret = triton_interpreting()
     k_gate_up, k_down, k_combine = _kernels(interpret)
@@ -290,13 +291,12 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
     else:
         s_gu, s_dn, block = fp8
         qb = block[0]
-        if block[0] != block[1] or qb % block_k:
-            raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({block_k}) divides, got {block}")
         st_gu, st_dn = s_gu.stride(), s_dn.stride()
     d = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, group_m=group_m)
     d.update(down_tiles or {})
-    if fp8 is not None and qb % d["block_k"]:
-        raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({d['block_k']}) divides, got {block}")
+    for bk in (block_k, d["block_k"]) if fp8 is not None else ():
+        if block[0] != block[1] or qb % bk:
+            raise ValueError(f"fused FP8 experts need square quant blocks that block_k ({bk}) divides, got {block}")
 
     def tiles(block_n, block_k, num_warps, num_stages, group_m):
         launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)

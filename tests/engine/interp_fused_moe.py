@@ -159,11 +159,12 @@ def test_fp8_fused_experts_dequantize_each_tile_exactly_as_the_reference(dtype, 
     assert out.dtype == dtype
 
 
-def test_fp8_fused_experts_reject_a_k_tile_across_scale_blocks():
+@pytest.mark.parametrize("tiles", [dict(block_k=96), dict(down_tiles=dict(block_k=96))])
+def test_fp8_fused_experts_reject_a_k_tile_across_scale_blocks(tiles):
     ex = _fp8_experts(2, 160, 192, (128, 128), seed=0)
     x, ids, w = torch.randn(2, 160), torch.tensor([[0], [1]]), torch.ones(2, 1)
-    with pytest.raises(ValueError, match="block_k"):
-        experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, block_k=96,
+    with pytest.raises(ValueError, match=r"block_k \(96\)"):
+        experts_fused(x, ids, w, ex.gate_up_proj, ex.down_proj, **tiles,
                       fp8=(ex.gate_up_proj_scale_inv, ex.down_proj_scale_inv, (128, 128)))
 
 
