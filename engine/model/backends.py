@@ -118,7 +118,8 @@ class FusedExperts(_Experts):
 # AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py --sweep-large on the
 # H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): since the weighted outputs went to bf16 and
 # the GEMM grids to row-block groups, the fused kernels beat the grouped GEMMs at every size measured
-# (64 tokens × top-8 0.87×, 256 0.63×, 1,024 0.59×, 2,048 0.56×, 8,192 0.51× of their time). Tiles
+# (256 tokens × top-8 0.63×, 1,024 0.59×, 2,048 0.56×, 8,192 0.51× of their time; 64 tokens 0.87× before
+# these changes). Tiles
 # grow with the rows an expert sees: 16 rows at decode sizes (an expert gets one or two rows),
 # 64 from FUSED_MEDIUM_PAIRS (256 tokens: 339 µs vs 352 with 16 rows), 128 from FUSED_LARGE_PAIRS
 # (1,024 tokens: 458 µs vs 471 with 64). Decided from shapes alone, so a captured graph keeps its choice.
