@@ -206,3 +206,22 @@ def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/attn_kernels.py"), str(out), "--shapes", "16k"],
                        env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "unknown shapes ['16k']" in r.stderr
+
+
+def test_critical_path_splits_the_last_sessions_time():
+    """The last session to end is the critical one: its start, first-token waits, decode time and
+    tool gaps add up to its end; its decode ms per token is set beside the other sessions'."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from critical_path import summary
+    finally:
+        sys.path.pop(0)
+    rec = lambda sid, turn, rel, first, done, toks: {"session_id": sid, "turn": turn, "release_s": rel,
+                                                     "first_token_s": first, "done_s": done, "completion_tokens": toks}
+    records = [rec("a", 1, 2.5, 2.6, 4.6, 100), rec("a", 0, 0.5, 0.7, 2.0, 50),     # turns out of order
+               rec("b", 0, 0.0, 0.1, 3.1, 100)]
+    s = summary(records)
+    assert s["session"] == "a" and s["turns"] == 2 and s["tokens"] == 150
+    assert abs(s["ttft_s"] - 0.3) < 1e-9 and abs(s["decode_s"] - 3.3) < 1e-9 and abs(s["gaps_s"] - 0.5) < 1e-9
+    assert abs(s["start_s"] + s["ttft_s"] + s["decode_s"] + s["gaps_s"] - s["end_s"]) < 1e-9
+    assert abs(s["ms_per_token"] - 22.0) < 1e-9 and abs(s["others_ms_per_token"] - 30.0) < 1e-9
