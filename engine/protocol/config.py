@@ -202,8 +202,8 @@ class EngineConfig(BaseModel):
     seed: int = 0
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     # routed experts on CUDA: grouped GEMMs, the fused Triton path (model/fused_moe.py), or auto: fused
-    # at decode sizes, grouped between, fused with large tiles for long prefill (measured on the H200,
-    # backends.py)
+    # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (measured on the H200:
+    # backends.fused_tiles)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
     # q/k norm + RoPE + KV write: torch ops, one Triton kernel per operand (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
