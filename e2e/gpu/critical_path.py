@@ -10,10 +10,10 @@ Usage: python3 e2e/gpu/critical_path.py DIR...   (any directory holding records-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
-from pathlib import Path
+
+from ttft_epochs import record_runs   # this script's directory is on sys.path when it runs
 
 
 def sessions(records: list[dict]) -> dict[str, list[dict]]:
@@ -48,12 +48,10 @@ def main() -> int:
     a = ap.parse_args()
     print(f"{'run':<34}{'session':>11}{'end s':>7}{'turns':>6}{'TTFT s':>8}{'decode s':>9}{'gaps s':>7}"
           f"{'tokens':>7}{'ms/tok':>7}{'others':>7}")
-    for d in a.dirs:
-        for f in sorted(Path(d).rglob("records-*.jsonl")):
-            s = summary([json.loads(line) for line in f.open()])
-            name = str(f.parent.relative_to(d)) + "/" + f.stem.removeprefix("records-")
-            print(f"{name:<34}{s['session']:>11}{s['end_s']:>7.2f}{s['turns']:>6}{s['ttft_s']:>8.2f}{s['decode_s']:>9.2f}"
-                  f"{s['gaps_s']:>7.2f}{s['tokens']:>7}{s['ms_per_token']:>7.1f}{s['others_ms_per_token']:>7.1f}")
+    for name, records in record_runs(a.dirs):
+        s = summary(records)
+        print(f"{name:<34}{s['session']:>11}{s['end_s']:>7.2f}{s['turns']:>6}{s['ttft_s']:>8.2f}{s['decode_s']:>9.2f}"
+              f"{s['gaps_s']:>7.2f}{s['tokens']:>7}{s['ms_per_token']:>7.1f}{s['others_ms_per_token']:>7.1f}")
     return 0
 
 

@@ -37,6 +37,14 @@ def summary(records: list[dict], window_s: float, skip_s: float) -> dict:
             "median_requests_per_batch": med([b[1] for b in bs]), "median_new_tokens_per_batch": med([b[2] for b in bs])}
 
 
+def record_runs(dirs: list[str]):
+    """(run name, its records) for every records-<mode>.jsonl under each of `dirs`, in path order."""
+    for d in dirs:
+        for f in sorted(Path(d).rglob("records-*.jsonl")):
+            name = str(f.parent.relative_to(d)) + "/" + f.stem.removeprefix("records-")
+            yield name, [json.loads(line) for line in f.open()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+")
@@ -44,12 +52,10 @@ def main() -> int:
     ap.add_argument("--skip", type=float, default=1.0, help="leave out requests released before this (s)")
     a = ap.parse_args()
     print(f"{'run':<40}{'reqs':>6}{'p50 TTFT ms':>13}{'batches':>9}{'gap ms':>8}{'reqs/b':>8}{'tokens/b':>10}")
-    for d in a.dirs:
-        for f in sorted(Path(d).rglob("records-*.jsonl")):
-            s = summary([json.loads(line) for line in f.open()], a.window, a.skip)
-            name = str(f.parent.relative_to(d)) + "/" + f.stem.removeprefix("records-")
-            print(f"{name:<40}{s['requests']:>6}{s['median_ttft_ms']:>13.0f}{s['batches']:>9}{s['median_gap_ms']:>8.0f}"
-                  f"{s['median_requests_per_batch']:>8.0f}{s['median_new_tokens_per_batch']:>10.0f}")
+    for name, records in record_runs(a.dirs):
+        s = summary(records, a.window, a.skip)
+        print(f"{name:<40}{s['requests']:>6}{s['median_ttft_ms']:>13.0f}{s['batches']:>9}{s['median_gap_ms']:>8.0f}"
+              f"{s['median_requests_per_batch']:>8.0f}{s['median_new_tokens_per_batch']:>10.0f}")
     return 0
 
 
