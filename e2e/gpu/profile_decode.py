@@ -81,7 +81,7 @@ def step_phases(e) -> str:
         start.record()
         out = model(phase, batch)
         end.record()
-        marks["issued"], marks["events"] = time.perf_counter(), (start, end)
+        marks["issued"], marks["events"], marks["batch"] = time.perf_counter(), (start, end), (phase, batch)
         return out
     w._model = timed_model
     try:
@@ -95,15 +95,47 @@ def step_phases(e) -> str:
     finally:
         w._model = model
     gpu = marks["events"][0].elapsed_time(marks["events"][1])
+    # The same forward again on the step's own batch, outside the step: a forward slower inside the
+    # step than here is slowed by its surroundings (the allocator, other threads), not by its batch.
+    phase, batch = marks["batch"]
+    walls, issues = [], []
+    for _ in range(3):
+        batch.prefill_plan = None
+        torch.cuda.synchronize()
+        s0 = time.perf_counter()
+        model(phase, batch)
+        s1 = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - s0)
+        issues.append(s1 - s0)
     return (f"step phases (ms): before the forward {1e3 * (marks['in'] - t0):.1f}, forward issued in "
             f"{1e3 * (marks['issued'] - marks['in']):.1f}, forward on the GPU {gpu:.1f}, launch to synced "
-            f"{1e3 * (t1 - t0):.1f}, finish {1e3 * (t2 - t1):.1f}\n")
+            f"{1e3 * (t1 - t0):.1f}, finish {1e3 * (t2 - t1):.1f}; the step's batch again alone: issued in "
+            f"{1e3 * sorted(issues)[1]:.1f}, wall {1e3 * sorted(walls)[1]:.1f}\n")
+
+
+ALLOC_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def host_trace(e, out: Path) -> str:
+    """One step under the CPU+CUDA profiler: the host calls that cost the most (a synchronizing
+    call inside the forward shows here), the allocator's device calls during the step, and a
+    Chrome trace beside the table."""
+    before = torch.cuda.memory_stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        e.step()
+        torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    prof.export_chrome_trace(str(out.with_suffix(".trace.json")))
+    alloc = ", ".join(f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in ALLOC_KEYS)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+    return f"the step's allocator calls: {alloc}\nhost time by call (one step, CPU+CUDA profiler):\n{table}"
 
 
 def profile_prefill(e, cfg, g, a):
-    """Five steps of the same shape: two compile and warm, one is timed, one is profiled, the last is
-    split into phases."""
-    for i in range(5 * a.rows):
+    """Six steps of the same shape: two compile and warm, one is timed, one is profiled, one is
+    split into phases, the last is traced with the host's calls."""
+    for i in range(6 * a.rows):
         e.submit(f"p{i}", torch.randint(2, cfg["vocab_size"], (a.row_tokens,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     e.step(), e.step()
@@ -120,7 +152,7 @@ def profile_prefill(e, cfg, g, a):
     tokens = a.rows * a.row_tokens
     text = (f"one engine step prefilling {tokens:,} tokens ({a.rows} × {a.row_tokens:,}), {a.layers} layers, "
             f"experts {e.worker.backends.name}: {wall:.1f} ms wall (unprofiled), {total:.1f} ms of kernel time\n"
-            + step_phases(e) + table)
+            + step_phases(e) + table + "\n" + host_trace(e, Path(a.out)))
     Path(a.out).write_text(text)
     print(text)
 
