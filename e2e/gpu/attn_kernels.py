@@ -84,6 +84,8 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
         plan = plan_tiles(seqs, dev)   # built once per step in the engine: not timed
         row["default_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan), 20) * 1e6
         row["sdpa_tflops"], row["default_tflops"] = flops / row["sdpa_us"] / 1e6, flops / row["default_us"] / 1e6
+        if all(s.q_len == s.ctx_len for s in seqs):
+            row["fresh"] = fresh_backends(q, k, v, seqs, scale, ref, flops)
     if a.sweep:
         out = []
         for cfg in configs(cpu):
@@ -103,6 +105,39 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
             row["best_us"], row["best_config"] = row["sweep"][0]["us"], row["sweep"][0]["config"]
             row["best_tflops"] = row["sweep"][0]["tflops"]
     return row
+
+
+def fresh_backends(q, k, v, seqs, scale: float, ref, flops: float) -> dict:
+    """Fresh prompts only: SDPA per segment on the segment's own K/V (as the projection leaves them,
+    no gather from the cache) under each backend torch has, GQA by `enable_gqa` or by expanding
+    K/V to every query head. What a fresh-prompt path could reach beside the paged kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    ks = [k.index_select(0, s.slots).transpose(0, 1).unsqueeze(0) for s in seqs]
+    vs = [v.index_select(0, s.slots).transpose(0, 1).unsqueeze(0) for s in seqs]
+    rep = q.shape[1] // k.shape[1]
+    out = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        for gqa in ("enable_gqa", "expand"):
+            kk = ks if gqa == "enable_gqa" else [x.repeat_interleave(rep, 1) for x in ks]
+            vv = vs if gqa == "enable_gqa" else [x.repeat_interleave(rep, 1) for x in vs]
+            o = torch.empty_like(q)
+
+            def run():
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    for s, ki, vi in zip(seqs, kk, vv):
+                        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
+                        r = F.scaled_dot_product_attention(qs, ki, vi, is_causal=True, scale=scale,
+                                                           enable_gqa=gqa == "enable_gqa")
+                        o[s.q_start:s.q_start + s.q_len] = r.squeeze(0).transpose(0, 1)
+                return o
+            try:
+                err = rel(run(), ref)
+                us = timed(run, 20) * 1e6
+                out[f"{name.lower()}/{gqa}"] = {"us": us, "tflops": flops / us / 1e6, "rel_err": err}
+            except Exception as exc:   # a backend that does not take the shape: reported, not fatal
+                out[f"{name.lower()}/{gqa}"] = {"error": str(exc).splitlines()[0][:160]}
+    return out
 
 
 def main() -> int:
@@ -128,6 +163,9 @@ def main() -> int:
         print(f"{r['shape']:5} {r['segments']:5} {r['tokens']:7} {r.get('sdpa_us', 0):8.0f} {r.get('default_us', 0):11.0f}  "
               f"{r.get('sdpa_tflops', 0):6.0f} / {r.get('default_tflops', 0):4.0f} / {r.get('best_tflops', 0):4.0f}  "
               f"{r.get('best_config')}")
+        for name, f in r.get("fresh", {}).items():
+            print(f"  fresh {name:32} " + (f"{f['us']:6.0f} us {f['tflops']:4.0f} TFLOP/s err {f['rel_err']:.1e}"
+                                           if "us" in f else f["error"]))
     wrong = [r["shape"] for r in rows if r["default_rel_err"] > 2e-2
              or any(e.get("rel_err", 0) > 2e-2 for e in r.get("sweep", []))]
     if wrong:

@@ -71,12 +71,15 @@ def time_p_forwards(e, reps: int = 10) -> dict:
     w = e.worker
     dev, top = w.device, w.kv.null_slot
     out = {}
+    # random tokens: one token repeated routes a whole segment to the same 8 experts, which makes
+    # the expert GEMMs few and large (the 8k forward ran 8 % faster on it than on a real batch)
+    g = torch.Generator().manual_seed(1)
     for segs, new, ctx in P_SHAPES:
         ids, pos, slots, seqs, t = [], [], [], [], 0
         base = top - segs * (ctx + new)
         for i in range(segs):
             first = base + i * (ctx + new)
-            ids += [7 + i] * new
+            ids += torch.randint(2, w.cfg.vocab_size, (new,), generator=g).tolist()
             pos += range(ctx, ctx + new)
             slots += range(first + ctx, first + ctx + new)
             seqs.append(SeqSlice(t, new, ctx + new, torch.arange(first, first + ctx + new, device=dev)))
@@ -104,6 +107,22 @@ def time_p_forwards(e, reps: int = 10) -> dict:
     return out
 
 
+def host_profile(e, steps: int, path: str) -> None:
+    """Where a decode step's host time goes: the functions with the most own time over `steps`
+    engine steps (the GPU's share shows as the synchronize the step waits in)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        e.step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    Path(path).write_text(f"{steps} decode steps under cProfile\n" + text.getvalue())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
@@ -124,13 +143,15 @@ def main():
     # includes the end of the prefill riding beside D: compare it under normal)
     ap.add_argument("--mode", choices=["normal", "pd"], default="normal")
     ap.add_argument("--temperature", type=float, default=0.0, help="1.0: every row samples (an RL rollout)")
-    ap.add_argument("--priority-stream", choices=["p", "d"], default=None)
+    ap.add_argument("--priority-stream", choices=["p", "d", "none"], default=None)
     ap.add_argument("--align", choices=["auto", "torch"], default="auto",
                     help="torch: the MoE align as torch ops at every size (the one-launch kernel's A/B)")
     ap.add_argument("--qkv", choices=["fused", "separate"], default="fused",
                     help="separate: three q/k/v GEMMs a layer (Attention.fuse_qkv's A/B)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="P's piecewise graphs up to this many tokens (0: P eager; default: the engine's)")
+    ap.add_argument("--host-profile", default=None, metavar="PATH",
+                    help="cProfile of --steps more decode steps, top functions by own time into PATH")
     ap.add_argument("--out", default="bench_engine.json")
     a = ap.parse_args()
     if a.align == "torch":
@@ -196,6 +217,8 @@ def main():
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / a.steps
     recs = e.records[n_records:]
+    if a.host_profile:   # after the timed steps: the profiler's overhead stays out of them
+        host_profile(e, a.steps, a.host_profile)
     spec = {"speculative": a.speculative if a.speculative_k else None,
             "speculative_k": a.speculative_k, "tokens_per_row_step": tokens / a.steps / a.batch,
             "spec_verify_steps": sum(1 for r in recs if r.spec_verify),
@@ -233,7 +256,8 @@ def main():
            "decode_floor_ms": decode_floor * 1e3, "decode_replay_over_floor": replay_s / decode_floor,
            "decode_step_over_floor": step_s / decode_floor,
            "decode_ms_per_token": step_s / max(spec["tokens_per_row_step"], 1e-9) * 1e3, "prefill_chunk_tokens": a.chunk,
-           "prefill_chunk_ms": chunk_s * 1e3, "prefill_tflops": chunk_flops / chunk_s / 1e12,
+           "prefill_chunk_ms": chunk_s * 1e3, "prefill_chunk_ms_each": [round(prefill_times[i] * 1e3, 2) for i in full],
+           "prefill_tflops": chunk_flops / chunk_s / 1e12,
            "prefill_fraction_of_peak": chunk_flops / chunk_s / peak}
     res["p_forwards"] = time_p_forwards(e)
     if a.chunk == 8192 and a.ctx == 2048:   # the chunk's forward alone: the same FLOPs as the step's

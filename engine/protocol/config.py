@@ -241,9 +241,11 @@ class EngineConfig(BaseModel):
     # the turnstile).
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
-    # first. None: equal priorities (measured: p at P1 did not shorten P epochs, which were bound by
-    # their thread issuing kernels, not by SMs; docs/PERF.md)
-    priority_stream: Literal["p", "d"] | None = None
+    # first; "none": equal priorities. None: "d" on one rank (measured at P1: the makespan session's
+    # D steps run beside others' P epochs, and D first took 4 % off pd's makespan; docs/PERF.md),
+    # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
+    # their thread issuing kernels, not by SMs.
+    priority_stream: Literal["p", "d", "none"] | None = None
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)
@@ -265,6 +267,12 @@ class EngineConfig(BaseModel):
 
     def solo_overlap_on(self, device_type: str) -> bool:
         return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"
+
+    def priority_stream_on(self, multi: bool) -> str | None:
+        """The phase whose stream gets the device's highest priority (None: neither)."""
+        if self.priority_stream is None:
+            return None if multi else "d"
+        return None if self.priority_stream == "none" else self.priority_stream
 
     def solo_fuse_tokens_on(self, device_type: str) -> int:
         if self.solo_fuse_tokens is not None:

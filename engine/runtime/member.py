@@ -62,7 +62,7 @@ class GroupMember:
                                    cfg.num_experts_per_tok, p_rows)
         w.model.collectives = self.col
         if cuda:
-            w.streams = make_streams(w.device, opt.sm_partition, config.priority_stream)
+            w.streams = make_streams(w.device, opt.sm_partition, config.priority_stream_on(multi=True))
             self.col.cuda, self.col.streams = True, w.streams
             for ph in ((Phase.PREFILL, Phase.DECODE) if config.mode == "pd" else (Phase.MIXED, Phase.DECODE)):
                 w.batches.staging(ph, 0)   # pinned staging before P and D overlap

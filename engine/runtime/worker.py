@@ -125,7 +125,7 @@ class Worker:
             self.solo = SoloEpochs(self)
             if self.cuda:
                 from .streams import make_streams
-                self.streams = make_streams(self.device, priority=config.priority_stream)
+                self.streams = make_streams(self.device, priority=config.priority_stream_on(multi=False))
         from .weight_sync import RankWeights
         self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
 

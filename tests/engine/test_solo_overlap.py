@@ -120,5 +120,10 @@ def test_priority_stream_names_a_phase_and_needs_no_green_context():
     with pytest.raises(ValidationError, match="priority_stream"):
         EngineConfig(model="m", priority_stream="high")
     assert EngineConfig(model="m", priority_stream="p").priority_stream == "p"
+    # unset: D's stream first on one rank (measured at P1), equal on several (not measured there)
+    assert EngineConfig(model="m").priority_stream_on(multi=False) == "d"
+    assert EngineConfig(model="m").priority_stream_on(multi=True) is None
+    assert EngineConfig(model="m", priority_stream="none").priority_stream_on(multi=False) is None
+    assert EngineConfig(model="m", priority_stream="p").priority_stream_on(multi=True) == "p"
     with pytest.raises(ValueError, match="sm_partition"):
         make_streams(torch.device("cuda", 0), 8, "p")
