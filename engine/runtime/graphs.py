@@ -20,6 +20,7 @@ attention reads). The logits come back one per position, in the batch builder's 
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -39,26 +40,33 @@ def graph_inputs(rows: list[RowSpec], bucket: int, block_size: int, null_slot: i
                  host: torch.Tensor) -> tuple[int, int]:
     """A replay's inputs into the int64 host buffer, one graph row per token of `rows` (in order):
     [ids | positions | slots | lengths] of `bucket` each, then the block tables [bucket, width].
-    Padding rows: length 0, the null slot. Returns (tokens, width). In numpy, a slice per row: the
-    host's work of every D step (torch's per-element writes cost several times more)."""
+    Padding rows: length 0, the null slot. Returns (tokens, width). Whole-array numpy over all rows
+    (the host's work of every D step: a slice per row cost ~1.2 ms a step at batch 64, ctx 2k)."""
     b, bs = bucket, block_size
-    width = max((len(r.blocks) for r in rows), default=1)
+    nb = np.fromiter((len(r.blocks) for r in rows), np.int64, len(rows))
+    width = int(nb.max()) if len(rows) else 1
     a = host[:4 * b + b * width].numpy()
     a[:] = 0
     ids, pos, slots, lens = a[:b], a[b:2 * b], a[2 * b:3 * b], a[3 * b:4 * b]
     tables = a[4 * b:].reshape(b, width)
-    i = 0
-    for r in rows:
-        k, blocks = r.length, np.asarray(r.blocks, dtype=np.int64)
-        p = np.arange(r.start, r.start + k)
-        ids[i:i + k] = r.tokens
-        pos[i:i + k] = p
-        lens[i:i + k] = p + 1
-        slots[i:i + k] = blocks[p // bs] * bs + p % bs
-        tables[i:i + k, :len(blocks)] = blocks
-        i += k
-    slots[i:] = null_slot
-    return i, width
+    if rows:
+        k = np.fromiter((r.length for r in rows), np.int64, len(rows))
+        n = int(k.sum())
+        row_tables = np.zeros((len(rows), width), np.int64)   # each row's blocks, zero padded
+        row_tables[np.arange(width) < nb[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(r.blocks for r in rows), np.int64, int(nb.sum()))
+        of = np.repeat(np.arange(len(rows)), k)                # the row of each token
+        first = np.cumsum(k) - k
+        p = np.repeat(np.fromiter((r.start for r in rows), np.int64, len(rows)) - first, k) + np.arange(n)
+        ids[:n] = np.fromiter(itertools.chain.from_iterable(r.tokens for r in rows), np.int64, n)
+        pos[:n] = p
+        lens[:n] = p + 1
+        slots[:n] = row_tables[of, p // bs] * bs + p % bs
+        tables[:n] = row_tables[of]
+    else:
+        n = 0
+    slots[n:] = null_slot
+    return n, width
 
 
 class DecodeGraphs:

@@ -144,10 +144,21 @@ class Req:
     spec_verify_ct: int = 0            # D iterations under speculation (each emits >= 1 token)
     spec_proposed: int = 0             # draft tokens proposed
     spec_accepted: int = 0             # draft tokens the target accepted
+    _tokens: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+    _tokens_of: list[int] | None = field(default=None, init=False, repr=False, compare=False)   # the output list followed
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """prompt + output as one list, extended as the output list grows, not rebuilt: the planner
+        reads it several times per row per step, and concatenating a long context each time cost
+        ~2 ms a step at batch 64 on the H200's host. Read it; never mutate it."""
+        t, n = self._tokens, len(self.prompt)
+        if self._tokens_of is not self.output or len(t) > n + len(self.output):   # a new output list
+            t[:] = self.prompt
+            self._tokens_of = self.output
+        if len(t) < n + len(self.output):
+            t.extend(self.output[len(t) - n:])
+        return t
 
     @property
     def prefill_remaining(self) -> int:

@@ -232,7 +232,7 @@ class Scheduler:
             target = len(r.tokens)
             limit = target - 1
             if self.proposer is not None:   # its entries from the request's earlier turn
-                adopted = self.proposer.adopt(rid, r.tokens)
+                adopted = self.proposer.adopt(rid, list(r.tokens))   # it keeps them: a snapshot
                 if self.head_caps_prefix:
                     limit = min(limit, adopted)
             res.blocks = [] if r.routes_from is not None else self.pool.match_prefix(r.tokens, limit, res.chain)
@@ -257,7 +257,7 @@ class Scheduler:
                 r = self.reqs[rid]
                 k = min(self.spec_k, r.sampling.max_new_tokens - len(r.output) - 1)
                 if k > 0 and r.routes_from is None:   # routing is reported per computed position
-                    wants.append((rid, r.tokens, k))
+                    wants.append((rid, list(r.tokens), k))   # the proposer keeps them: a snapshot
             if self.proposer is not None:
                 found = self.proposer.propose(wants, set(self.reqs))
             else:

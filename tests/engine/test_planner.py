@@ -159,3 +159,18 @@ def test_pd_gathers_p_with_slack_but_never_the_critical_paths():
     s = snap([req("n", 40, t=0.0)], decoding=decoding(3))   # no priorities given: nothing has slack
     s.now = 0.05
     assert make_policy("pd").plan(0, s, control(budget=1600, span=1, p_gather_ms=100)).admit == ("n",)
+
+
+def test_a_requests_tokens_follow_its_output_without_being_rebuilt():
+    """Req.tokens is prompt + output kept as one list (the planner reads it per row per step): it
+    follows appends in place, and a replaced output rebuilds it."""
+    r = req("a", 5)
+    first = r.tokens
+    assert first == [2, 3, 4, 5, 6]
+    r.output.append(9)
+    r.output.append(11)
+    assert r.tokens is first and first == [2, 3, 4, 5, 6, 9, 11]
+    r.output = [8]
+    assert r.tokens == [2, 3, 4, 5, 6, 8]
+    r.output = [9, 1, 2]
+    assert r.tokens == [2, 3, 4, 5, 6, 9, 1, 2] and len(r.tokens) == 8
