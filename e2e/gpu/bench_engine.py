@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--add-norm", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
     ap.add_argument("--router", choices=["auto", "torch", "fused"], default="auto")
-    ap.add_argument("--prefill-attention", choices=["auto", "sdpa", "triton"], default="auto")
+    ap.add_argument("--prefill-attention", choices=["auto", "sdpa", "triton", "hybrid"], default="auto")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
     ap.add_argument("--speculative", choices=["ngram", "mtp"], default="ngram", help="the proposer under -k")
@@ -199,7 +199,7 @@ def main():
         launched = e.launch()
         torch.cuda.synchronize()
         prefill_times.append(time.perf_counter() - t)
-        prefill_tokens.append(sum(w.prefill_tokens for w in launched[0].replicas))
+        prefill_tokens.append(launched[0].prefill_tokens)
         e.finish(launched)
     # Decode: whole engine steps, then graph replay alone. Under pd the last P epoch may still be in
     # flight when every row reads `decode`: step until each row has its first token, or the timed

@@ -9,7 +9,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
              PagedAttention      CUDA: Triton paged decode kernel for the decode rows (tensor-only
                                  metadata: graph-capturable); prefill segments all in one Triton
                                  launch from the paged cache (bf16), or SDPA per segment over its
-                                 gathered context (`prefill_attention: sdpa`; fp32)
+                                 gathered context (`prefill_attention: sdpa`; fp32), or per step:
+                                 SDPA when every segment is a long fresh prompt (`hybrid`)
   experts    ReferenceExperts    one expert at a time (CPU)
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
@@ -67,14 +68,30 @@ class PagedAttention:
             o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
                                               batch.block_size, scale, kv_splits=self.kv_splits)
         segments = batch.seqs[nd:]
-        if segments and self.prefill == "triton":
+        if segments and self.prefill in ("triton", "hybrid"):
             from . import paged_prefill
             if batch.prefill_plan is None:   # the same segments in every layer: one plan a step
-                batch.prefill_plan = paged_prefill.plan_tiles(segments, q.device)
-            paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o, plan=batch.prefill_plan)
-        elif segments:
+                batch.prefill_plan = SDPA if self.prefill == "hybrid" and sdpa_wins(segments) \
+                    else paged_prefill.plan_tiles(segments, q.device)
+            if batch.prefill_plan is not SDPA:
+                paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o,
+                                                      plan=batch.prefill_plan)
+                return o
+        if segments:
             kernels.prefill_attention(q, k_cache, v_cache, segments, scale, out=o)
         return o
+
+
+SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segments
+# Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA (cuDNN on the H200):
+# 4 fresh 2,048-token segments took 394 µs a layer there against the paged launch's 444
+# (e2e/gpu/attn_kernels.py; docs/PERF.md); continuations and short segments stay on the launch.
+SDPA_FRESH_MIN_TOKENS = 2048
+
+
+def sdpa_wins(segments) -> bool:
+    """Every P segment a fresh prompt (no cached context) of at least SDPA_FRESH_MIN_TOKENS."""
+    return all(s.q_len == s.ctx_len and s.q_len >= SDPA_FRESH_MIN_TOKENS for s in segments)
 
 
 class _Experts:
@@ -180,7 +197,7 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
     decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
-    `prefill`: auto|sdpa|triton (EngineConfig.prefill_attention);
+    `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention);
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":

@@ -220,8 +220,10 @@ class EngineConfig(BaseModel):
     # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
     # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
     # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and
-    # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md)
-    prefill_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md).
+    # hybrid (opt-in, not yet timed in the engine): SDPA for a step whose segments are all fresh
+    # prompts of >= 2,048 tokens (cuDNN beat the launch there by 11 %), the launch otherwise
+    prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
     # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or

@@ -99,6 +99,15 @@ class StepPlan:
         return any(w.prefill for w in self.replicas)
 
     @property
+    def prefill_tokens(self) -> int:
+        """P tokens over every replica (the step's P size)."""
+        return sum(w.prefill_tokens for w in self.replicas)
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(w.decode_rows for w in self.replicas)
+
+    @property
     def spec_any(self) -> bool:
         """A decode row verifies drafts: D runs eagerly this step (a graph is one token per row)."""
         return any(r.draft for w in self.replicas for r in w.decode)

@@ -186,7 +186,7 @@ class Engine(EngineOps):
         if not ((self.topo.world > 1 or self._solo_overlap) and self.config.mode == "pd" and plan.p_any
                 and plan.d_any and not plan.routes_any):
             return False
-        return self.topo.world > 1 or sum(w.prefill_tokens for w in plan.replicas) > self._solo_fuse_tokens
+        return self.topo.world > 1 or plan.prefill_tokens > self._solo_fuse_tokens
 
     def _apply(self, plan: StepPlan, launched, reports, mine: StepReport, t0: float) -> None:
         now = time.monotonic()
@@ -208,10 +208,9 @@ class Engine(EngineOps):
             self._flight = None
         if mine.p_pending:
             self._flight = (plan.step, parts)
-        works = plan.replicas
         self.records.append(StepRecord(
             step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode,
-            decode_rows=sum(w.decode_rows for w in works), prefill_tokens=sum(w.prefill_tokens for w in works),
+            decode_rows=plan.decode_rows, prefill_tokens=plan.prefill_tokens,
             decode_wait_s=tuple(w for x in launched if x for w in x.decode_waits),
             multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
             span=max((x.plan.span for x in launched if x), default=1), rendezvous_s=tuple(mine.rendezvous_s),

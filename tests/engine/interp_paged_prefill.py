@@ -95,3 +95,28 @@ def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):
     ref = tiny_prompt_forward(REFERENCE)
     got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="triton"), REFERENCE.experts))
     assert rel(got, ref) < 1e-5 and len(plans) == 1
+
+
+def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
+    """`prefill_attention: hybrid`: a step whose segments are all fresh prompts of at least
+    SDPA_FRESH_MIN_TOKENS runs SDPA (no tile plan), any other step the paged launch; both equal the
+    reference."""
+    from conftest import tiny_prompt_forward
+    from pdrollout.engine.model import backends, kernels, paged_prefill
+    from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
+    from pdrollout.engine.model.qwen3_moe import SeqSlice
+    fresh, cont = SeqSlice(0, 9, 9, None), SeqSlice(9, 4, 20, None)
+    monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", 9)
+    assert backends.sdpa_wins([fresh]) and not backends.sdpa_wins([fresh, cont])
+    monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", 10)
+    assert not backends.sdpa_wins([fresh])
+    ref = tiny_prompt_forward(REFERENCE)
+    for bound, path in ((9, "sdpa"), (10, "triton")):   # the prompt is 9 fresh tokens
+        monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", bound)
+        ran = []
+        monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a: ran.append("triton") or plan_tiles(*a))
+        sdpa = kernels.prefill_attention
+        monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **k: ran.append("sdpa") or sdpa(*a, **k))
+        got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="hybrid"), REFERENCE.experts))
+        assert rel(got, ref) < 1e-5
+        assert set(ran) == {path}, (bound, ran)
