@@ -244,7 +244,7 @@ class EngineConfig(BaseModel):
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
     # first; "none": equal priorities. None: "d" on one rank (measured at P1: the makespan session's
-    # D steps run beside others' P epochs, and D first took 4 % off pd's makespan; docs/PERF.md),
+    # D steps run beside others' P epochs, and D first took ~3 % off pd's makespan; docs/PERF.md),
     # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
     # their thread issuing kernels, not by SMs.
     priority_stream: Literal["p", "d", "none"] | None = None
