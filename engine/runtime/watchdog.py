@@ -217,6 +217,8 @@ class Watchdog:
                 continue
             if any(s >= self.fresh_s for r, s in silent.items() if r in fs):
                 continue   # a rank is not answering: that is a loss in the making, not a stall
+            if len(fs) < self.world:
+                continue   # a rank is still starting (the join bound covers it): waiting on it is no stall
             waited = now - since
             if waited >= self.bound_s and self.stall is None:
                 report = (f"stall: no rank made progress for {waited:.2f}s (bound {self.bound_s}s) "

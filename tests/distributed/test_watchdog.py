@@ -1,6 +1,7 @@
 """The watchdog's stall declaration in one process over a real store: the report names every
 rank's frontier, the declare hook runs at once (a peer may kill this process within the grace),
-the exit hook only after the grace, and progress keeps a busy rank from being declared."""
+the exit hook only after the grace, and progress keeps a busy rank from being declared, nor
+does a peer that has not started yet."""
 from __future__ import annotations
 
 import threading
@@ -54,3 +55,22 @@ def test_progress_is_not_a_stall():
         wd0.check()
     finally:
         wd0.stop(), wd1.stop()
+
+
+def test_a_rank_still_starting_is_not_a_stall():
+    """Ranks waiting on a peer whose watchdog has not come up yet (a loaded machine's slow start)
+    are not stalled: once it publishes, the same wait is."""
+    store = dist.HashStore()
+    wd0, calls0, done0 = _watch(store, 0)
+    wd0.update(busy=True, phase="D")
+    wd0.start()
+    try:
+        time.sleep(1.2)                          # four bounds with rank 1 not yet started
+        assert calls0 == [] and wd0.stall is None
+        wd1, calls1, done1 = _watch(store, 1)
+        wd1.update(busy=True, phase="D")
+        wd1.start()
+        assert done0.wait(5) and isinstance(wd0.stall, StallError)
+        wd1.stop()
+    finally:
+        wd0.stop()
