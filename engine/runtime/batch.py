@@ -32,6 +32,15 @@ def slots_of(blocks, start: int, end: int, block_size: int) -> np.ndarray:
     return np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
+def padded_blocks(rows: list[RowSpec], width: int) -> np.ndarray:
+    """Each row's block table, zero-padded to `width`: int64 [rows, width] (no per-row Python loop)."""
+    nb = np.fromiter((len(r.blocks) for r in rows), np.int64, len(rows))
+    table = np.zeros((len(rows), width), np.int64)
+    table[np.arange(width) < nb[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(r.blocks for r in rows), np.int64, int(nb.sum()))
+    return table
+
+
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, block_tables: bool) -> None:
         self.block_size, self.device = block_size, device
@@ -63,11 +72,7 @@ class BatchBuilder:
         host = [ids, pos, slot_map, logit_rows, *ctx_slots]
         width = max((len(r.blocks) for r in rows[:nd]), default=1)
         if self.block_tables:   # one flat table, padded per row: one tensor, not one per row
-            nb = np.fromiter((len(r.blocks) for r in rows[:nd]), np.int64, nd)
-            table = np.zeros((nd, width), np.int64)
-            table[np.arange(width) < nb[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(r.blocks for r in rows[:nd]), np.int64, int(nb.sum()))
-            host += [table.reshape(-1), starts[:nd] + k[:nd]]
+            host += [padded_blocks(rows[:nd], width).reshape(-1), starts[:nd] + k[:nd]]
         arrays = self._upload(phase, host) if self.device.type != "cpu" else [torch.from_numpy(a) for a in host]
         ctx_lens = (starts + k).tolist()
         seqs = [SeqSlice(q, n, c, None) for q, n, c in zip(q_start[:tabled].tolist(), k[:tabled].tolist(), ctx_lens)]

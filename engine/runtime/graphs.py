@@ -28,7 +28,7 @@ import torch
 
 from ..model.qwen3_moe import ForwardBatch
 from ..protocol.plan import Phase, RowSpec
-from .batch import forward_order
+from .batch import forward_order, padded_blocks
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -43,8 +43,7 @@ def graph_inputs(rows: list[RowSpec], bucket: int, block_size: int, null_slot: i
     Padding rows: length 0, the null slot. Returns (tokens, width). Whole-array numpy over all rows
     (the host's work of every D step: a slice per row cost ~1.2 ms a step at batch 64, ctx 2k)."""
     b, bs = bucket, block_size
-    nb = np.fromiter((len(r.blocks) for r in rows), np.int64, len(rows))
-    width = int(nb.max()) if len(rows) else 1
+    width = max((len(r.blocks) for r in rows), default=1)
     a = host[:4 * b + b * width].numpy()
     a[:] = 0
     ids, pos, slots, lens = a[:b], a[b:2 * b], a[2 * b:3 * b], a[3 * b:4 * b]
@@ -52,9 +51,7 @@ def graph_inputs(rows: list[RowSpec], bucket: int, block_size: int, null_slot: i
     if rows:
         k = np.fromiter((r.length for r in rows), np.int64, len(rows))
         n = int(k.sum())
-        row_tables = np.zeros((len(rows), width), np.int64)   # each row's blocks, zero padded
-        row_tables[np.arange(width) < nb[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(r.blocks for r in rows), np.int64, int(nb.sum()))
+        row_tables = padded_blocks(rows, width)
         of = np.repeat(np.arange(len(rows)), k)                # the row of each token
         first = np.cumsum(k) - k
         p = np.repeat(np.fromiter((r.start for r in rows), np.int64, len(rows)) - first, k) + np.arange(n)
