@@ -69,6 +69,15 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[
     return torch.argmax(probs / q.clamp_min_(_TINY), dim=-1)
 
 
+def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """Greedy verify on the target's argmax per position (len(drafts) + 1 of them): the drafts
+    while they equal it, then the target's token at the first mismatch or after the last draft."""
+    for i, d in enumerate(drafts):
+        if d != target[i]:
+            return target[:i + 1]
+    return target[:len(drafts) + 1]
+
+
 def verify(logits: torch.Tensor, drafts: list[int], p: SamplingParams, gen: torch.Generator) -> list[int]:
     """A verify row's emitted tokens: the accepted prefix of `drafts`, then one token of the target.
     logits: [len(drafts) + 1, V], position i scoring the token after draft i - 1.
@@ -80,14 +89,7 @@ def verify(logits: torch.Tensor, drafts: list[int], p: SamplingParams, gen: torc
     x removed; after k accepted drafts sample position k from p. Each emitted token is then
     distributed exactly as the target's (Leviathan et al. 2023, Chen et al. 2023)."""
     if p.greedy:
-        target = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for i, d in enumerate(drafts):
-            out.append(target[i])
-            if d != target[i]:
-                return out
-        out.append(target[len(drafts)])
-        return out
+        return accept_greedy(torch.argmax(logits, dim=-1).tolist(), drafts)
     out = []
     for i, d in enumerate(drafts):
         probs = _probs(logits[i], p)

@@ -29,7 +29,7 @@ from .batch import BatchBuilder, forward_order
 from .kv_budget import kv_blocks
 from .mtp import HiddenStates
 from .options import RankOptions
-from .sampler import make_generator, request_seed, sample, verify
+from .sampler import accept_greedy, make_generator, request_seed, sample, verify
 from .steplog import StepLog
 
 
@@ -340,6 +340,9 @@ class Worker:
     def _verify(self, rows: list[RowSpec], logits: torch.Tensor, report: StepReport) -> torch.Tensor:
         """Verify rows' results into the report; returns the logits of the other rows (in order)."""
         keep, i = [], 0
+        # greedy rows' argmax for every position at once: one device-to-host copy, not one per row
+        greedy = any(r.draft and self.sampling[r.rid].greedy for r in rows)
+        argmax = torch.argmax(logits, dim=-1).tolist() if greedy else None
         for r in rows:
             n = r.logit_rows
             if not r.draft:
@@ -347,7 +350,9 @@ class Worker:
                 i += 1
                 continue
             part = logits[i:i + n]
-            toks = verify(part, list(r.tokens[1:]), self.sampling[r.rid], self.gens[r.rid])
+            p = self.sampling[r.rid]
+            toks = (accept_greedy(argmax[i:i + n], list(r.tokens[1:])) if p.greedy
+                    else verify(part, list(r.tokens[1:]), p, self.gens[r.rid]))
             lps = None
             if r.logprob:   # of the unscaled distribution at each emitted position
                 lp = torch.log_softmax(part[:len(toks)].float(), dim=-1)

@@ -322,3 +322,20 @@ def test_proposer_caches_come_out_of_the_kv_budget(tiny_model, mtp_target, small
     with pytest.raises(ValueError, match="holds no block beside the 1 .* proposer cache"):
         Engine(EngineConfig(model=str(target), block_size=4, kv_cache_bytes=per, max_running=8,
                             speculative=proposer.split("-")[0], speculative_k=k, **extra))
+
+
+def test_greedy_acceptance_stops_at_the_first_mismatch_with_the_targets_token():
+    """accept_greedy (the worker's batched path: one argmax for every verify row) emits what
+    verify's greedy path does: the drafts up to the first mismatch, then the target's token there
+    (or after the last draft)."""
+    from pdrollout.engine.runtime.sampler import accept_greedy
+    target = [4, 7, 1, 9]
+    assert accept_greedy(target, [4, 7, 1]) == [4, 7, 1, 9]     # all accepted + the bonus token
+    assert accept_greedy(target, [4, 2, 1]) == [4, 7]           # rejected at 1: the target's 7
+    assert accept_greedy(target, [5, 7, 1]) == [4]
+    assert accept_greedy(target[:1], []) == [4]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=g)
+    greedy = SamplingParams(temperature=0.0)
+    for drafts in ([int(logits[0].argmax()), 3, 5], [int(logits[0].argmax()), int(logits[1].argmax()), 0], [1, 2, 3]):
+        assert verify(logits, drafts, greedy, g) == accept_greedy(logits.argmax(-1).tolist(), drafts)
