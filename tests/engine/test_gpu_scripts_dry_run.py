@@ -225,3 +225,38 @@ def test_critical_path_splits_the_last_sessions_time():
     assert abs(s["ttft_s"] - 0.3) < 1e-9 and abs(s["decode_s"] - 3.3) < 1e-9 and abs(s["gaps_s"] - 0.5) < 1e-9
     assert abs(s["start_s"] + s["ttft_s"] + s["decode_s"] + s["gaps_s"] - s["end_s"]) < 1e-9
     assert abs(s["ms_per_token"] - 22.0) < 1e-9 and abs(s["others_ms_per_token"] - 30.0) < 1e-9
+
+
+def _result(root, variant, seed, mode, makespan, **extra):
+    d = root / variant / f"P1-s{seed}" / mode
+    d.mkdir(parents=True, exist_ok=True)
+    r = {"makespan_s": makespan, "p99_ttft_ms": 100.0 * makespan, "mean_decode_step_ms": 10.0, **extra}
+    (d / "results.json").write_text(json.dumps({"meta": {}, "modes": {mode: r}}))
+
+
+def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_a_run(tmp_path):
+    """pd's ratios are against the same variant's normal/mixed of the same seed (the paper's
+    P/D-vs-Normal under each precision and MTP setting); a variant's cells against the baseline
+    variant in the same mode; a run found again in a later call replaces the earlier one; a cell
+    no call ran is "–", and a ratio needs both of its runs."""
+    c1, c2 = tmp_path / "call1", tmp_path / "call2"
+    for s, k in ((0, 1.0), (1, 2.0), (2, 3.0)):
+        for mode, m in (("normal", 10.0), ("mixed", 8.0), ("pd", 9.0)):
+            _result(c1, "base", s, mode, m * k)
+        _result(c1, "mtp2", s, "normal", 20.0 * k, spec_accept_length=1.5)
+        _result(c1, "mtp2", s, "pd", 999.0)                            # replaced by call 2's
+        _result(c2, "mtp2", s, "pd", 18.0 * k, spec_accept_length=1.5, speculative="mtp", speculative_k=2)
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/spec_matrix.py"), str(out), str(c1), str(c2)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(out.read_text())["table"]["P1"]
+    assert t["base"]["pd_vs_normal"]["median"] == 0.9 and t["base"]["pd_vs_mixed"]["median"] == 9 / 8
+    assert t["mtp2"]["pd_vs_normal"] == {"median": 0.9, "min": 0.9, "max": 0.9, "n": 3}
+    assert t["mtp2"]["pd"]["vs_base"]["median"] == 2.0 and t["mtp2"]["normal"]["vs_base"]["median"] == 2.0
+    assert t["mtp2"]["pd"]["makespan_s"]["median"] == 36.0 and t["mtp2"]["speculative_k"] == 2
+    assert t["mtp2"]["pd_vs_mixed"] is None and t["mtp2"]["mixed"]["makespan_s"] is None
+    assert "| mtp2 | 40.00 (20.00–60.00) | – | 36.00 (18.00–54.00) | 0.900" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/spec_matrix.py"), str(out), str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "not a directory" in bad.stderr
