@@ -222,16 +222,22 @@ def main():
             "spec_verify_steps": sum(1 for r in recs if r.spec_verify),
             "spec_proposed": sum(r.spec_proposed for r in recs), "spec_accepted": sum(r.spec_accepted for r in recs),
             "graphed_steps": sum(1 for r in recs if r.graph)}   # of a.steps: D replayed its graph
-    replay_s = float("nan")
-    if a.batch in getattr(e.worker.graphs, "graphs", {}):
-        graph = e.worker.graphs.graphs[a.batch][0]
+    def replay(tokens: int) -> float:
+        """Seconds a replay of the graph that a step of `tokens` graph rows takes (nan: none)."""
+        graphs = getattr(e.worker.graphs, "graphs", {})
+        if not graphs or not e.worker.graphs.fits(tokens):
+            return float("nan")
+        graph = graphs[e.worker.graphs.bucket(tokens)][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(a.steps):
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        replay_s = start.elapsed_time(end) / 1e3 / a.steps
+        return start.elapsed_time(end) / 1e3 / a.steps
+    replay_s = replay(a.batch)
+    # under speculation a D step is a verify step: each row's k + 1 positions are graph rows
+    spec["verify_replay_ms"] = replay(a.batch * (1 + a.speculative_k)) * 1e3 if a.speculative_k else None
     if a.host_profile:   # after the timed steps and replays: the profiler's overhead stays out of them
         host_profile(e, a.steps, a.host_profile)
     # Floors. Decode: every weight is read (64×8 routed rows touch ~all 128 experts) + the KV read.

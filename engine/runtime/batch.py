@@ -45,9 +45,9 @@ class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, block_tables: bool) -> None:
         self.block_size, self.device = block_size, device
         self.block_tables = block_tables          # the attention backend reads decode rows' tables
-        self._stage: dict[Phase, torch.Tensor] = {}
+        self._stage: dict[tuple[Phase, int], torch.Tensor] = {}
 
-    def build(self, rows: list[RowSpec], phase: Phase) -> ForwardBatch:
+    def build(self, rows: list[RowSpec], phase: Phase, stage: int = 0) -> ForwardBatch:
         """Whole-array numpy over the rows (torch.tensor of Python lists cost ~2 ms of a fused P1
         step's ~3 ms here: the decode rows' block tables alone are ~13k ints at batch 64)."""
         rows = forward_order(rows)
@@ -73,7 +73,7 @@ class BatchBuilder:
         width = max((len(r.blocks) for r in rows[:nd]), default=1)
         if self.block_tables:   # one flat table, padded per row: one tensor, not one per row
             host += [padded_blocks(rows[:nd], width).reshape(-1), starts[:nd] + k[:nd]]
-        arrays = self._upload(phase, host) if self.device.type != "cpu" else [torch.from_numpy(a) for a in host]
+        arrays = self._upload(phase, host, stage) if self.device.type != "cpu" else [torch.from_numpy(a) for a in host]
         ctx_lens = (starts + k).tolist()
         seqs = [SeqSlice(q, n, c, None) for q, n, c in zip(q_start[:tabled].tolist(), k[:tabled].tolist(), ctx_lens)]
         seqs += [SeqSlice(q, n, c, sl) for q, n, c, sl in
@@ -86,18 +86,21 @@ class BatchBuilder:
             batch.seq_lens = lens.to(torch.int32)
         return batch
 
-    def _upload(self, phase: Phase, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    def _upload(self, phase: Phase, arrays: list[np.ndarray], stage: int = 0) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        stage = self.staging(phase, total)
+        stage = self.staging(phase, total, stage)
         if total:
             np.concatenate(arrays, out=stage[:total].numpy())
         flat = stage[:total].to(self.device, non_blocking=True)
         return list(torch.split(flat, sizes))
 
-    def staging(self, phase: Phase, total: int) -> torch.Tensor:
-        """The phase's pinned buffer of at least `total` elements (allocated at start, or rarely)."""
-        stage = self._stage.get(phase)
-        if stage is None or stage.numel() < total:
-            stage = self._stage[phase] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
-        return stage
+    def staging(self, phase: Phase, total: int, stage: int = 0) -> torch.Tensor:
+        """The phase's pinned buffer of at least `total` elements (allocated at start, or rarely).
+        `stage`: one of several buffers of the phase, for batches built before its stream syncs
+        (a proposer's chained draft steps)."""
+        key = (phase, stage)
+        buf = self._stage.get(key)
+        if buf is None or buf.numel() < total:
+            buf = self._stage[key] = torch.empty(max(total, 1 << 20), dtype=torch.long, pin_memory=True)
+        return buf

@@ -209,20 +209,42 @@ class PagedProposer:
                 rows.append(RowSpec(rid, Phase.PREFILL, start, tuple(seq[start:]), tuple(self.blocks[rid]), True))
         if not rows:
             return {}
-        out = {rid: [] for rid, _, _ in live}
-        for (rid, seq, k), t in zip(live, self._forward(rows, Phase.PREFILL)):
-            out[rid].append(t)
+        for rid, seq, _ in live:
             self.seen[rid] = list(seq)     # drafts' positions are never kept (rolled back by construction)
+        # Each draft feeds the next on the device; one host copy at the end (a copy per draft step
+        # would wait for the GPU k times an iteration, behind P's kernels under pd).
+        steps = [(list(range(len(live))), self._forward(rows, Phase.PREFILL))]
         for step in range(1, max(k for _, _, k in live)):
-            more = [(rid, seq, k) for rid, seq, k in live if k > step]
-            rows = [RowSpec(rid, Phase.DECODE, len(seq) + step - 1, (out[rid][-1],), tuple(self.blocks[rid]), True)
-                    for rid, seq, _ in more]
-            for (rid, _, _), t in zip(more, self._forward(rows, Phase.DECODE)):
-                out[rid].append(t)
+            idx, prev = steps[-1]
+            more = [j for j, i in enumerate(idx) if live[i][2] > step]
+            ids = prev if len(more) == len(idx) else prev.index_select(0, _on(prev.device, more))
+            rows = [RowSpec(live[idx[j]][0], Phase.DECODE, len(live[idx[j]][1]) + step - 1, (0,),
+                            tuple(self.blocks[live[idx[j]][0]]), True) for j in more]
+            # each step its own staging buffer: none is rewritten before the copy at the end
+            steps.append(([idx[j] for j in more], self._forward(rows, Phase.DECODE, input_ids=ids, stage=step)))
+        host = torch.cat([t for _, t in steps]).tolist()
+        out = {rid: [] for rid, _, _ in live}
+        for i, t in zip((i for idx, _ in steps for i in idx), host):
+            out[live[i][0]].append(t)
         return out
 
-    def _forward(self, rows: list[RowSpec], phase: Phase) -> list[int]:
+    def _forward(self, rows: list[RowSpec], phase: Phase, input_ids: torch.Tensor | None = None,
+                 stage: int = 0) -> torch.Tensor:
+        """The model on `rows`: each row's greedy next token (device, int64, rows' order).
+        `input_ids`: the decode rows' tokens on the device, in place of their RowSpec tokens."""
         raise NotImplementedError
+
+    def _batch(self, rows: list[RowSpec], phase: Phase, input_ids, stage: int):
+        batch = self.batches.build(rows, phase, stage=stage)
+        if input_ids is not None:
+            batch.input_ids = input_ids
+        return batch
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """Indices on `device` without a stream-ordered pageable copy (that would wait for the GPU)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class DraftProposer(PagedProposer):
@@ -233,10 +255,9 @@ class DraftProposer(PagedProposer):
         self.model = model if model is not None else load_model(config.draft_model, device=device, dtype=dtype)
         super().__init__(cfg, cfg.num_hidden_layers, dtype, device, num_blocks, config.block_size)
 
-    def _forward(self, rows: list[RowSpec], phase: Phase) -> list[int]:
-        batch = self.batches.build(rows, phase)
-        logits = self.model(batch, self.kv)
-        return torch.argmax(logits, dim=-1).tolist()
+    def _forward(self, rows: list[RowSpec], phase: Phase, input_ids=None, stage: int = 0) -> torch.Tensor:
+        logits = self.model(self._batch(rows, phase, input_ids, stage), self.kv)
+        return torch.argmax(logits, dim=-1)
 
 
 class ProposerMemory:

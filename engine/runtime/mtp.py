@@ -117,7 +117,7 @@ class MTPProposer(PagedProposer):
         base, h = self.hidden.get(rid, (0, None))
         return h is not None and base <= start and base + len(h) >= len(seq)
 
-    def _forward(self, rows: list[RowSpec], phase: Phase) -> list[int]:
+    def _forward(self, rows: list[RowSpec], phase: Phase, input_ids=None, stage: int = 0) -> torch.Tensor:
         if phase is Phase.PREFILL:   # entries start..len-1: the target's states at those positions
             parts = []
             for r in rows:
@@ -129,8 +129,7 @@ class MTPProposer(PagedProposer):
             hidden = torch.cat(parts)
         else:
             hidden = torch.stack([self._last[r.rid] for r in rows])
-        batch = self.batches.build(rows, phase)
-        logits, out = self.model.mtp_forward(batch, self.kv, hidden)
+        logits, out = self.model.mtp_forward(self._batch(rows, phase, input_ids, stage), self.kv, hidden)
         for r, h in zip(rows, out):
             self._last[r.rid] = h
-        return torch.argmax(logits, dim=-1).tolist()
+        return torch.argmax(logits, dim=-1)

@@ -7,6 +7,7 @@ step, and the checkpoint layout (Qwen3-Next's `mtp.*`) loads or fails clearly.""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -263,6 +264,32 @@ def exact_model(tmp_path_factory):
     w["mtp.norm.weight"] = w["model.norm.weight"].clone()
     save_file(w, str(f), metadata={"format": "pt"})
     return d
+
+
+def test_a_propose_call_copies_its_drafts_to_the_host_once(mtp_model, monkeypatch):
+    """Draft j + 1 takes draft j on the device: however many drafts a row gets, a propose call
+    reads the GPU once (a copy per draft step waited for the GPU k times a D iteration)."""
+    eng = engine_for(mtp_model, "normal", 4)
+    proposer, per_call = eng.schedulers[0].proposer, []
+    propose, tolist = proposer.propose, torch.Tensor.tolist
+    counting = []
+
+    def counted(self):   # the proposer's own reads (on CPU the reference ops read the host too)
+        if counting and sys._getframe(1).f_code.co_filename.endswith(("draft.py", "mtp.py")):
+            counting[-1] += 1
+        return tolist(self)
+
+    def spy(wants, alive):
+        counting.append(0)
+        got = propose(wants, alive)
+        per_call.append((counting.pop(), max((len(d) for d in got.values()), default=0)))
+        return got
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    proposer.propose = spy
+    run_all(eng, PROMPTS)
+    drafted = [n for n, most in per_call if most]
+    assert any(most >= 3 for _, most in per_call), per_call   # chained calls were made
+    assert drafted and set(drafted) == {1}, per_call
 
 
 def test_an_exact_head_gets_every_draft_accepted(exact_model):
