@@ -32,11 +32,13 @@ for name, d in every.items():
     p = d.get("p_forwards", {}).get("8x32", {})   # a P1-sized epoch's forward: eager / P's graphs
     rows.append((name, d["decode_replay_ms"], d["decode_replay_over_floor"], d["decode_step_ms"],
                  d["decode_ms_per_token"], d["tokens_per_row_step"], d["prefill_chunk_ms"],
-                 d["prefill_fraction_of_peak"], p.get("eager_ms", float("nan")), p.get("graphed_ms", float("nan"))))
-# tok/row: tokens per decode row and step (1 without speculation: fewer means rows sat out steps)
+                 d["prefill_fraction_of_peak"], p.get("eager_ms", float("nan")), p.get("graphed_ms", float("nan")),
+                 d.get("verify_replay_ms") or float("nan")))
+# tok/row: tokens per decode row and step (1 without speculation: fewer means rows sat out steps);
+# verify ms: the graph a speculative step replays (replay ms is the plain decode graph's)
 print(f"{'variant':<12}{'replay ms':>10}{'/floor':>8}{'step ms':>9}{'ms/tok':>8}{'tok/row':>8}{'8k ms':>8}{'of peak':>9}"
-      f"{'P256 eager':>11}{'P256 graph':>11}")
+      f"{'P256 eager':>11}{'P256 graph':>11}{'verify ms':>10}")
 for r in rows:
     print(f"{r[0]:<12}{r[1]:>10.2f}{r[2]:>8.3f}{r[3]:>9.2f}{r[4]:>8.2f}{r[5]:>8.2f}{r[6]:>8.1f}{r[7]:>9.3f}"
-          f"{r[8]:>11.2f}{r[9]:>11.2f}")
+          f"{r[8]:>11.2f}{r[9]:>11.2f}{r[10]:>10.2f}")
 PY
