@@ -350,9 +350,8 @@ class Worker:
                 i += 1
                 continue
             part = logits[i:i + n]
-            p = self.sampling[r.rid]
-            toks = (accept_greedy(argmax[i:i + n], list(r.tokens[1:])) if p.greedy
-                    else verify(part, list(r.tokens[1:]), p, self.gens[r.rid]))
+            p, drafts = self.sampling[r.rid], list(r.tokens[1:])
+            toks = accept_greedy(argmax[i:i + n], drafts) if p.greedy else verify(part, drafts, p, self.gens[r.rid])
             lps = None
             if r.logprob:   # of the unscaled distribution at each emitted position
                 lp = torch.log_softmax(part[:len(toks)].float(), dim=-1)
