@@ -26,6 +26,7 @@ def runs(dirs: list[Path]) -> tuple[dict, list[dict]]:
         if meta.exists():
             m = json.loads(meta.read_text())
             metas.append({"dir": str(d), "command": m.get("command"), "commit": m.get("commit"),
+                          **{k: m.get(k) for k in ("machine", "nproc", "topology", "preset", "model_preset")},
                           "invocations": [{"command": i.get("command"), "commit": i.get("commit")}
                                           for i in m.get("invocations", [])]})
         for res in sorted(d.glob("*/*-s*/*/results.json")):
