@@ -11,9 +11,10 @@ calls in order and a re-run replaces the earlier run. A ratio needs both runs; a
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from bench_seeds import spread   # this script's directory is on sys.path when it runs
 
 MODES = ("normal", "mixed", "pd")
 
@@ -36,13 +37,6 @@ def runs(dirs: list[Path]) -> tuple[dict, list[dict]]:
             if r is not None:
                 found[(mode_dir.parent.parent.name, pressure, int(seed), mode_dir.name)] = r
     return found, metas
-
-
-def spread(xs: list) -> dict | None:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def ratio(a: dict | None, b: dict | None, key: str = "makespan_s") -> float | None:

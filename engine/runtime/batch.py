@@ -89,10 +89,10 @@ class BatchBuilder:
     def _upload(self, phase: Phase, arrays: list[np.ndarray], stage: int = 0) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        stage = self.staging(phase, total, stage)
+        buf = self.staging(phase, total, stage)
         if total:
-            np.concatenate(arrays, out=stage[:total].numpy())
-        flat = stage[:total].to(self.device, non_blocking=True)
+            np.concatenate(arrays, out=buf[:total].numpy())
+        flat = buf[:total].to(self.device, non_blocking=True)
         return list(torch.split(flat, sizes))
 
     def staging(self, phase: Phase, total: int, stage: int = 0) -> torch.Tensor:
