@@ -177,6 +177,14 @@ def main() -> int:
                        fused_us=timed(lambda: experts_fused(x, ids, w, gate_up, down), 50) * 1e6,
                        auto_us=timed(lambda: AutoExperts()(x, ids, w, gate_up, down), 50) * 1e6,   # the engine's pick
                        floor_us=floor * 1e6)
+            # the pairs' layout alone: torch's reference ops against the engine's launches
+            from pdrollout.engine.model import fused_moe as fm
+            from pdrollout.engine.model.backends import fused_tiles
+            n, bm = ids.numel(), fused_tiles(ids.numel()).get("block_m", fm.BLOCK_M)
+            engine_align = fm.align_fused if n <= fm.ALIGN_KERNEL_MAX_PAIRS else fm.align_spread
+            row.update(align_torch_us=timed(lambda: fm.align(ids, experts, 0, bm), 50) * 1e6,
+                       align_us=timed(lambda: engine_align(ids, experts, 0, bm), 50) * 1e6,
+                       align_kernel=engine_align.__name__)
             row["fused_over_grouped"] = row["fused_us"] / row["grouped_us"]
             row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
             flops = 2 * t * top_k * 3 * hidden * inter

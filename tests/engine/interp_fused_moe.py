@@ -9,7 +9,7 @@ import torch
 
 from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
-from pdrollout.engine.model.fused_moe import BLOCK_M, align, align_fused, experts_fused
+from pdrollout.engine.model.fused_moe import BLOCK_M, align, align_fused, align_spread, experts_fused
 
 
 def _case(t, k, total, hidden, inter, num_local, dtype, seed):
@@ -93,17 +93,19 @@ def _runs(sorted_ids, block_expert, blocks, n, block_m=BLOCK_M):
     return {b: (int(block_expert[b]), sorted(int(p) for p in got[b] if p < n)) for b in range(blocks)}
 
 
+@pytest.mark.parametrize("kernel", [align_fused, align_spread])
 @pytest.mark.parametrize("t,k,num_local,offset,block_m", [
     (1, 8, 128, 0, 16),      # one decode row
     (64, 8, 128, 0, 16),     # a decode batch of the 30B shape
-    (300, 8, 32, 4, 16),     # EP: ids below and above this rank's experts
+    (300, 8, 32, 4, 16),     # EP: ids below and above this rank's experts (align_spread: 3 programs)
     (300, 8, 32, 4, 64),     # another block size
+    (700, 8, 128, 0, 128),   # prefill-sized: 6 programs, the large tiles
 ])
-def test_the_align_kernel_lays_out_the_pairs_as_the_torch_ops(t, k, num_local, offset, block_m):
+def test_the_align_kernels_lay_out_the_pairs_as_the_torch_ops(kernel, t, k, num_local, offset, block_m):
     ids = torch.randint(0, num_local + 2 * offset, (t, k), generator=torch.Generator().manual_seed(t))
     ids[0, 0] = -1                                                 # an empty slot from an all-to-all
     ref = align(ids, num_local, offset, block_m)
-    got = align_fused(ids, num_local, offset, block_m)
+    got = kernel(ids, num_local, offset, block_m)
     assert got[2] == ref[2] and got[0].shape == ref[0].shape and got[0].dtype == ref[0].dtype
     assert torch.equal(got[1], ref[1])
     assert _runs(*got, ids.numel(), block_m) == _runs(*ref, ids.numel(), block_m)

@@ -102,16 +102,18 @@ def test_prefill_attention_matches_reference(kernel):
         assert rel(out[rows], ref[rows]) < 2e-2
 
 
-@pytest.mark.parametrize("tokens,num_local,offset", [(1, 128, 0), (64, 128, 0), (1024, 128, 0), (300, 32, 32)])
-def test_the_align_kernel_lays_out_pairs_as_the_torch_ops(tokens, num_local, offset):
+@pytest.mark.parametrize("kernel", ["align_fused", "align_spread"])
+@pytest.mark.parametrize("tokens,num_local,offset", [(1, 128, 0), (64, 128, 0), (1024, 128, 0), (300, 32, 32),
+                                                     (8192, 128, 0), (3000, 32, 64)])
+def test_the_align_kernels_lay_out_pairs_as_the_torch_ops(kernel, tokens, num_local, offset):
     """Compiled: the barriers and atomics of one program (the interpreter runs it sequentially). The
     atomics hand out an expert's rows in any order, so an expert with more pairs than a block may split
     them over its blocks differently: each expert's run of blocks holds the same pairs, and each
     block's real pairs come first (padding, id n, after them)."""
-    from pdrollout.engine.model.fused_moe import align, align_fused
+    from pdrollout.engine.model import fused_moe
     g = torch.Generator(device=cuda).manual_seed(tokens)
     ids = torch.randint(0, 128, (tokens, 8), generator=g, device=cuda)
-    ref, got = align(ids, num_local, offset), align_fused(ids, num_local, offset)
+    ref, got = fused_moe.align(ids, num_local, offset), getattr(fused_moe, kernel)(ids, num_local, offset)
     assert got[2] == ref[2] and torch.equal(got[1], ref[1])
     n, bm = ids.numel(), ref[0].numel() // ref[2]
     runs: dict[int, list] = {}
