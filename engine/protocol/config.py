@@ -249,6 +249,10 @@ class EngineConfig(BaseModel):
     # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
     # their thread issuing kernels, not by SMs.
     priority_stream: Literal["p", "d", "none"] | None = None
+    # pd on one CUDA rank: a P epoch that starts beside D launches on a green context of this many SMs
+    # (D keeps every SM: its kernels always find the others free of P's); an epoch with no D beside
+    # it keeps every SM. 0: off. Not on several ranks (their streams follow `--sm-partition`).
+    p_sms: int = Field(default=0, ge=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)
@@ -288,6 +292,13 @@ class EngineConfig(BaseModel):
         if not 1 <= v <= SPEC_K_MAX:
             raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _p_sms(self):
+        if self.p_sms and (self.mode != "pd" or self.solo_overlap is False):
+            raise ValueError(f"p_sms={self.p_sms} narrows P epochs beside D: mode 'pd' with solo_overlap "
+                             f"(got mode {self.mode!r}, solo_overlap {self.solo_overlap})")
+        return self
 
     @model_validator(mode="after")
     def _draft(self):

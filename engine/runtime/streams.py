@@ -69,26 +69,35 @@ class StreamDevice:
         pass
 
 
-def make_streams(device: torch.device, sm_partition: int = 0,
-                 priority: str | None = None) -> dict[str, torch.cuda.Stream]:
+def make_streams(device: torch.device, sm_partition: int = 0, priority: str | None = None,
+                 p_sms: int = 0) -> dict[str, torch.cuda.Stream]:
     """P's and D's streams; `priority` ("p" or "d", EngineConfig.priority_stream) creates that
     phase's stream at the device's highest priority, so the block scheduler gives SMs that free up
     to its waiting kernels first. With `sm_partition` S both live in green contexts of the same S
     SMs (the split of the device's SM resource is deterministic), so P and D compete for one
-    partition's residency: the device condition under which crossed orders stall (issue 8)."""
+    partition's residency: the device condition under which crossed orders stall (issue 8).
+    `p_sms` N (EngineConfig.p_sms) adds "p_narrow": a stream of a green context of N SMs, for P
+    epochs beside D."""
     if not sm_partition:
         # torch maps a priority below the device's range to its highest
-        return {k: torch.cuda.Stream(device, priority=-100 if k == priority else 0) for k in ("p", "d")}
+        out = {k: torch.cuda.Stream(device, priority=-100 if k == priority else 0) for k in ("p", "d")}
+        if p_sms:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            if p_sms >= sms:
+                raise ValueError(f"p_sms={p_sms}: the device has {sms} SMs; P beside D needs fewer")
+            out["p_narrow"] = _green_stream(p_sms, device)
+        return out
     if priority is not None:
         raise ValueError("priority_stream with sm_partition: a green context's streams have one priority")
+    return {k: _green_stream(sm_partition, device) for k in ("p", "d")}
+
+
+def _green_stream(sms: int, device: torch.device) -> torch.cuda.Stream:
     from torch.cuda.green_contexts import GreenContext
-    out = {}
-    for k in ("p", "d"):
-        ctx = GreenContext.create(sm_partition, device.index)
-        _GREEN.append(ctx)   # a green context must outlive its streams: the process's lifetime
-        s = ctx.Stream()
-        out[k] = torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
-    return out
+    ctx = GreenContext.create(sms, device.index)
+    _GREEN.append(ctx)   # a green context must outlive its streams: the process's lifetime
+    s = ctx.Stream()
+    return torch.cuda.Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
 
 _GREEN: list = []

@@ -122,10 +122,7 @@ class Worker:
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
-            self.solo = SoloEpochs(self)
-            if self.cuda:
-                from .streams import make_streams
-                self.streams = make_streams(self.device, priority=config.priority_stream_on(multi=False))
+            self.solo = SoloEpochs(self, config)   # on CUDA: P's and D's streams
         from .weight_sync import RankWeights
         self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
 

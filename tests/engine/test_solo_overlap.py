@@ -127,3 +127,17 @@ def test_priority_stream_names_a_phase_and_needs_no_green_context():
     assert EngineConfig(model="m", priority_stream="p").priority_stream_on(multi=True) == "p"
     with pytest.raises(ValueError, match="sm_partition"):
         make_streams(torch.device("cuda", 0), 8, "p")
+
+
+def test_p_sms_needs_pd_beside_d_on_one_cuda_rank(tiny_model):
+    """P's green context of `p_sms` SMs narrows pd's P epochs beside D: elsewhere it is an error,
+    said at config time (modes) or when the worker starts (device), never ignored."""
+    from pydantic import ValidationError
+    for bad in ({"mode": "mixed"}, {"mode": "pd", "solo_overlap": False}):
+        with pytest.raises(ValidationError, match="p_sms=32 narrows P epochs beside D"):
+            EngineConfig(model=str(tiny_model), p_sms=32, **bad)
+    with pytest.raises(ValidationError, match="p_sms"):
+        EngineConfig(model=str(tiny_model), p_sms=-1)
+    cfg = EngineConfig(model=str(tiny_model), mode="pd", solo_overlap=True, p_sms=32, block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="p_sms=32: green contexts are CUDA's"):
+        Engine(cfg)
