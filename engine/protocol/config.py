@@ -253,6 +253,11 @@ class EngineConfig(BaseModel):
     # (D keeps every SM: its kernels always find the others free of P's); an epoch with no D beside
     # it keeps every SM. 0: off. Not on several ranks (their streams follow `--sm-partition`).
     p_sms: int = Field(default=0, ge=0)
+    # The interpreter's GIL switch interval for this process (None: Python's, 5 ms). pd's P thread
+    # spends most of an epoch in Python issuing kernels; each time D's loop blocks (a synchronize)
+    # it gets the GIL back only when P's thread reaches the interval: ~5 ms late per block
+    # (e2e/gil_handoff.py). Opt-in until measured on the GPU (docs/PERF.md).
+    switch_interval_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)

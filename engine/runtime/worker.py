@@ -119,6 +119,8 @@ class Worker:
             from .prefill_graphs import PrefillGraphs
             self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
             self.p_graphs.capture()
+        if config.switch_interval_ms:   # a busy P thread hands the GIL to D's loop sooner (e2e/gil_handoff.py)
+            sys.setswitchinterval(config.switch_interval_ms / 1e3)
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs

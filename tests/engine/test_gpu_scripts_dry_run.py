@@ -260,3 +260,14 @@ def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_
     bad = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/spec_matrix.py"), str(out), str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a directory" in bad.stderr
+
+
+def test_gil_handoff_times_each_switch_interval(tmp_path):
+    out = tmp_path / "gil.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gil_handoff.py"), "--rounds", "5", "--block-ms", "1",
+                        "--intervals", "1,0.2", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert [row["interval_ms"] for row in d["rows"]] == [1.0, 0.2]
+    # a blocked loop never resumes early, and the busy thread ran beside it
+    assert all(row["late_median_ms"] > -0.05 and row["busy_spins_per_s"] > 0 for row in d["rows"]), d

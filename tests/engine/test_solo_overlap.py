@@ -141,3 +141,21 @@ def test_p_sms_needs_pd_beside_d_on_one_cuda_rank(tiny_model):
     cfg = EngineConfig(model=str(tiny_model), mode="pd", solo_overlap=True, p_sms=32, block_size=4, num_blocks=64)
     with pytest.raises(ValueError, match="p_sms=32: green contexts are CUDA's"):
         Engine(cfg)
+
+
+def test_switch_interval_is_set_for_the_process_when_given(tiny_model):
+    """The GIL switch interval (pd's P thread beside D's loop): set by the worker when given, left
+    alone otherwise; not a positive number is refused."""
+    import sys
+
+    from pydantic import ValidationError
+    before = sys.getswitchinterval()
+    try:
+        Engine(EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64))
+        assert sys.getswitchinterval() == before
+        Engine(EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64, switch_interval_ms=0.5))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValidationError, match="switch_interval_ms"):
+        EngineConfig(model=str(tiny_model), switch_interval_ms=0)
