@@ -8,6 +8,7 @@ PREFIX = "pdrollout:"
 TTFT = PREFIX + "time_to_first_token_seconds"                 # histogram
 DECODE_WAIT = PREFIX + "decode_wait_seconds"                  # histogram
 DECODE_STEP = PREFIX + "decode_step_seconds"                  # histogram: steps with decode rows, no prefill
+DECODE_STEP_BESIDE_P = PREFIX + "decode_step_beside_p_seconds"  # histogram: those of them with a P epoch in flight
 P_EPOCH = PREFIX + "p_epoch_seconds"                          # histogram: a P epoch beside D, planned -> done
 P_EPOCH_ENQUEUE = PREFIX + "p_epoch_enqueue_seconds"          # histogram: its forward's issuing
 P_EPOCH_CPU = PREFIX + "p_epoch_cpu_seconds"                  # histogram: its thread's CPU time in that

@@ -36,3 +36,4 @@ class StepRecord:
     spec_proposed: int = 0                     # draft tokens they carried
     spec_accepted: int = 0                     # draft tokens the target accepted
     p_epoch: PEpoch | None = None              # the P epoch that finished in this step (one rank)
+    p_beside: bool = False                     # a P epoch started earlier was in flight beside this step

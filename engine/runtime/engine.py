@@ -215,7 +215,7 @@ class Engine(EngineOps):
             multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
             span=max((x.plan.span for x in launched if x), default=1), rendezvous_s=tuple(mine.rendezvous_s),
             turnstile_rounds=mine.rounds, turnstile_wait_s=tuple(mine.turnstile_wait_s), ordering=mine.ordering,
-            graph=mine.graph, p_epoch=mine.p_epoch, **_spec_counts(launched)))
+            graph=mine.graph, p_epoch=mine.p_epoch, p_beside=plan.p_flight is not None, **_spec_counts(launched)))
 
     def _first_step(self) -> None:
         """Step 0: one warm-up row per path and replica, writing only the KV cache's null slot. On

@@ -52,6 +52,10 @@ class ServerMetrics:
         # the D iteration's own cost (a P epoch may run beside it, on several ranks or with solo_overlap)
         self.decode_step = Histogram(metric.DECODE_STEP, "Wall time of steps with decode rows and no prefill tokens",
                                      buckets=_STEP, registry=r)
+        # of those, the steps a P epoch ran beside: what P's overlap costs D's iteration
+        self.decode_step_beside_p = Histogram(metric.DECODE_STEP_BESIDE_P,
+                                              "Wall time of decode-only steps with a P epoch in flight beside them",
+                                              buckets=_STEP, registry=r)
         # P epochs beside D (one rank, solo_overlap): where an epoch's time goes (records.PEpoch)
         self.p_epoch = Histogram(metric.P_EPOCH, "P epoch beside D: planned to its logits complete",
                                  buckets=_STEP, registry=r)
@@ -131,6 +135,8 @@ class ServerMetrics:
             self.steps.inc()
             if rec.decode_rows and not rec.prefill_tokens:
                 self.decode_step.observe(rec.duration_s)
+                if rec.p_beside:
+                    self.decode_step_beside_p.observe(rec.duration_s)
             if rec.p_epoch is not None:
                 self.p_epoch.observe(rec.p_epoch.wall_s)
                 self.p_epoch_enqueue.observe(rec.p_epoch.enqueue_s)

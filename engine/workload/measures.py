@@ -12,7 +12,7 @@ from ..protocol import metrics as metric
 
 # Server metrics scraped before and after a run (docs/SERVER.md).
 DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOUS, metric.ROLLOUT_MAKESPAN
-DECODE_STEP = metric.DECODE_STEP
+DECODE_STEP, DECODE_STEP_BESIDE_P = metric.DECODE_STEP, metric.DECODE_STEP_BESIDE_P
 P_EPOCH, P_EPOCH_ENQUEUE, P_EPOCH_CPU = metric.P_EPOCH, metric.P_EPOCH_ENQUEUE, metric.P_EPOCH_CPU
 ROUNDS, STALLS = metric.total(metric.ROUNDS), metric.total(metric.STALLS)
 
@@ -90,6 +90,9 @@ def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
         # noisy for (pd against normal on a decode-only workload: the same graph replays)
         "mean_decode_step_ms": mean_ms(DECODE_STEP),
         "decode_steps": count(DECODE_STEP + "_count"),
+        # of them, those a P epoch ran beside (pd): against the mean above, what the overlap costs D
+        "mean_decode_step_beside_p_ms": mean_ms(DECODE_STEP_BESIDE_P),
+        "decode_steps_beside_p": count(DECODE_STEP_BESIDE_P + "_count"),
         # P epochs beside D (one rank): their mean wall time, and of it the issuing and its CPU time
         "mean_p_epoch_ms": mean_ms(P_EPOCH),
         "mean_p_epoch_enqueue_ms": mean_ms(P_EPOCH_ENQUEUE),
@@ -156,6 +159,8 @@ TABLE_ROWS = (
     ("request p99 (ms)", "p99_e2e_latency_ms", "{:.1f}"),
     ("trajectory p99 (s)", "p99_trajectory_s", "{:.2f}"),
     ("mean D wait (ms)", "mean_decode_wait_ms", "{:.2f}"),
+    ("D-only step (ms)", "mean_decode_step_ms", "{:.2f}"),
+    ("of it beside P (ms)", "mean_decode_step_beside_p_ms", "{:.2f}"),
     ("rendezvous", "rendezvous_count", "{:d}"),
     ("rendezvous mean (ms)", "mean_rendezvous_ms", "{:.3f}"),
     ("stalls", "stalls", "{:d}"),

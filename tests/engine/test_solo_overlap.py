@@ -47,6 +47,8 @@ def test_p_epochs_span_d_steps_on_one_rank_and_outputs_equal_transformers(tiny_m
     started = [s["step"] for s in steps if s["p_pending"]]
     finished = [s["p_done"] for s in steps if s["p_done"] is not None]
     during = [s for s in steps if s["p_flight"] is not None]
+    # the records say which steps ran beside an epoch (/metrics' decode_step_beside_p_seconds)
+    assert [r.step for r in engine.records if r.p_beside] == [s["step"] for s in during]
     if not overlap:   # one fused P+D forward per step
         assert not started and not finished and not during
         return

@@ -69,6 +69,7 @@ CONTRACT = {
     "gauge": ["num_running_reqs", "num_queue_reqs", "token_usage", "multiplexing_active", "segment_span",
               "rollout_makespan_seconds"],
     "histogram": ["time_to_first_token_seconds", "e2e_request_latency_seconds", "decode_wait_seconds", "decode_step_seconds",
+                  "decode_step_beside_p_seconds",
                   "p_epoch_seconds", "p_epoch_enqueue_seconds", "p_epoch_cpu_seconds",
                   "turnstile_rendezvous_seconds", "rollout_makespan_seconds_hist"],
     "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished"],
@@ -93,6 +94,8 @@ def test_metrics_families_and_counters_move(server):
     # ... and those 3 steps are the decode-only ones, each a wall time > 0
     assert after["pdrollout:decode_step_seconds_count"] - before["pdrollout:decode_step_seconds_count"] == 3
     assert after["pdrollout:decode_step_seconds_sum"] > before["pdrollout:decode_step_seconds_sum"]
+    # no P epoch ran beside them (this server fuses P into its steps)
+    assert after["pdrollout:decode_step_beside_p_seconds_count"] == before["pdrollout:decode_step_beside_p_seconds_count"]
     assert after["pdrollout:requests_total{finish_reason=length}"] == \
         before.get("pdrollout:requests_total{finish_reason=length}", 0) + 1
     e2e = after["pdrollout:e2e_request_latency_seconds_sum"] - before["pdrollout:e2e_request_latency_seconds_sum"]
@@ -177,4 +180,6 @@ def test_p_epochs_beside_d_are_counted_and_timed(server, start_server):
     wall, issue = running["pdrollout:p_epoch_seconds_sum"], running["pdrollout:p_epoch_enqueue_seconds_sum"]
     cpu = running["pdrollout:p_epoch_cpu_seconds_sum"]
     assert wall >= issue and issue + 1e-3 * n >= cpu > 0, running   # one thread's CPU time fits its wall time
+    beside = running["pdrollout:decode_step_beside_p_seconds_count"]
+    assert beside <= running["pdrollout:decode_step_seconds_count"], running   # a subset of the D-only steps
     assert srv.stop() == 0, srv.log
