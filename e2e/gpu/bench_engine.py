@@ -64,33 +64,44 @@ def measure_ceilings():
 P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536), (4, 2048, 0))
 
 
-def time_p_forwards(e, reps: int = 10) -> dict:
-    """Each P_SHAPES forward eager and through P's piecewise graphs, on free slots at the top of the
-    cache: wall (issued and complete) and issuing time (the host's share), medians of `reps`."""
+def p_batch(w, segs: int, new: int, ctx: int, g: torch.Generator):
+    """A P forward of `segs` segments of `new` tokens over `ctx` cached ones, on free slots at the
+    top of the cache (no request holds them). Random tokens: one token repeated routes a whole
+    segment to the same 8 experts, which makes the expert GEMMs few and large (the 8k forward ran
+    8 % faster on it than on a real batch)."""
     from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
-    w = e.worker
     dev, top = w.device, w.kv.null_slot
+    ids, pos, slots, seqs, t = [], [], [], [], 0
+    base = top - segs * (ctx + new)
+    for i in range(segs):
+        first = base + i * (ctx + new)
+        ids += torch.randint(2, w.cfg.vocab_size, (new,), generator=g).tolist()
+        pos += range(ctx, ctx + new)
+        slots += range(first + ctx, first + ctx + new)
+        seqs.append(SeqSlice(t, new, ctx + new, torch.arange(first, first + ctx + new, device=dev)))
+        t += new
+    long = lambda xs: torch.tensor(list(xs), dtype=torch.long, device=dev)
+    return ForwardBatch(long(ids), long(pos), long(slots), seqs, long(range(new - 1, t, new)))
+
+
+def p_runs(w, batch) -> dict:
+    """The ways a P epoch runs `batch`: eager, and through P's piecewise graphs where they hold it."""
+    runs = {"eager": lambda: w.model(batch, w.kv)}
+    if w.p_graphs is not None and w.p_graphs.fits(batch):
+        runs["graphed"] = lambda: w.p_graphs.forward(batch)
+    return runs
+
+
+def time_p_forwards(e, reps: int = 10) -> dict:
+    """Each P_SHAPES forward eager and through P's piecewise graphs: wall (issued and complete)
+    and issuing time (the host's share), medians of `reps`."""
+    w = e.worker
     out = {}
-    # random tokens: one token repeated routes a whole segment to the same 8 experts, which makes
-    # the expert GEMMs few and large (the 8k forward ran 8 % faster on it than on a real batch)
     g = torch.Generator().manual_seed(1)
     for segs, new, ctx in P_SHAPES:
-        ids, pos, slots, seqs, t = [], [], [], [], 0
-        base = top - segs * (ctx + new)
-        for i in range(segs):
-            first = base + i * (ctx + new)
-            ids += torch.randint(2, w.cfg.vocab_size, (new,), generator=g).tolist()
-            pos += range(ctx, ctx + new)
-            slots += range(first + ctx, first + ctx + new)
-            seqs.append(SeqSlice(t, new, ctx + new, torch.arange(first, first + ctx + new, device=dev)))
-            t += new
-        long = lambda xs: torch.tensor(list(xs), dtype=torch.long, device=dev)
-        batch = ForwardBatch(long(ids), long(pos), long(slots), seqs, long(range(new - 1, t, new)))
-        row = {"tokens": t, "segments": segs}
-        runs = {"eager": lambda: w.model(batch, w.kv)}
-        if w.p_graphs is not None and w.p_graphs.fits(batch):
-            runs["graphed"] = lambda: w.p_graphs.forward(batch)
-        for name, run in runs.items():
+        batch = p_batch(w, segs, new, ctx, g)
+        row = {"tokens": batch.input_ids.shape[0], "segments": segs}
+        for name, run in p_runs(w, batch).items():
             walls, issues = [], []
             for _ in range(reps + 2):
                 batch.prefill_plan = None

@@ -271,3 +271,15 @@ def test_gil_handoff_times_each_switch_interval(tmp_path):
     assert [row["interval_ms"] for row in d["rows"]] == [1.0, 0.2]
     # a blocked loop never resumes early, and the busy thread ran beside it
     assert all(row["late_median_ms"] > -0.05 and row["busy_spins_per_s"] > 0 for row in d["rows"]), d
+
+
+def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(tmp_path):
+    out = tmp_path / "dbp.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/d_beside_p.py"), str(out), "--intervals", "5,0.2"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert [row["interval_ms"] for row in d["rows"]] == [5.0, 0.2] and d["meta"]["p_tokens"] == 16
+    for row in d["rows"]:   # every kind ran beside the steps, and each step took time
+        assert row["alone_step_ms"] > 0 and row["spin_repeats"] > 0 and row["eager_repeats"] > 0, row
+        assert row["eager_step_ms"] > 0 and row["spin_over_alone"] > 0, row
