@@ -223,7 +223,8 @@ class EngineConfig(BaseModel):
     # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md).
     # hybrid (opt-in): SDPA for a step whose segments are all fresh prompts of >= 2,048 tokens
     # (cuDNN beat the launch there by 11 % as a kernel), the launch otherwise; in the engine it made
-    # the 8k chunk slower (149 against 133 ms, docs/PERF.md), not yet explained
+    # the 8k chunk slower (149 against 133 ms, docs/PERF.md): the worker turns SDPA's cuDNN backend
+    # off (a plan per new shape), so SDPA runs flash there, 684 µs a layer against the launch's 444
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
