@@ -29,7 +29,9 @@ from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention,
 from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402
 
 # (new tokens, context) per segment
-SHAPES = {"8k": [(2048, 2048)] * 4, "p1": [(256, 2048)] * 32, "tiny": [(40, 40), (9, 70), (1, 33)]}
+# "cont": one continuation as a fused step carries it at P1 (its walk split along the context)
+SHAPES = {"8k": [(2048, 2048)] * 4, "p1": [(256, 2048)] * 32, "cont": [(128, 2048)], "cont4k": [(128, 4096)],
+          "tiny": [(40, 40), (9, 70), (1, 33)]}
 
 
 def make(shape, h: int, kvh: int, d: int, block: int, dev, g):
@@ -81,7 +83,11 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
            "default": dict(TILES), "default_rel_err": rel(paged_prefill_attention(q, k, v, seqs, scale), ref)}
     if not cpu:
         row["sdpa_us"] = timed(lambda: prefill_attention(q, k, v, seqs, scale), 20) * 1e6
-        plan = plan_tiles(seqs, dev)   # built once per step in the engine: not timed
+        plan = plan_tiles(seqs, dev, heads=q.shape[1])   # built once per step in the engine: not timed
+        row["splits"] = plan.splits
+        if plan.splits > 1:   # the same launch walking each context whole
+            whole = plan_tiles(seqs, dev, splits=1)
+            row["whole_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=whole), 20) * 1e6
         row["default_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan), 20) * 1e6
         row["sdpa_tflops"], row["default_tflops"] = flops / row["sdpa_us"] / 1e6, flops / row["default_us"] / 1e6
         if all(s.q_len == s.ctx_len for s in seqs):
@@ -89,7 +95,7 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
     if a.sweep:
         out = []
         for cfg in configs(cpu):
-            plan = plan_tiles(seqs, dev, cfg["block_m"])
+            plan = plan_tiles(seqs, dev, cfg["block_m"], heads=q.shape[1])
             run = lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=cfg)  # noqa: E731
             try:
                 entry = {"config": cfg, "rel_err": rel(run(), ref)}
@@ -162,7 +168,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['shape']:5} {r['segments']:5} {r['tokens']:7} {r.get('sdpa_us', 0):8.0f} {r.get('default_us', 0):11.0f}  "
               f"{r.get('sdpa_tflops', 0):6.0f} / {r.get('default_tflops', 0):4.0f} / {r.get('best_tflops', 0):4.0f}  "
-              f"{r.get('best_config')}")
+              f"{r.get('best_config')}" + (f"  splits {r['splits']}: whole walks {r['whole_us']:.0f} us"
+                                            if r.get("whole_us") else ""))
         for name, f in r.get("fresh", {}).items():
             print(f"  fresh {name:32} " + (f"{f['us']:6.0f} us {f['tflops']:4.0f} TFLOP/s err {f['rel_err']:.1e}"
                                            if "us" in f else f["error"]))

@@ -16,6 +16,9 @@ call, then summarized.
                                                          # quantization_config); "weights" is not an
                                                          # engine field: FP8 is read from the model
     --variant mtp:pd:'{"speculative": "mtp", "speculative_k": 2}'
+    --variant cp:pd:'{"priority": "critical-path", "control": {"p_gather_ms": 100}}'
+                                                         # the client sends each turn its trajectory's
+                                                         # work left as /generate's priority
                                                          # the model declares an MTP head (random
                                                          # weights build it); "mtp_layers": N sets
                                                          # its depth (default 1 under mtp, else 0)
@@ -42,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdrollout.engine.workload.trace import PRIORITY_HINTS
+
 BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 40 << 30, "max_running": 64}
 MEASURES = ("makespan_s", "median_ttft_ms", "p99_ttft_ms", "mean_decode_wait_ms", "mean_decode_step_ms",
             "mean_decode_step_beside_p_ms")
@@ -49,18 +54,22 @@ MEASURES = ("makespan_s", "median_ttft_ms", "p99_ttft_ms", "mean_decode_wait_ms"
 
 def parse_variant(text: str) -> dict:
     """NAME[@PRESSURE,...]:MODES:ENGINE_CONFIG_JSON (@: only at those pressures); the JSON's
-    "weights" ("bf16" or "fp8") picks the model's weights, the rest are EngineConfig fields."""
+    "weights" ("bf16" or "fp8") picks the model's weights and "priority" the hint the client sends
+    (`pdrollout bench --priority`), the rest are EngineConfig fields."""
     name, modes, extra = text.split(":", 2)
     name, _, only = name.partition("@")
     extra = json.loads(extra or "{}")
     weights = extra.pop("weights", "bf16")
     if weights not in ("bf16", "fp8"):
         raise ValueError(f"variant {name}: weights must be 'bf16' or 'fp8', got {weights!r}")
+    priority = extra.pop("priority", "none")
+    if priority not in PRIORITY_HINTS:
+        raise ValueError(f"variant {name}: priority must be one of {', '.join(PRIORITY_HINTS)}, got {priority!r}")
     mtp = extra.pop("mtp_layers", 1 if extra.get("speculative") == "mtp" else 0)
     if not isinstance(mtp, int) or mtp < 0:
         raise ValueError(f"variant {name}: mtp_layers must be an integer >= 0, got {mtp!r}")
     return {"name": name, "modes": modes, "extra": extra, "weights": weights, "mtp_layers": mtp,
-            "pressures": only.split(",") if only else None}
+            "priority": priority, "pressures": only.split(",") if only else None}
 
 
 def model_dir(args, variant: dict) -> str:
@@ -137,7 +146,8 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None, pid: 
     whose process is `pid`)."""
     out = job_dir(args, job)
     cmd = ["pdrollout", "bench", "--modes", job["mode"], "--preset", args.preset, "--seed", str(job["seed"]),
-           "--pressure", job["pressure"], "--no-progress", "--out", str(out)]
+           "--pressure", job["pressure"], "--no-progress", "--out", str(out),
+           "--priority", job["variant"].get("priority", "none")]
     if url:
         cmd += ["--url", url]
     else:

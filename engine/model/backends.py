@@ -72,7 +72,7 @@ class PagedAttention:
             from . import paged_prefill
             if batch.prefill_plan is None:   # the same segments in every layer: one plan a step
                 batch.prefill_plan = SDPA if self.prefill == "hybrid" and sdpa_wins(segments) \
-                    else paged_prefill.plan_tiles(segments, q.device)
+                    else paged_prefill.plan_tiles(segments, q.device, heads=q.shape[1])
             if batch.prefill_plan is not SDPA:
                 paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o,
                                                       plan=batch.prefill_plan)

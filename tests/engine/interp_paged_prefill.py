@@ -8,7 +8,7 @@ import torch
 
 from interp import interpreted, rel  # noqa: F401 (interpreted: an autouse fixture)
 from pdrollout.engine.model import ops
-from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention, plan_tiles
+from pdrollout.engine.model.paged_prefill import MAX_SPLITS, TILES, paged_prefill_attention, plan_tiles, walk_splits
 from pdrollout.engine.model.qwen3_moe import SeqSlice
 
 
@@ -63,7 +63,8 @@ def test_rows_outside_the_segments_are_left_alone():
 
 def test_tiles_cover_each_segment_once():
     _, _, _, seqs = segments(SHAPES, 16, 2, 1, 16, torch.float32, seed=0)
-    slots, tiles = plan_tiles(seqs, torch.device("cpu"))
+    slots, tiles, splits = plan_tiles(seqs, torch.device("cpu"))
+    assert splits == 1   # the CPU's walks are never split unless asked
     assert slots.shape[0] == sum(s.ctx_len for s in seqs)
     assert int(tiles[:, 1].sum()) == sum(s.q_len for s in seqs)
     assert tiles.shape[0] == sum(-(-s.q_len // BLOCK_M) for s in seqs)
@@ -91,7 +92,7 @@ def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):
     from pdrollout.engine.model import paged_prefill
     from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
     plans = []
-    monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a: plans.append(1) or plan_tiles(*a))
+    monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a, **k: plans.append(1) or plan_tiles(*a, **k))
     ref = tiny_prompt_forward(REFERENCE)
     got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="triton"), REFERENCE.experts))
     assert rel(got, ref) < 1e-5 and len(plans) == 1
@@ -114,9 +115,39 @@ def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
     for bound, path in ((9, "sdpa"), (10, "triton")):   # the prompt is 9 fresh tokens
         monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", bound)
         ran = []
-        monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a: ran.append("triton") or plan_tiles(*a))
+        monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a, **k: ran.append("triton") or plan_tiles(*a, **k))
         sdpa = kernels.prefill_attention
         monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **k: ran.append("sdpa") or sdpa(*a, **k))
         got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="hybrid"), REFERENCE.experts))
         assert rel(got, ref) < 1e-5
         assert set(ran) == {path}, (bound, ran)
+
+
+# a fresh prompt (its first rows see only the first keys: later stretches mask them whole), a
+# continuation over a long context, one new token, and a segment of more than one tile
+SPLIT_SHAPES = [(40, 40), (20, 300), (1, 170), (BLOCK_M + 9, BLOCK_M + 60)]
+
+
+@pytest.mark.parametrize("dtype,tol,splits", [(torch.float32, 1e-5, 2), (torch.float32, 1e-5, 3),
+                                              (torch.float32, 1e-5, 7), (torch.bfloat16, 2e-2, 3)])
+def test_walks_split_along_the_context_match_the_reference(dtype, tol, splits):
+    """Each stretch's softmax state, merged: the reference's output, and the unsplit launch's."""
+    tiles = dict(block_n=16)
+    q, k, v, seqs = segments(SPLIT_SHAPES, 16, 8, 2, 32, dtype, seed=splits)
+    plan = plan_tiles(seqs, q.device, TILES["block_m"], splits=splits)
+    assert plan.splits == splits
+    out = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan, tiles=tiles)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        assert rel(out[rows], ref[rows]) < tol
+    whole = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan_tiles(seqs, q.device, splits=1), tiles=tiles)
+    assert rel(out, whole) < tol
+
+
+def test_walks_split_only_while_tiles_leave_sms_idle():
+    assert walk_splits(programs=132, longest=8192, sms=132, block_n=128) == 1     # every SM busy already
+    assert walk_splits(programs=32, longest=2176, sms=132, block_n=128) == 5      # ceil(132 / 32)
+    assert walk_splits(programs=32, longest=300, sms=132, block_n=128) == 1       # stretches of 2+ blocks
+    assert walk_splits(programs=1, longest=1 << 20, sms=132, block_n=128) == MAX_SPLITS

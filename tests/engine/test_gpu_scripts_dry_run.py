@@ -80,12 +80,15 @@ def test_bench_seeds_gives_an_mtp_variant_a_model_with_its_head(tmp_path):
     weights build it), the baseline's does not, and the results say mtp drafted and was verified."""
     out = tmp_path / "mtp"
     _bench_seeds(out, "--pressures", "P2", "--layers", "1",
-                 "--variant", 'mtp:pd:{"speculative": "mtp", "speculative_k": 2}')
+                 "--variant", 'mtp:pd:{"speculative": "mtp", "speculative_k": 2, "priority": "critical-path"}')
     assert "num_nextn_predict_layers" not in json.loads((tmp_path / "mtp-model" / "config.json").read_text())
     assert json.loads((tmp_path / "mtp-model-mtp1" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     pd = json.loads((out / "mtp" / "P2-s0" / "pd" / "results.json").read_text())["modes"]["pd"]
     assert (pd["speculative"], pd["speculative_k"]) == ("mtp", 2) and pd["completed"] > 0
     assert pd["spec_proposed_drafts"] > 0 and pd["spec_accept_length"] >= 1, pd
+    # "priority" is the client's, not an engine field: the variant's bench sent the hint
+    meta = lambda v, m: json.loads((out / v / "P2-s0" / m / "results.json").read_text())["meta"]
+    assert meta("mtp", "pd")["priority"] == "critical-path" and meta("base", "mixed")["priority"] == "none"
 
 
 def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
@@ -283,3 +286,14 @@ def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(t
     for row in d["rows"]:   # every kind ran beside the steps, and each step took time
         assert row["alone_step_ms"] > 0 and row["spin_repeats"] > 0 and row["eager_repeats"] > 0, row
         assert row["eager_step_ms"] > 0 and row["spin_over_alone"] > 0, row
+
+
+def test_fused_step_dry_run_times_d_steps_fused_steps_and_p_alone(tmp_path):
+    """Each fused step carried exactly its continuation's new tokens (the prompt a prefix-cache hit)."""
+    out = tmp_path / "fs.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/fused_step.py"), str(out), "--new", "8,16"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["d_step_ms"] > 0 and [row["new"] for row in d["rows"]] == [8, 16]
+    assert all(row["fused_ms"] > 0 and row["p_alone_ms"] > 0 for row in d["rows"]), d["rows"]

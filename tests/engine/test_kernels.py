@@ -78,28 +78,49 @@ def test_split_decode_attention_replays_in_a_graph_with_new_lengths():
         assert rel(out, eager) < 1e-2, new
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
-def test_prefill_attention_matches_reference(kernel):
-    """SDPA per segment (kernels.py) and the paged Triton launch (paged_prefill.py)."""
-    from pdrollout.engine.model.kernels import prefill_attention
-    from pdrollout.engine.model.paged_prefill import paged_prefill_attention
-    g = torch.Generator(device=cuda).manual_seed(1)
-    h, kvh, d, bs = 32, 4, 128, 16
-    # (new tokens, total context): fresh prompts and continuation prefills over a cached prefix.
-    shapes = [(37, 37), (512, 1300), (1, 70), (2048, 2048)]
+def _prefill_segments(shapes, h, d, seed, kvh=4, bs=16):
+    """q, paged k/v (bf16) and segments of (new tokens, total context) each."""
+    g = torch.Generator(device=cuda).manual_seed(seed)
     k, v, tables = _paged([c for _, c in shapes], bs, kvh, d, torch.bfloat16, g)
     seqs, start = [], 0
     for (n, c), t in zip(shapes, tables):
         pos = torch.arange(c, device=cuda)
         seqs.append(SeqSlice(start, n, c, torch.tensor(t, device=cuda)[pos // bs] * bs + pos % bs))
         start += n
-    q = torch.randn(start, h, d, generator=g, device=cuda).to(torch.bfloat16)
+    return torch.randn(start, h, d, generator=g, device=cuda).to(torch.bfloat16), k, v, seqs
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_prefill_attention_matches_reference(kernel):
+    """SDPA per segment (kernels.py) and the paged Triton launch (paged_prefill.py)."""
+    from pdrollout.engine.model.kernels import prefill_attention
+    from pdrollout.engine.model.paged_prefill import paged_prefill_attention
+    h, d = 32, 128
+    # (new tokens, total context): fresh prompts and continuation prefills over a cached prefix.
+    q, k, v, seqs = _prefill_segments([(37, 37), (512, 1300), (1, 70), (2048, 2048)], h, d, seed=1)
     out = (prefill_attention if kernel == "sdpa" else paged_prefill_attention)(q, k, v, seqs, d ** -0.5)
     ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
     assert rel(out, ref) < 2e-2
     for s in seqs:
         rows = slice(s.q_start, s.q_start + s.q_len)
         assert rel(out[rows], ref[rows]) < 2e-2
+
+
+def test_paged_prefill_splits_a_lone_continuation_along_its_context():
+    """One continuation of 128 tokens over 4k cached (the fused step's P at P1): one tile per head
+    leaves most SMs idle, so the walk is split and merged; the reference's output either way."""
+    from pdrollout.engine.model.paged_prefill import paged_prefill_attention, plan_tiles
+    h, d = 32, 128
+    q, k, v, seqs = _prefill_segments([(128, 4096), (1, 3000)], h, d, seed=2)
+    plan = plan_tiles(seqs, q.device, heads=h)
+    assert plan.splits > 1
+    out = paged_prefill_attention(q, k, v, seqs, d ** -0.5, plan=plan)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        assert rel(out[rows], ref[rows]) < 2e-2
+    whole = paged_prefill_attention(q, k, v, seqs, d ** -0.5, plan=plan_tiles(seqs, q.device, splits=1))
+    assert rel(out, whole) < 1e-2
 
 
 @pytest.mark.parametrize("kernel", ["align_fused", "align_spread"])
