@@ -257,7 +257,8 @@ class EngineConfig(BaseModel):
     # The interpreter's GIL switch interval for this process (None: Python's, 5 ms). pd's P thread
     # spends most of an epoch in Python issuing kernels; each time D's loop blocks (a synchronize)
     # it gets the GIL back only when P's thread reaches the interval: ~5 ms late per block
-    # (e2e/gil_handoff.py). Opt-in until measured on the GPU (docs/PERF.md).
+    # (e2e/gil_handoff.py). Off: on the H200 0.2 ms changed neither D's steps beside real P forwards
+    # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/PERF.md).
     switch_interval_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in

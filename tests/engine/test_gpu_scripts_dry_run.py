@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -297,3 +299,24 @@ def test_fused_step_dry_run_times_d_steps_fused_steps_and_p_alone(tmp_path):
     d = json.loads(out.read_text())
     assert d["d_step_ms"] > 0 and [row["new"] for row in d["rows"]] == [8, 16]
     assert all(row["fused_ms"] > 0 and row["p_alone_ms"] > 0 for row in d["rows"]), d["rows"]
+
+
+def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
+    """A step log's steps by kind (D, P+D fused, the step starting an epoch, D beside it) and P size."""
+    import gzip
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from step_costs import costs, read
+    finally:
+        sys.path.pop(0)
+    step = lambda i, d, p, wall, **kw: {"step": i, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
+                                         "p_flight": None, "p_pending": False, **kw}
+    log = [step(0, 1, 1, 9.0), step(1, 8, 0, 0.010), step(2, 8, 0, 0.012), step(3, 8, 100, 0.020),
+           step(4, 8, 900, 0.030, p_pending=True), step(5, 8, 0, 0.018, p_flight=4), step(6, 0, 5000, 0.1)]
+    path = tmp_path / "rank0.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(s) for s in log))
+    rows = {(r["kind"], r["p_tokens"]): r for r in costs(read(tmp_path))}
+    assert set(rows) == {("D", "-"), ("P+D", "<=128"), ("P+D (epoch)", "<=1024"), ("D beside P", "-"), ("P", ">4096")}
+    assert rows[("D", "-")]["steps"] == 2 and rows[("D", "-")]["wall_ms"] == pytest.approx(11.0)
+    assert rows[("P+D", "<=128")]["total_s"] == pytest.approx(0.020)
