@@ -51,9 +51,11 @@ class ReferenceAttention:
 class PagedAttention:
     needs_block_tables = True
 
-    def __init__(self, prologue: str = "torch", kv_splits: int | str = 1, prefill: str = "sdpa"):
+    def __init__(self, prologue: str = "torch", kv_splits: int | str = 1, prefill: str = "sdpa",
+                 prefill_splits: int | str = "auto"):
         self.kv_splits = kv_splits   # decode attention split along the context (kernels.py)
         self.prefill = prefill       # sdpa per segment (kernels.py) or one paged launch (paged_prefill.py)
+        self.prefill_splits = None if prefill_splits == "auto" else prefill_splits   # the launch's walks
         if prologue == "fused":
             from .prologue import qk_prologue
             self.prologue = qk_prologue
@@ -72,7 +74,8 @@ class PagedAttention:
             from . import paged_prefill
             if batch.prefill_plan is None:   # the same segments in every layer: one plan a step
                 batch.prefill_plan = SDPA if self.prefill == "hybrid" and sdpa_wins(segments) \
-                    else paged_prefill.plan_tiles(segments, q.device, heads=q.shape[1])
+                    else paged_prefill.plan_tiles(segments, q.device, heads=q.shape[1],
+                                                 splits=self.prefill_splits)
             if batch.prefill_plan is not SDPA:
                 paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o,
                                                       plan=batch.prefill_plan)
@@ -193,11 +196,12 @@ class Backends:
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
                   prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
-                  router: str = "auto", prefill: str = "auto") -> Backends:
+                  router: str = "auto", prefill: str = "auto", prefill_splits: int | str = "auto") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
     decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
-    `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention);
+    `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention); `prefill_splits`: the paged
+    launch's (EngineConfig.prefill_kv_splits);
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
@@ -207,7 +211,7 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
                                   for k in (prologue, add_norm, router))
     if prefill == "auto":
         prefill = "triton" if bf16 else "sdpa"
-    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill))
+    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill, prefill_splits))
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = replace(backends, add_norm=fused_add_norm)

@@ -226,6 +226,11 @@ class EngineConfig(BaseModel):
     # the 8k chunk slower (149 against 133 ms, docs/PERF.md): the worker turns SDPA's cuDNN backend
     # off (a plan per new shape), so SDPA runs flash there, 684 µs a layer against the launch's 444
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
+    # the paged launch's walks split along the context into n stretches, merged by a second launch;
+    # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one
+    # program per SM (model/paged_prefill.walk_splits: 128 new tokens over 4k, 97 → 60 µs a layer on
+    # the H200, docs/PERF.md); 1: every walk whole
+    prefill_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
     # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or

@@ -98,6 +98,26 @@ def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):
     assert rel(got, ref) < 1e-5 and len(plans) == 1
 
 
+@pytest.mark.parametrize("setting,splits", [("auto", 1), (3, 3)])   # auto: 1 on the CPU (its one "SM")
+def test_prefill_kv_splits_reaches_the_launch_and_a_split_model_equals_the_reference(monkeypatch, setting, splits):
+    """EngineConfig.prefill_kv_splits through PagedAttention: every layer's walks in that many
+    stretches, the reference's fp32 logits either way."""
+    from conftest import tiny_prompt_forward
+    from pdrollout.engine.model import paged_prefill
+    from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
+    from pdrollout.engine.protocol.config import EngineConfig
+    plans = []
+    monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a, **k: plans.append(plan_tiles(*a, **k)) or plans[-1])
+    ref = tiny_prompt_forward(REFERENCE)
+    got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="triton", prefill_splits=setting),
+                                       REFERENCE.experts))
+    assert rel(got, ref) < 1e-5 and [p.splits for p in plans] == [splits]
+    assert EngineConfig(model="m", prefill_kv_splits=setting).prefill_kv_splits == setting
+    for bad in (0, 17, "many"):
+        with pytest.raises(ValueError):
+            EngineConfig(model="m", prefill_kv_splits=bad)
+
+
 def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
     """`prefill_attention: hybrid`: a step whose segments are all fresh prompts of at least
     SDPA_FRESH_MIN_TOKENS runs SDPA (no tile plan), any other step the paged launch; both equal the
