@@ -38,7 +38,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # splits, T, H: sizes only, not specialized (a new T % 16 mid-run would compile a variant)
+    @triton.jit(do_not_specialize=["splits", "T", "H"])
     def attend(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, tiles_ptr, scale2,
                sq_t, sq_h, sk_s, sk_h, so_t, so_h, part_ptr, ml_ptr, splits, T, H,
                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -111,7 +112,7 @@ def _merge_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits", "T", "H"])
     def merge(part_ptr, ml_ptr, o_ptr, tiles_ptr, splits, T, H, so_t, so_h,
               D: tl.constexpr, BM: tl.constexpr):
         # one program per (head, tile): its rows' stretches, in order, with one running softmax

@@ -30,6 +30,7 @@ def _spec_counts(launched) -> dict:
 # prefill warm-up (warm_prefill): step sizes in tokens, odd and aligned, below the budget; row length
 WARM_P_TOKENS = (1, 37, 256, 999, 2048, 4099, 8192, 16384)
 WARM_ROW = 2048
+WARM_CONT_TOKENS = 128   # then one continuation over up to WARM_ROW cached: the paged launch's split walks
 SOLO_P_WAIT_BOUND_MS = 200.0   # pd on one CUDA rank: the default TTFT bound (ControlSettings.p_wait_bound_ms)
 
 
@@ -240,11 +241,15 @@ class Engine(EngineOps):
         regime of the prefill kernels runs once — odd and 16-aligned token counts (Triton specializes
         on both), the MoE path's tile choices by routed rows, up to the whole budget. Rows are split
         like prompts (≤ WARM_ROW tokens), write only KV blocks no request holds yet, sample nothing;
-        on one rank only (several ranks warm their GEMMs in member.py). Returns the steps run."""
+        on one rank only (several ranks warm their GEMMs in member.py). By default a last step is one
+        continuation of WARM_CONT_TOKENS over a cached context (what a fused step carries at P1: few
+        tiles, so the attention's walks split along the context). Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
+        continuation = totals is None
         totals = totals or tuple(t for t in WARM_P_TOKENS if t < budget) + (budget,)
         bs, free = self.config.block_size, self.worker.num_blocks
         t0, n = time.monotonic(), 0
+        steps = []
         for total in totals:
             rows, block = [], 0
             while total > 0:
@@ -255,6 +260,13 @@ class Engine(EngineOps):
                 rows.append(RowSpec("warmup", Phase.PREFILL, 0, (0,) * length,
                                     tuple(range(block, block + need)), samples=False))
                 block, total = block + need, total - length
+            steps.append(rows)
+        if continuation:   # its context is whatever the steps above left in those blocks
+            ctx = min(WARM_ROW, free * bs - WARM_CONT_TOKENS)
+            if ctx > 0:
+                steps.append([RowSpec("warmup", Phase.PREFILL, ctx, (0,) * WARM_CONT_TOKENS,
+                                      tuple(range(-(-(ctx + WARM_CONT_TOKENS) // bs))), samples=False)])
+        for rows in steps:
             if rows:
                 work = tuple(ReplicaWork(prefill=tuple(rows)) for _ in self.schedulers)
                 self._exchange(StepPlan(0, self.control.model_dump(), work))
