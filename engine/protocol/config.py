@@ -265,6 +265,11 @@ class EngineConfig(BaseModel):
     # (e2e/gil_handoff.py). Off: on the H200 0.2 ms changed neither D's steps beside real P forwards
     # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/PERF.md).
     switch_interval_ms: float | None = Field(default=None, gt=0)
+    # pd: an idle engine (nothing decoding or prefilling) holds arriving requests while they keep
+    # coming less than policy.IDLE_QUIET_MS apart, up to this long after the first. A rollout's first
+    # turns reach the server over ~8 ms; the first one alone took a 30-44 ms step on the H200 that the
+    # other 31 waited out, ~10 % of their TTFT (docs/PERF.md). None: off (opt-in until measured)
+    p_idle_gather_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)

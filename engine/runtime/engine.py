@@ -120,6 +120,13 @@ class Engine(EngineOps):
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 
+    @property
+    def hold_until(self) -> float | None:
+        """When the planner held waiting work back on purpose (p_gather_ms, p_idle_gather_ms): the
+        time (monotonic) to plan again by, unless new work arrives first; None: no hold."""
+        holds = [s.hold_until for s in self.schedulers if s.hold_until is not None]
+        return min(holds) if holds else None
+
     def set_control(self, control: ControlSettings) -> None:
         self._pending_control = control       # every replica and rank takes it at the next step
 

@@ -41,6 +41,8 @@ class Plan:
     span: int = 1
     multiplexing: bool = False         # P and D both in this step under the pd policy
     control: ControlSettings = field(default_factory=ControlSettings)
+    # an empty plan that holds waiting work back on purpose: plan again by then, or when work arrives
+    hold_until: float | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -65,6 +67,7 @@ class Snapshot:
     # that are only cached (unreferenced) still count against free blocks when taken.
     cached_hint: dict[str, tuple[int, int]] = field(default_factory=dict)
     now: float = field(default_factory=time.monotonic)   # the clock of Req.arrival
+    idle_gather_ms: float | None = None                   # EngineConfig.p_idle_gather_ms
 
     def oldest_p_wait_s(self) -> float:
         """How long the longest-waiting request without its first token has waited."""
@@ -170,6 +173,7 @@ class MixedPolicy:
 
 
 SEGMENT_UNITS = 16     # with decode rows running, one span unit is budget/16 prefill tokens
+IDLE_QUIET_MS = 2.0    # p_idle_gather_ms: arrivals this far apart end the burst
 
 
 class PDPolicy:
@@ -189,6 +193,9 @@ class PDPolicy:
     def plan(self, step, s, control):
         if control.activation == "off":
             return NormalPolicy().plan(step, s, control)
+        hold = self._idle_hold(s)
+        if hold is not None:
+            return Plan(step, control=control, hold_until=hold)
         b = _Builder(s)
         b.take_decode()
         budget = control.prefill_budget_tokens
@@ -201,7 +208,7 @@ class PDPolicy:
             p_only.take_prefill(budget)
             if p_only.segments:
                 return p_only.build(step, control)
-        if self._defer_p(s, control):
+        if self._defer_p(s, control):   # P waits for the top priority's D rows: never an empty plan
             return b.build(step, control, 1, control.activation == "on")
         pending = sum(r.prefill_remaining for r in s.prefilling) + sum(len(r.tokens) for r in s.waiting)
         if control.span == "auto":
@@ -217,6 +224,19 @@ class PDPolicy:
         both = bool(b.segments)
         return b.build(step, control, span, both or control.activation == "on")
 
+
+    @staticmethod
+    def _idle_hold(s: Snapshot) -> float | None:
+        """With `p_idle_gather_ms` and an idle engine: until when arrivals are held (None: run now).
+        They are held while the last came less than IDLE_QUIET_MS ago, at most the gather after
+        the first."""
+        gather = s.idle_gather_ms
+        if gather is None or s.decoding or s.prefilling or not s.waiting:
+            return None
+        first = min(r.arrival for r in s.waiting)
+        last = max(r.arrival for r in s.waiting)
+        until = min(first + gather / 1e3, last + IDLE_QUIET_MS / 1e3)
+        return until if s.now < until else None
 
     @staticmethod
     def _defer_p(s: Snapshot, control: ControlSettings) -> bool:

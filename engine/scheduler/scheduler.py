@@ -56,6 +56,7 @@ class Scheduler:
         `clock`: arrivals, waits and the planner's now (a simulator's virtual clock: e2e/plan_sim.py)."""
         self.config, self.model_config = config, model_config
         self.clock = clock
+        self.hold_until: float | None = None   # the last plan held waiting work back until then
         self.pool = BlockPool(num_blocks, config.block_size)
         self.reservations = Reservations(self.pool)
         self.max_context_len = min(model_config.max_position_embeddings, config.max_context_len or 1 << 62)
@@ -151,6 +152,7 @@ class Scheduler:
         plan = self.policy.plan(self.step_id, self._snapshot(p_busy), control)
         self.step_id += 1
         self._apply_admission(plan)
+        self.hold_until = plan.hold_until
         if plan.empty:
             return None
         t0 = self.clock()
@@ -208,7 +210,7 @@ class Scheduler:
         hint = {r.rid: self._prefix_hint(r) for r in waiting}
         return Snapshot(waiting, prefilling, decoding, self.pool.num_available(),
                         self.pool.block_size, self.config.max_running, self.config.mixed_chunk_tokens, hint,
-                        self.clock())
+                        self.clock(), self.config.p_idle_gather_ms)
 
     def _prefix_hint(self, r: Req) -> tuple[int, int]:
         if r.routes_from is not None:

@@ -192,6 +192,11 @@ class EngineBridge:
                 return
             records = engine.records[:]
             engine.records.clear()
+            hold = None if outs or records or self._paused or engine.released else getattr(engine, "hold_until", None)
+            if hold is not None:   # nothing ran, the planner holds arrivals back: sleep until then or new
+                with self._cond:   # input, not spin (a spinning loop holds the GIL the HTTP side needs)
+                    if not self._inbox and not self._stopping:
+                        self._cond.wait(max(0.0, hold - time.monotonic()))
             if records:
                 self._metrics.record_steps(records)
             if cmds or outs or records:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdrollout.engine.protocol.config import ControlSettings
-from pdrollout.engine.scheduler.policy import SEGMENT_UNITS, Snapshot, make_policy
+from pdrollout.engine.scheduler.policy import IDLE_QUIET_MS, SEGMENT_UNITS, Snapshot, make_policy
 from pdrollout.engine.scheduler.request import Req, SamplingParams, Status
 
 SP = SamplingParams(max_new_tokens=8)
@@ -159,6 +159,31 @@ def test_pd_gathers_p_with_slack_but_never_the_critical_paths():
     s = snap([req("n", 40, t=0.0)], decoding=decoding(3))   # no priorities given: nothing has slack
     s.now = 0.05
     assert make_policy("pd").plan(0, s, control(budget=1600, span=1, p_gather_ms=100)).admit == ("n",)
+
+
+def test_an_idle_pd_engine_holds_a_burst_of_arrivals_until_it_ends():
+    """p_idle_gather_ms: with nothing decoding or prefilling, arrivals wait while the last came less
+    than IDLE_QUIET_MS ago, at most the gather after the first; the plan says until when."""
+    def at(now, waiting, decoding=(), gather=20.0):
+        s = snap(waiting, decoding=decoding)
+        s.now, s.idle_gather_ms = now, gather
+        return s
+    ctl = control(span=1)
+    first, last = req("a", 30, t=1.000), req("b", 30, t=1.0015)
+    held = make_policy("pd").plan(0, at(1.002, [first, last]), ctl)   # the last came 0.5 ms ago
+    assert held.empty and held.hold_until == pytest.approx(1.0015 + IDLE_QUIET_MS / 1e3)
+    quiet = at(1.0015 + IDLE_QUIET_MS / 1e3 + 1e-4, [first, last])    # quiet since: one step for both
+    assert make_policy("pd").plan(0, quiet, ctl).admit == ("a", "b")
+    steady = [req(f"w{i}", 30, t=1.0 + i * 0.001) for i in range(30)]  # still arriving at 30 ms
+    assert make_policy("pd").plan(0, at(1.0295, steady), ctl).admit    # the first waited its 20 ms
+    busy = make_policy("pd").plan(0, at(1.002, [first, last], decoding(1)), ctl)   # not idle: never held
+    assert busy.hold_until is None and busy.admit and busy.decode
+    assert make_policy("pd").plan(0, at(1.002, [first, last], gather=None), ctl).admit == ("a", "b")   # off
+    off = control(span=1, activation="off")                            # activation off: normal's step
+    assert make_policy("pd").plan(0, at(1.002, [first, last]), off).admit == ("a", "b")
+    for mode in ("mixed", "normal"):                                   # the baselines never hold
+        plan = make_policy(mode).plan(0, at(1.002, [first, last]), ctl)
+        assert plan.hold_until is None and plan.admit[0] == "a"
 
 
 def test_a_requests_tokens_follow_its_output_without_being_rebuilt():

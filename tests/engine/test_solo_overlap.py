@@ -162,3 +162,37 @@ def test_switch_interval_is_set_for_the_process_when_given(tiny_model):
         sys.setswitchinterval(before)
     with pytest.raises(ValidationError, match="switch_interval_ms"):
         EngineConfig(model=str(tiny_model), switch_interval_ms=0)
+
+
+def test_an_idle_engine_holds_a_burst_of_arrivals_and_prefills_it_in_one_step(tiny_model):
+    """p_idle_gather_ms: arrivals to an idle pd engine wait while they keep coming (the scheduler's
+    clock here is a virtual one), then run in one step; outputs still equal transformers'."""
+    from pdrollout.engine.scheduler.policy import IDLE_QUIET_MS
+    from pdrollout.engine.scheduler.request import SamplingParams
+    engine = Engine(EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=256,
+                                 p_idle_gather_ms=50.0))
+    now = [100.0]
+    engine.schedulers[0].clock = lambda: now[0]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.submit("r0", PROMPTS[0], sp)
+    now[0] += 0.0005
+    ran = len(engine.records)
+    assert engine.step() == [] and len(engine.records) == ran        # held: nothing ran
+    assert engine.hold_until == pytest.approx(100.0 + IDLE_QUIET_MS / 1e3)
+    now[0] += 0.0005
+    engine.submit("r1", PROMPTS[1], sp)                                # the burst goes on
+    now[0] += 0.0015
+    assert engine.step() == [] and engine.hold_until == pytest.approx(100.001 + IDLE_QUIET_MS / 1e3)
+    now[0] += 0.001                                                    # quiet: both in one step
+    outs = engine.step()
+    assert engine.records[-1].prefill_tokens == len(PROMPTS[0]) + len(PROMPTS[1]) and engine.hold_until is None
+    out = {}
+    while True:
+        for o in outs:
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+        if not engine.has_unfinished():
+            break
+        outs = engine.step()
+    for i in (0, 1):
+        ref, margins = hf_greedy(tiny_model, PROMPTS[i], 6)
+        assert_matches_reference(out[f"r{i}"], ref, margins, f"a held burst, prompt {i}")

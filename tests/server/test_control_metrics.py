@@ -183,3 +183,16 @@ def test_p_epochs_beside_d_are_counted_and_timed(server, start_server):
     beside = running["pdrollout:decode_step_beside_p_seconds_count"]
     assert beside <= running["pdrollout:decode_step_seconds_count"], running   # a subset of the D-only steps
     assert srv.stop() == 0, srv.log
+
+
+def test_a_held_burst_is_served_the_engine_waking_for_it(start_server):
+    """p_idle_gather_ms: the bridge sleeps while the planner holds arrivals and wakes for new ones or
+    the hold's end (a lost wake-up would leave these requests waiting forever)."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv = start_server("--engine-config", json.dumps({"p_idle_gather_ms": 100.0}))
+    assert srv.http.post("/generate", json=BODY, timeout=30).status_code == 200   # a lone arrival
+    body = lambda i: {"input_ids": [5 + i, 6, 7, 8], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda i: srv.http.post("/generate", json=body(i), timeout=30), range(4)))
+    assert [r.status_code for r in replies] == [200] * 4
+    assert all(r.json()["meta_info"]["completion_tokens"] == 3 for r in replies)
