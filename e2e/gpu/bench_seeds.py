@@ -16,12 +16,12 @@ call, then summarized.
                                                          # quantization_config); "weights" is not an
                                                          # engine field: FP8 is read from the model
     --variant mtp:pd:'{"speculative": "mtp", "speculative_k": 2}'
-    --variant cp:pd:'{"priority": "critical-path", "control": {"p_gather_ms": 100}}'
-                                                         # the client sends each turn its trajectory's
-                                                         # work left as /generate's priority
                                                          # the model declares an MTP head (random
                                                          # weights build it); "mtp_layers": N sets
                                                          # its depth (default 1 under mtp, else 0)
+    --variant cp:pd:'{"priority": "critical-path", "control": {"p_gather_ms": 100}}'
+                                                         # the client sends each turn its trajectory's
+                                                         # work left as /generate's priority
 
 --reuse-server: a (variant, mode) keeps one server for every (pressure, seed), its prefix cache
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start

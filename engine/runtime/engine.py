@@ -122,7 +122,7 @@ class Engine(EngineOps):
 
     @property
     def hold_until(self) -> float | None:
-        """When the planner held waiting work back on purpose (p_gather_ms, p_idle_gather_ms): the
+        """When the planner held waiting work back on purpose (p_idle_gather_ms): the
         time (monotonic) to plan again by, unless new work arrives first; None: no hold."""
         holds = [s.hold_until for s in self.schedulers if s.hold_until is not None]
         return min(holds) if holds else None

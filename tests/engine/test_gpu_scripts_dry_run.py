@@ -13,22 +13,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_moe_kernels_dry_run_checks_bf16_and_fp8_experts_against_the_reference(tmp_path):
-    out = tmp_path / "moe.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/moe_kernels.py"), str(out), "--fp8", "--tokens", "1,8"],
+def _dry_run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """e2e/`script` on the CPU (DEVICE=cpu); it must succeed."""
+    r = subprocess.run([sys.executable, str(ROOT / "e2e" / script), *args],
                        env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_moe_kernels_dry_run_checks_bf16_and_fp8_experts_against_the_reference(tmp_path):
+    out = tmp_path / "moe.json"
+    _dry_run("gpu/moe_kernels.py", str(out), "--fp8", "--tokens", "1,8")
     rows = json.loads(out.read_text())["rows"]
     assert [row["tokens"] for row in rows] == [1, 8]
     assert all(row["fused_rel_err"] < 2e-2 and 0 < row["fp8_fused_rel_err"] < 3e-2 for row in rows), rows
 
 
 def _bench_seeds(out, *extra):
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(out), "--seeds", "0",
-                        "--preset", "tiny", "--model-preset", "tiny", "--model", str(out) + "-model",
-                        "--job-timeout", "120", "--variant", "base:normal,mixed:{}", *extra],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _dry_run("gpu/bench_seeds.py", str(out), "--seeds", "0", "--preset", "tiny", "--model-preset", "tiny",
+                 "--model", str(out) + "-model", "--job-timeout", "120", "--variant", "base:normal,mixed:{}", *extra)
     return r.stdout
 
 
@@ -185,10 +188,8 @@ def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
     alternate which activation goes first, every run completes all its rows, and the table's ratios
     come from the pairs."""
     out = tmp_path / "ab"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/decode_ab.py"), str(out), "--model", str(tmp_path / "m"),
-                        "--model-preset", "tiny", "--rows", "3", "--output", "6", "--pairs", "2"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _dry_run("gpu/decode_ab.py", str(out), "--model", str(tmp_path / "m"), "--model-preset", "tiny",
+                 "--rows", "3", "--output", "6", "--pairs", "2")
     assert r.stdout.count("server up") == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["order"] == [[0, "off"], [0, "auto"], [1, "auto"], [1, "off"]]
@@ -202,9 +203,7 @@ def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
 
 def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
     out = tmp_path / "attn.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/attn_kernels.py"), str(out), "--sweep"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _dry_run("gpu/attn_kernels.py", str(out), "--sweep")
     row = json.loads(out.read_text())["rows"][0]
     assert row["default_rel_err"] < 2e-2 and len(row["sweep"]) == 2
     assert {e["config"]["block_m"] for e in row["sweep"]} == {16, 32} and all(e["rel_err"] < 2e-2 for e in row["sweep"])
@@ -280,9 +279,7 @@ def test_gil_handoff_times_each_switch_interval(tmp_path):
 
 def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(tmp_path):
     out = tmp_path / "dbp.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/d_beside_p.py"), str(out), "--intervals", "5,0.2"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _dry_run("gpu/d_beside_p.py", str(out), "--intervals", "5,0.2")
     d = json.loads(out.read_text())
     assert [row["interval_ms"] for row in d["rows"]] == [5.0, 0.2] and d["meta"]["p_tokens"] == 16
     for row in d["rows"]:   # every kind ran beside the steps, and each step took time
@@ -293,9 +290,7 @@ def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(t
 def test_fused_step_dry_run_times_d_steps_fused_steps_and_p_alone(tmp_path):
     """Each fused step carried exactly its continuation's new tokens (the prompt a prefix-cache hit)."""
     out = tmp_path / "fs.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/fused_step.py"), str(out), "--new", "8,16"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _dry_run("gpu/fused_step.py", str(out), "--new", "8,16")
     d = json.loads(out.read_text())
     assert d["d_step_ms"] > 0 and [row["new"] for row in d["rows"]] == [8, 16]
     assert all(row["fused_ms"] > 0 and row["p_alone_ms"] > 0 for row in d["rows"]), d["rows"]
