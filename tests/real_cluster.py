@@ -79,13 +79,15 @@ class RealCluster:
     def http(self, url: str, *, node: int | None = None, method: str = "GET", body: str | None = None,
              timeout: float = 10) -> tuple[int, str]:
         """(status, body) of one HTTP request made from inside the cluster's network; status 0 when
-        nothing answered."""
-        cmd = ["curl", "-s", "-m", str(timeout), "-X", method, "-o", "-", "-w", "\n%{http_code}", url]
+        nothing answered, with curl's own error as the body."""
+        cmd = ["curl", "-sS", "-m", str(timeout), "-X", method, "-o", "-", "-w", "\n%{http_code}", url]
         if body is not None:
             cmd += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
         r = self.run(*cmd, node=node, check=False, input=body, timeout=timeout + 10)
         text, _, code = r.stdout.rpartition("\n")
-        return int(code or 0), text
+        if not int(code or 0):
+            return 0, f"curl exit {r.returncode}: {r.stderr.strip()}"
+        return int(code), text
 
     def logs(self) -> str:
         """Tails of the cluster's component logs, for a failure message."""
