@@ -49,7 +49,7 @@ from pdrollout.engine.workload.trace import PRIORITY_HINTS
 
 BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 40 << 30, "max_running": 64}
 MEASURES = ("makespan_s", "median_ttft_ms", "p99_ttft_ms", "mean_decode_wait_ms", "mean_decode_step_ms",
-            "mean_decode_step_beside_p_ms")
+            "mean_decode_step_beside_p_ms", "jit_compiles")
 
 
 def parse_variant(text: str) -> dict:
@@ -306,6 +306,13 @@ def summarize(out: Path) -> dict:
     return {"meta": meta, "table": table}
 
 
+def compiles(row: dict) -> str:
+    """Triton compiles in served steps over the seeds (each a stall; runs from before the engine
+    counted them: –)."""
+    n = [per.get("jit_compiles") for per in row["per_seed"].values()]
+    return "–" if all(c is None for c in n) else str(sum(c or 0 for c in n))
+
+
 def markdown(summary: dict) -> str:
     def cell(s, fmt):
         return "–" if s is None else f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])})"
@@ -313,8 +320,8 @@ def markdown(summary: dict) -> str:
     for pressure, rows in summary["table"].items():
         lines += [f"**{pressure}** (median over seeds, min–max)", "",
                   "| variant/mode | seeds | makespan s | vs normal | vs mixed | p50 TTFT ms | p99 TTFT ms "
-                  "| p99 TTFT vs normal | D wait ms | D-only step ms | of it beside P ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| p99 TTFT vs normal | D wait ms | D-only step ms | of it beside P ms | kernel compiles |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, row in rows.items():
             r2 = lambda x: f"{x:.3f}"
             lines.append(f"| {name} | {len(row['per_seed'])} | {cell(row.get('makespan_s'), lambda x: f'{x:.2f}')} | "
@@ -323,7 +330,8 @@ def markdown(summary: dict) -> str:
                          f"{cell(row.get('p99_ttft_ms'), lambda x: f'{x:.0f}')} | {cell(row.get('p99_ttft_vs_normal'), r2)} | "
                          f"{cell(row.get('mean_decode_wait_ms'), lambda x: f'{x:.2f}')} | "
                          f"{cell(row.get('mean_decode_step_ms'), lambda x: f'{x:.2f}')} | "
-                         f"{cell(row.get('mean_decode_step_beside_p_ms'), lambda x: f'{x:.2f}')} |")
+                         f"{cell(row.get('mean_decode_step_beside_p_ms'), lambda x: f'{x:.2f}')} | "
+                         f"{compiles(row)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -182,9 +182,11 @@ def main() -> int:
             from pdrollout.engine.model.backends import fused_tiles
             n, bm = ids.numel(), fused_tiles(ids.numel()).get("block_m", fm.BLOCK_M)
             engine_align = fm.align_fused if n <= fm.ALIGN_KERNEL_MAX_PAIRS else fm.align_spread
+            other = fm.align_spread if engine_align is fm.align_fused else fm.align_fused
             row.update(align_torch_us=timed(lambda: fm.align(ids, experts, 0, bm), 50) * 1e6,
                        align_us=timed(lambda: engine_align(ids, experts, 0, bm), 50) * 1e6,
-                       align_kernel=engine_align.__name__)
+                       align_kernel=engine_align.__name__,
+                       align_other_us=timed(lambda: other(ids, experts, 0, bm), 50) * 1e6)   # where to switch
             row["fused_over_grouped"] = row["fused_us"] / row["grouped_us"]
             row["fused_over_floor"] = row["fused_us"] / row["floor_us"]
             flops = 2 * t * top_k * 3 * hidden * inter

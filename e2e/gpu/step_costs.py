@@ -2,7 +2,8 @@
 
 Each step is D only, P only, or P and D (fused into one forward, or the step that starts a P epoch
 beside D), or D beside an epoch in flight; steps that carry P are binned by their P tokens. Per bin:
-steps, median wall ms, median decode rows, and their total seconds: where a mode's time goes.
+steps, median wall ms, median decode rows, and their total seconds: where a mode's time goes; then
+the steps that compiled a Triton kernel (the log's `jit_compiles`), each a stall.
     python3 e2e/gpu/step_costs.py STEPLOG...   (rank0.jsonl or rank0.jsonl.gz; a directory: its rank0 log)
 """
 from __future__ import annotations
@@ -60,16 +61,32 @@ def costs(steps: list[dict]) -> list[dict]:
     return rows
 
 
+def compiled(steps: list[dict]) -> list[dict] | None:
+    """The steps that compiled kernels, with their wall and kernel names; None for a log from before
+    the field existed."""
+    if not any("jit_compiles" in s for s in steps):
+        return None
+    return [{"step": s["step"], "wall_ms": s["wall_s"] * 1e3, "prefill_tokens": s["prefill_tokens"],
+             "decode_rows": s["decode_rows"], "kernels": s["jit_compiles"]} for s in steps if s.get("jit_compiles")]
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
     for arg in argv:
-        rows = costs(read(Path(arg)))
+        steps = read(Path(arg))
+        rows = costs(steps)
         print(f"{arg}\n{'kind':>14}{'P tokens':>10}{'steps':>7}{'wall ms':>9}{'D rows':>8}{'total s':>9}")
         for r in rows:
             print(f"{r['kind']:>14}{r['p_tokens']:>10}{r['steps']:>7}{r['wall_ms']:>9.1f}{r['decode_rows']:>8.1f}"
                   f"{r['total_s']:>9.2f}")
+        stalls = compiled(steps)
+        if stalls is None:
+            print("  (no jit_compiles in this log: written before the engine counted Triton compiles)")
+        for c in stalls or ():
+            print(f"  step {c['step']} compiled {', '.join(c['kernels'])}: {c['wall_ms']:.0f} ms "
+                  f"({c['prefill_tokens']} P tokens, {c['decode_rows']} D rows)")
     return 0
 
 

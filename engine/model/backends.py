@@ -156,6 +156,15 @@ def fused_tiles(pairs: int) -> dict:
     return FUSED_MEDIUM_TILES if pairs >= FUSED_MEDIUM_PAIRS else {}
 
 
+def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
+    """The fewest tokens of each (tile tier, pair layout) regime `AutoExperts` runs, for the prefill
+    warm-up: each regime is its own compile of the kernels, and the sizes within one are not
+    specialized, so once each has run, no step compiles (runtime/jit_watch.py)."""
+    from .fused_moe import ALIGN_KERNEL_MAX_PAIRS
+    pairs = sorted({1, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1})
+    return tuple(sorted({-(-p // top_k) for p in pairs}))
+
+
 class AutoExperts(_Experts):
     # FP8 experts too: each weight tile dequantized in registers (the grouped GEMMs would need the
     # layer's experts dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms)

@@ -31,6 +31,8 @@ import torch
 from .kernels import triton_interpreting
 
 BLOCK_M = 16     # rows per block: tl.dot's minimum, and ~ the rows an expert sees at decode
+# Every kernel here leaves its per-step sizes (pairs, rows, blocks) unspecialized: Triton would
+# compile again whenever one turns a multiple of 16 or stops being one (runtime/jit_watch.py).
 SORT_FREE_MAX = 1 << 20   # pairs × experts up to which `align` counts instead of sorting
 
 
@@ -85,7 +87,7 @@ def _align_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "rows", "blocks"])
     def align_pairs(ids, sorted_ids, block_expert, cursor, n, expert_offset, num_local, rows, blocks,
                     BM: tl.constexpr, BP: tl.constexpr, E_PAD: tl.constexpr, BB: tl.constexpr):
         # One program, in four passes separated by barriers (its threads see each other's global
@@ -132,7 +134,7 @@ def _spread_kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "rows"])
     def rank_pairs(ids, rank, counts, sorted_ids, n, expert_offset, num_local, rows, BP: tl.constexpr):
         # each pair's rank among its expert's pairs (the atomics' order) and the experts' counts;
         # the program's slice of the layout is set to padding (n) while the scatter waits for starts
@@ -143,7 +145,7 @@ def _spread_kernels():
         r = tl.atomic_add(counts + local, 1, mask=owned)
         tl.store(rank + p, r, mask=owned)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["blocks"])
     def run_starts(counts, starts, block_expert, num_local, blocks,
                    BM: tl.constexpr, E_PAD: tl.constexpr, BB: tl.constexpr):
         # one program: each expert's run start (runs padded to BM rows) and each block's expert
@@ -157,7 +159,7 @@ def _spread_kernels():
             b = b0 + tl.arange(0, BB)
             tl.store(block_expert + b, tl.sum((ends[None, :] <= (b * BM)[:, None]).to(tl.int32), 1), mask=b < blocks)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def place_pairs(ids, rank, starts, sorted_ids, n, expert_offset, num_local, BP: tl.constexpr):
         p = tl.program_id(0) * BP + tl.arange(0, BP)
         local = tl.load(ids + p, mask=p < n, other=-1) - expert_offset
@@ -221,7 +223,7 @@ def _kernels(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs", "blocks"])
     def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
                 sx, swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
@@ -273,7 +275,7 @@ def _kernels(interpret: bool):
 
     # the same block preamble as gate_up: a jit helper would have to be a module global, and this
     # module imports Triton only when a kernel first runs
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs", "blocks"])
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
              swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):

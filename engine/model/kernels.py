@@ -29,7 +29,8 @@ def _decode_kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the block tables' width follows the batch's longest row: not specialized (runtime/jit_watch.py)
+    @triton.jit(do_not_specialize=["sbt_b"])
     def attend(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                sq_b, sq_h, sk_s, sk_h, sbt_b, so_b, so_h,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,

@@ -16,6 +16,7 @@ TURNSTILE_WAIT = PREFIX + "turnstile_wait_seconds"            # histogram
 RENDEZVOUS = PREFIX + "turnstile_rendezvous_seconds"          # histogram
 ROUNDS = PREFIX + "turnstile_rounds"                          # counter
 STALLS = PREFIX + "stalls"                                    # counter
+JIT_COMPILES = PREFIX + "jit_compiles"                        # counter: Triton compiles in served steps
 ROLLOUT_MAKESPAN = PREFIX + "rollout_makespan_seconds"        # gauge
 ROLLOUTS_FINISHED = PREFIX + "rollouts_finished"              # counter
 SPEC_VERIFY = PREFIX + "spec_verify"                          # counter: decode rows under speculation

@@ -141,3 +141,4 @@ class StepReport:
     p_done: int | None = None                       # the epoch whose P finished in this step: its
     #                                                 rows' tokens are in `tokens`
     p_epoch: object = None                          # records.PEpoch: its timing (one rank, solo_overlap)
+    jit_compiles: tuple = ()                        # Triton kernels this rank compiled in the step (runtime/jit_watch.py)

@@ -37,3 +37,4 @@ class StepRecord:
     spec_accepted: int = 0                     # draft tokens the target accepted
     p_epoch: PEpoch | None = None              # the P epoch that finished in this step (one rank)
     p_beside: bool = False                     # a P epoch started earlier was in flight beside this step
+    jit_compiles: int = 0                      # Triton compiles on any rank in the step: each stalls it (runtime/jit_watch.py)

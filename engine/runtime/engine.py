@@ -216,8 +216,12 @@ class Engine(EngineOps):
             self._flight = None
         if mine.p_pending:
             self._flight = (plan.step, parts)
+        compiled = [k for r in reports for k in r.jit_compiles]
+        if compiled:   # past warm-up a compile is a stall of this step: say which kernels (jit_watch.py)
+            print(f"step {plan.step}: {len(compiled)} Triton compile(s) mid-run ({', '.join(sorted(set(compiled)))}); "
+                  f"the step took {now - t0:.3f} s", file=sys.stderr, flush=True)
         self.records.append(StepRecord(
-            step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode,
+            step=plan.step, t=t0, duration_s=now - t0, mode=self.config.mode, jit_compiles=len(compiled),
             decode_rows=plan.decode_rows, prefill_tokens=plan.prefill_tokens,
             decode_wait_s=tuple(w for x in launched if x for w in x.decode_waits),
             multiplexing_active=mine.multiplexed if self.topo.world > 1 else plan.multiplexing,
@@ -245,15 +249,18 @@ class Engine(EngineOps):
 
     def warm_prefill(self, totals: tuple[int, ...] | None = None) -> int:
         """Prefill-only steps of growing size before serving (EngineConfig.prefill_warmup): every
-        regime of the prefill kernels runs once — odd and 16-aligned token counts (Triton specializes
-        on both), the MoE path's tile choices by routed rows, up to the whole budget. Rows are split
+        regime of the prefill kernels runs once — odd and 16-aligned token counts, the MoE path's tile
+        tiers and pair layouts (`fused_regime_tokens`), up to the whole budget. Rows are split
         like prompts (≤ WARM_ROW tokens), write only KV blocks no request holds yet, sample nothing;
         on one rank only (several ranks warm their GEMMs in member.py). By default a last step is one
         continuation of WARM_CONT_TOKENS over a cached context (what a fused step carries at P1: few
         tiles, so the attention's walks split along the context). Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
         continuation = totals is None
-        totals = totals or tuple(t for t in WARM_P_TOKENS if t < budget) + (budget,)
+        if totals is None:
+            from ..model.backends import fused_regime_tokens
+            regimes = fused_regime_tokens(self.worker.cfg.num_experts_per_tok)
+            totals = tuple(sorted({t for t in WARM_P_TOKENS + regimes if t < budget})) + (budget,)
         bs, free = self.config.block_size, self.worker.num_blocks
         t0, n = time.monotonic(), 0
         steps = []

@@ -26,6 +26,7 @@ from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
+from .jit_watch import compile_watch
 from .kv_budget import kv_blocks
 from .mtp import HiddenStates
 from .options import RankOptions
@@ -67,6 +68,7 @@ class Worker:
         self.replica, self.leader = topo.replica(rank), topo.local_index(rank) == 0
         self.device = rank_device(config, rank)
         self.cuda = self.device.type == "cuda"
+        self.compiles = compile_watch(self.cuda)   # Triton compiles per step (the interpreter compiles none)
         if self.cuda:   # before any CUDA or NCCL work of this process (the current device is per thread)
             torch.cuda.set_device(self.device)
             # SDPA's cuDNN backend builds a plan per new (q_len, ctx_len): every prefill row of a
@@ -127,6 +129,7 @@ class Worker:
             self.solo = SoloEpochs(self, config)   # on CUDA: P's and D's streams
         from .weight_sync import RankWeights
         self.weights = RankWeights(self)   # the rank-shared ops: new weights, memory release/resume
+        self.compiles.take()   # the start's compiles (graph captures) are not a step's
 
     @classmethod
     def single(cls, config: EngineConfig) -> "Worker":
@@ -215,21 +218,15 @@ class Worker:
             report.hidden = self.hidden.take(host=True)
         if self.multi:
             self.wd.update(busy=False, phase="idle")
+        report.jit_compiles = self.compiles.take()
         if self.counters is not None:
             self.counters.add(self.rank, steps=1, rounds=report.rounds, rendezvous=len(report.rendezvous_s),
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
-            self._log.write({"step": plan.step, "rank": self.rank, "control": plan.control,
-                             "ordering": report.ordering, "rounds": report.rounds,
-                             "decode_rows": mine.decode_rows, "prefill_tokens": mine.prefill_tokens,
-                             "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
-                             # a P epoch spanning steps: continued here / still going / finished here
-                             "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
-                             "graph": report.graph, "wall_s": time.monotonic() - t_start,
-                             # P forwards served by P's pieces so far (an epoch's may still be in flight)
-                             "p_graph_replays": self.p_graphs.replays if self.p_graphs is not None else None,
-                             **(self.group.log_fields(mark) if self.multi else {})})
+            self._log.step(plan, report, mine, time.monotonic() - t_start,
+                           self.p_graphs.replays if self.p_graphs is not None else None,
+                           self.group.log_fields(mark) if self.multi else {})
         return report
 
     # ---- forwards ------------------------------------------------------------------------

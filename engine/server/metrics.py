@@ -77,6 +77,8 @@ class ServerMetrics:
         self.spec_proposed = Counter(metric.SPEC_PROPOSED, "Draft tokens proposed for verification", registry=r)
         self.spec_accepted = Counter(metric.SPEC_ACCEPTED, "Draft tokens the target accepted", registry=r)
         self.stalls = Counter(metric.STALLS, "Collective stalls detected", registry=r)
+        self.jit_compiles = Counter(metric.JIT_COMPILES, "Triton kernel compiles during served steps "
+                                    "(each stalls its step; none expected after warm-up)", registry=r)
         self.multiplexing = Gauge(P + "multiplexing_active", "1 if the last step multiplexed P and D", registry=r)
         self.span = Gauge(P + "segment_span", "Segment span K of the last step", registry=r)
         # Rollouts (makespan of a client-declared batch of requests).
@@ -151,6 +153,8 @@ class ServerMetrics:
                 self.rounds.inc(rec.turnstile_rounds)
             if rec.graph:
                 self.graph_steps.inc()
+            if rec.jit_compiles:
+                self.jit_compiles.inc(rec.jit_compiles)
             if rec.spec_verify:
                 self.spec_verify.inc(rec.spec_verify)
                 self.spec_proposed.inc(rec.spec_proposed)

@@ -15,6 +15,7 @@ DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOU
 DECODE_STEP, DECODE_STEP_BESIDE_P = metric.DECODE_STEP, metric.DECODE_STEP_BESIDE_P
 P_EPOCH, P_EPOCH_ENQUEUE, P_EPOCH_CPU = metric.P_EPOCH, metric.P_EPOCH_ENQUEUE, metric.P_EPOCH_CPU
 ROUNDS, STALLS = metric.total(metric.ROUNDS), metric.total(metric.STALLS)
+JIT_COMPILES = metric.total(metric.JIT_COMPILES)
 
 
 class BenchError(RuntimeError):
@@ -101,6 +102,8 @@ def server_measures(before: dict[str, float], after: dict[str, float]) -> dict:
         "mean_rendezvous_ms": mean_ms(RENDEZVOUS),
         "turnstile_rounds": count(ROUNDS),
         "stalls": count(STALLS),
+        # Triton compiles in the run's steps: each a stall a warmed server would not have had
+        "jit_compiles": count(JIT_COMPILES),
         "server_rollout_makespan_s": after.get(ROLLOUT_MAKESPAN),
     }
 
@@ -164,6 +167,7 @@ TABLE_ROWS = (
     ("rendezvous", "rendezvous_count", "{:d}"),
     ("rendezvous mean (ms)", "mean_rendezvous_ms", "{:.3f}"),
     ("stalls", "stalls", "{:d}"),
+    ("kernel compiles", "jit_compiles", "{:d}"),
     ("input tokens", "total_input_tokens", "{:d}"),
     ("output tokens", "total_output_tokens", "{:d}"),
 )

@@ -8,6 +8,7 @@ import torch
 from hf_reference import assert_matches_reference, hf_greedy
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
+from pdrollout.engine.scheduler.request import SamplingParams
 from tests.engine.test_speculative import run_all
 
 pytestmark = pytest.mark.gpu
@@ -51,6 +52,29 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
     for i, p in enumerate(PROMPTS):
         ref, margins = hf_greedy(tiny_model, p, 12)
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
+
+
+@pytest.mark.parametrize("mode", ["mixed", "pd"])
+def test_cuda_served_steps_compile_no_kernel_after_the_warm_up(tiny_model, mode):
+    """bf16 on the fused kernels (`auto`), the prefill warm-up on by default: prompts of many lengths
+    arriving while others decode (fused P+D steps, P epochs, decode batches and block tables of
+    changing size) compile no Triton kernel in a served step (runtime/jit_watch.py)."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16", mode=mode, block_size=16,
+                            num_blocks=4096, max_running=16, mixed_chunk_tokens=2048,
+                            control=ControlSettings(prefill_budget_tokens=4096)))
+    from pdrollout.engine.runtime.jit_watch import install
+    assert e.worker.compiles is install() is not None and type(e.worker.backends.experts).__name__ == "AutoExperts"
+    lengths = (1, 3, 17, 250, 1023, 1025, 2049, 3001, 31, 4000, 2, 999)
+    for i, n in enumerate(lengths):
+        e.submit(f"r{i}", [(j * 7 + n) % 500 + 2 for j in range(n)],
+                 SamplingParams(temperature=0.0, max_new_tokens=6 + i % 5, ignore_eos=True))
+        for _ in range(i % 3 + 1):   # a few steps before the next arrival: it joins running decodes
+            e.step()
+    while e.has_unfinished():
+        e.step()
+    served = [r for r in e.records if r.decode_rows or r.prefill_tokens]
+    assert sum(r.prefill_tokens for r in served) >= sum(lengths)
+    assert [(r.step, r.prefill_tokens, r.decode_rows) for r in served if r.jit_compiles] == []
 
 
 SPEC_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]

@@ -301,7 +301,7 @@ def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     import gzip
     sys.path.insert(0, str(ROOT / "e2e/gpu"))
     try:
-        from step_costs import costs, read
+        from step_costs import compiled, costs, read
     finally:
         sys.path.pop(0)
     step = lambda i, d, p, wall, **kw: {"step": i, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
@@ -315,3 +315,7 @@ def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     assert set(rows) == {("D", "-"), ("P+D", "<=128"), ("P+D (epoch)", "<=1024"), ("D beside P", "-"), ("P", ">4096")}
     assert rows[("D", "-")]["steps"] == 2 and rows[("D", "-")]["wall_ms"] == pytest.approx(11.0)
     assert rows[("P+D", "<=128")]["total_s"] == pytest.approx(0.020)
+    assert compiled(log) is None   # a log from before the engine counted compiles
+    log[3]["jit_compiles"], log[6]["jit_compiles"] = ["gate_up", "down"], []
+    assert compiled(log) == [{"step": 3, "wall_ms": pytest.approx(20.0), "prefill_tokens": 100, "decode_rows": 8,
+                              "kernels": ["gate_up", "down"]}]

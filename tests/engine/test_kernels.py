@@ -300,3 +300,60 @@ def test_fused_router_matches_reference(t):
             assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
         else:
             assert torch.allclose(w.float(), ref_w.float(), rtol=2 ** -7, atol=0)
+
+
+def test_a_new_batch_size_compiles_nothing_once_each_regime_ran():
+    """Triton compiles a kernel per specialization; a compile mid-run stalled a 19,579-token step for
+    1 s on the H200 (runtime/jit_watch.py). The MoE path's per-step sizes (pairs, blocks, rows) and the
+    decode attention's table width are unspecialized, so once `fused_regime_tokens` ran (what the
+    prefill warm-up does) and one decode launch did, token counts of every residue compile nothing."""
+    import triton
+    import triton.language as tl
+
+    from pdrollout.engine.model.backends import AutoExperts, fused_regime_tokens
+    from pdrollout.engine.model.kernels import decode_attention
+    from pdrollout.engine.runtime.jit_watch import install
+    watch = install()
+    assert watch is not None, f"Triton {triton.__version__} has no post-compile hook"
+
+    @triton.jit
+    def fresh(x, BLOCK: tl.constexpr):   # a kernel this process never ran: its first launch compiles
+        i = tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i) + 1)
+
+    before = watch.total
+    fresh[(1,)](torch.zeros(16, device=cuda), BLOCK=16)
+    assert watch.total == before + 1 and watch.take()[-1] == "fresh"
+
+    g = torch.Generator(device=cuda).manual_seed(3)
+    hdim, inter, top_k, total = 256, 128, 8, 128
+    gate_up = (torch.randn(total, 2 * inter, hdim, generator=g, device=cuda) * hdim ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(total, hdim, inter, generator=g, device=cuda) * inter ** -0.5).to(torch.bfloat16)
+    experts = AutoExperts().fn
+
+    def moe(tokens: int) -> None:
+        x = torch.randn(tokens, hdim, generator=g, device=cuda).to(torch.bfloat16)
+        w, ids = ops.route(torch.randn(tokens, total, generator=g, device=cuda), top_k, True, torch.bfloat16)
+        experts(x, ids, w, gate_up, down)
+
+    h, kvh, d, bs = 8, 2, 128, 16
+    k, v, tables = _paged([5000], bs, kvh, d, torch.bfloat16, g)
+
+    def attend(rows: int, width: int) -> None:
+        bt = torch.tensor(tables[0][:width], dtype=torch.int32, device=cuda).repeat(rows, 1)
+        lens = torch.full((rows,), width * bs, dtype=torch.int32, device=cuda)
+        q = torch.randn(rows, h, d, generator=g, device=cuda).to(torch.bfloat16)
+        decode_attention(q, k, v, bt, lens, bs, d ** -0.5)   # the engine's default: one walk a row
+
+    for t in fused_regime_tokens(top_k):
+        moe(t)
+    attend(64, 128)
+    torch.cuda.synchronize()
+    watch.take()
+    # odd and even token counts (pairs a multiple of 16 or not), blocks of every residue, both layouts
+    for t in (2, 3, 17, 31, 255, 257, 258, 999, 1023, 1025, 1031, 2447, 4099, 19579):
+        moe(t)
+    for rows, width in ((1, 1), (3, 2), (17, 16), (64, 17), (5, 313)):
+        attend(rows, width)
+    torch.cuda.synchronize()
+    assert watch.take() == ()

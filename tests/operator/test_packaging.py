@@ -167,7 +167,7 @@ def test_dashboard_configmap_is_valid_grafana_json(tools):
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     for metric in ("rollout_makespan_seconds", "time_to_first_token_seconds_bucket", "decode_wait_seconds_sum",
                    "turnstile_rendezvous_seconds_bucket", "stalls_total", "num_running_reqs", "num_queue_reqs",
-                   "decode_step_seconds_bucket", "decode_step_beside_p_seconds_bucket", "p_epoch_seconds_sum", "p_epoch_cpu_seconds_count"):
+                   "decode_step_seconds_bucket", "decode_step_beside_p_seconds_bucket", "p_epoch_seconds_sum", "p_epoch_cpu_seconds_count", "jit_compiles_total"):
         assert f"pdrollout:{metric}" in exprs, metric
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
 

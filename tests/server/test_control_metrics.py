@@ -72,7 +72,7 @@ CONTRACT = {
                   "decode_step_beside_p_seconds",
                   "p_epoch_seconds", "p_epoch_enqueue_seconds", "p_epoch_cpu_seconds",
                   "turnstile_rendezvous_seconds", "rollout_makespan_seconds_hist"],
-    "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished"],
+    "counter": ["prompt_tokens", "generation_tokens", "turnstile_rounds", "stalls", "rollouts_finished", "jit_compiles"],
 }
 
 

@@ -53,6 +53,8 @@ pdrollout:decode_wait_seconds_count 2.0
 # TYPE pdrollout:stalls_total counter
 pdrollout:stalls_total{rank="0"} 1.0
 pdrollout:stalls_total{rank="1"} 2.0
+# TYPE pdrollout:jit_compiles_total counter
+pdrollout:jit_compiles_total 5.0
 """
 METRICS_AFTER = """\
 # TYPE pdrollout:decode_wait_seconds histogram
@@ -68,6 +70,8 @@ pdrollout:turnstile_rounds_total 41.0
 # TYPE pdrollout:stalls_total counter
 pdrollout:stalls_total{rank="0"} 4.0
 pdrollout:stalls_total{rank="1"} 2.0
+# TYPE pdrollout:jit_compiles_total counter
+pdrollout:jit_compiles_total 7.0
 # TYPE pdrollout:rollout_makespan_seconds gauge
 pdrollout:rollout_makespan_seconds 5.25
 # TYPE pdrollout:decode_step_seconds histogram
@@ -93,7 +97,7 @@ def test_server_measures_from_scrapes():
     assert m["mean_decode_wait_ms"] == pytest.approx(100.0)  # 0.4 s over 4 waits
     assert m["decode_wait_count"] == 4
     assert m["rendezvous_count"] == 40 and m["mean_rendezvous_ms"] == pytest.approx(2.0)
-    assert m["turnstile_rounds"] == 41 and m["stalls"] == 3
+    assert m["turnstile_rounds"] == 41 and m["stalls"] == 3 and m["jit_compiles"] == 2   # 2 compiled during the run
     assert m["server_rollout_makespan_s"] == 5.25
     assert m["decode_steps"] == 200 and m["mean_decode_step_ms"] == pytest.approx(27.5)   # none before
     assert m["p_epochs"] == 10 and m["mean_p_epoch_ms"] == pytest.approx(200.0)
