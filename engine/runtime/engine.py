@@ -257,10 +257,11 @@ class Engine(EngineOps):
         tiles, so the attention's walks split along the context). Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
         continuation = totals is None
-        if totals is None:
+        if totals is None:   # a fused step carries up to the budget of P and max_running D rows
             from ..model.backends import fused_regime_tokens
             regimes = fused_regime_tokens(self.worker.cfg.num_experts_per_tok)
-            totals = tuple(sorted({t for t in WARM_P_TOKENS + regimes if t < budget})) + (budget,)
+            totals = tuple(sorted({t for t in WARM_P_TOKENS if t < budget} | {budget}
+                                  | {t for t in regimes if t <= budget + self.config.max_running}))
         bs, free = self.config.block_size, self.worker.num_blocks
         t0, n = time.monotonic(), 0
         steps = []

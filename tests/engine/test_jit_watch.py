@@ -45,3 +45,20 @@ def test_the_watch_counts_compiles_by_kernel_and_keeps_an_earlier_hook(monkeypat
     monkeypatch.setattr(jit_watch, "_WATCH", None)
     inert = jit_watch.compile_watch(False)
     assert inert is not watch and inert.take() == () and jit_watch._WATCH is None
+
+
+def test_the_prefill_warm_up_runs_each_regime_a_fused_step_can_reach(tiny_model):
+    """Past the budget too: a fused step carries the budget's P plus up to max_running D rows."""
+    from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
+    from pdrollout.engine.runtime.engine import Engine
+    engine = Engine(EngineConfig(model=str(tiny_model), mode="mixed", block_size=4, num_blocks=1024,
+                                 prefill_warmup=True, max_running=64, mixed_chunk_tokens=16,
+                                 control=ControlSettings(prefill_budget_tokens=1000)))
+    steps, exchange = [], engine._exchange
+    engine._exchange = lambda plan: (steps.append(sum(r.length for r in plan.replicas[0].prefill)), exchange(plan))[1]
+    assert engine.warm_prefill() == 7
+    # the tiny model routes top-2: 1,024 tokens are 2,048 pairs (the 64-row tiles), past the budget
+    # of 1,000 but within it plus 64 D rows; 4,096 (the 128-row tiles) is not; last the continuation
+    assert fused_regime_tokens(2) == (1, 1024, 4096, 4097)
+    assert steps == [1, 37, 256, 999, 1000, 1024, 128]
+    assert engine.stats()["kv_blocks_used"] == 0
