@@ -123,15 +123,16 @@ def _sm_count(index: int | None) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float,
-                     kv_splits: int | str = 1):
+                     kv_splits: int | str = 1, tile: int | None = None, num_warps: int = 4, num_stages: int = 2):
     """q: [B, H, D]; k/v_cache: [slots, KVH, D]; block_tables: int32 [B, max_blocks];
     seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]. `kv_splits`: 1 for one pass per
-    (row, KV head); n > 1 or "auto" (kv_splits_for) to split each row's context n ways."""
+    (row, KV head); n > 1 or "auto" (kv_splits_for) to split each row's context n ways. `tile` (keys
+    a loop step reads), `num_warps`, `num_stages`: e2e/gpu/decode_attn.py's sweep."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     group = h // kvh
     o = torch.empty_like(q)
-    tile = 64 if block_size <= 64 else block_size
+    tile = tile or (64 if block_size <= 64 else block_size)
     interpret = triton_interpreting()
     if kv_splits == "auto":
         sms = _sm_count(q.device.index) if q.device.type == "cuda" else 132
@@ -147,7 +148,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: in
                                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                 block_tables.stride(0), *so,
                                 GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d,
-                                SPLITS=kv_splits, BLOCK=block_size, TILE=tile, num_warps=4, num_stages=2,
+                                SPLITS=kv_splits, BLOCK=block_size, TILE=tile, num_warps=num_warps,
+                                num_stages=num_stages,
                                 PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
                                 F32=interpret)
     if kv_splits > 1:

@@ -212,6 +212,19 @@ def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
     assert r.returncode == 2 and "unknown shapes ['16k']" in r.stderr
 
 
+def test_decode_attn_dry_run_checks_every_swept_launch_against_the_reference(tmp_path):
+    """Tiles, splits (with their merge) and the default launch against fp64 attention, on shuffled blocks."""
+    out = tmp_path / "decode.json"
+    _dry_run("gpu/decode_attn.py", str(out), "--sweep")
+    row = json.loads(out.read_text())["rows"][0]
+    assert (row["batch"], row["ctx"]) == (3, 40) and row["default_rel_err"] < 2e-2
+    assert {(e["config"]["tile"], e["config"]["kv_splits"]) for e in row["sweep"]} == {(16, 1), (16, 2), (32, 1), (32, 2)}
+    assert all(e["rel_err"] < 2e-2 for e in row["sweep"]), row["sweep"]
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/decode_attn.py"), str(out), "--shapes", "64"],
+                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "BATCHxCONTEXT" in r.stderr
+
+
 def test_critical_path_splits_the_last_sessions_time():
     """The last session to end is the critical one: its start, first-token waits, decode time and
     tool gaps add up to its end; its decode ms per token is set beside the other sessions'."""
