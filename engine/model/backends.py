@@ -161,7 +161,7 @@ def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
     warm-up: each regime is its own compile of the kernels, and the sizes within one are not
     specialized, so once each has run, no step compiles (runtime/jit_watch.py)."""
     from .fused_moe import ALIGN_KERNEL_MAX_PAIRS
-    pairs = sorted({1, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1})
+    pairs = (1, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1)
     return tuple(sorted({-(-p // top_k) for p in pairs}))
 
 
