@@ -144,7 +144,7 @@ def main():
     ap.add_argument("--experts-kernel", choices=["auto", "grouped", "fused"], default="auto")
     ap.add_argument("--qk-prologue", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--add-norm", choices=["auto", "torch", "fused"], default="auto")
-    ap.add_argument("--kv-splits", default="1", help="decode attention's context splits: N or auto")
+    ap.add_argument("--kv-splits", default="auto", help="decode attention's context splits: N or auto (the engine's)")
     ap.add_argument("--router", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--prefill-attention", choices=["auto", "sdpa", "triton", "hybrid"], default="auto")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")

@@ -3,7 +3,7 @@
 # side by side in one call, with a table last (e2e/gpu/bench_engine.py does the timing).
 # Usage (GPU machine, repo root): bash e2e/gpu/bench_kernels.sh OUTDIR [NAME='ARGS'...]
 #   default variants: the defaults (fused add + norm and routing in bf16), those two unfused, and
-#   each opt-in kernel on top of the defaults: the split-KV decode attention, the paged prefill one.
+#   each opt-in kernel on top of the defaults (the decode attention in one pass, the paged prefill one).
 set -uo pipefail
 out="${1:?output dir}"; shift
 source "$(dirname "$0")/env.sh"
@@ -12,7 +12,7 @@ variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
   "base="
   "unfused=--add-norm torch --router torch"
-  "splits=--kv-splits auto"
+  "onepass=--kv-splits 1"
   "prefill=--prefill-attention triton"
 )
 for v in "${variants[@]}"; do

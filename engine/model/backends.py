@@ -135,33 +135,43 @@ class FusedExperts(_Experts):
         return fused_moe.experts_fused
 
 
-# AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py --sweep-large on the
-# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): since the weighted outputs went to bf16 and
-# the GEMM grids to row-block groups, the fused kernels beat the grouped GEMMs at every size measured
-# (256 tokens × top-8 0.63×, 1,024 0.59×, 2,048 0.56×, 8,192 0.51× of their time; 64 tokens 0.87× before
-# these changes). Tiles
-# grow with the rows an expert sees: 16 rows at decode sizes (an expert gets one or two rows),
-# 64 from FUSED_MEDIUM_PAIRS (256 tokens: 339 µs vs 352 with 16 rows), 128 from FUSED_LARGE_PAIRS
-# (1,024 tokens: 458 µs vs 471 with 64). Decided from shapes alone, so a captured graph keeps its choice.
-FUSED_MEDIUM_PAIRS = 2048
+# AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py's sweeps on the
+# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): the fused kernels beat the grouped GEMMs at
+# every size measured (64 tokens × top-8 0.62×, 256 0.63×, 1,024 0.59×, 8,192 0.51× of their time).
+# Tiles grow with the rows an expert sees: 16 rows at decode sizes (an expert gets a few rows), with
+# 128-deep K steps for 16-bit weights (64–192 tokens: 300–322 µs against 312–335 at 64); 32 rows from
+# FUSED_32_PAIRS (256 tokens: 325 µs against 345 with 64, 353 with 16; vLLM's tuned H200 table also
+# switches there); 64 from FUSED_MEDIUM_PAIRS (vLLM's table: 64 at 512 tokens); 128 from
+# FUSED_LARGE_PAIRS (1,024 tokens: 458 µs vs 471 with 64). fp32 weights (the exact paths) keep 64-deep
+# K steps: twice the bytes a stage. Decided from shapes alone, so a captured graph keeps its choice.
+FUSED_32_PAIRS = 2048
+FUSED_MEDIUM_PAIRS = 4096
 FUSED_LARGE_PAIRS = 8192
+FUSED_SMALL_TILES = dict(block_k=128)      # on experts_fused's 16-row defaults
+FUSED_32_TILES = dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, group_m=1)
 FUSED_MEDIUM_TILES = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=1)
 FUSED_LARGE_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group_m=8)
 
 
-def fused_tiles(pairs: int) -> dict:
-    """experts_fused's tile arguments for a layer of `pairs` routed pairs ({}: its 16-row defaults)."""
+def fused_tiles(pairs: int, weight_bytes: int = 2) -> dict:
+    """experts_fused's tile arguments for a layer of `pairs` routed pairs and weights of `weight_bytes`
+    an element ({}: its 16-row defaults). Only 16-bit weights were swept at the 128-deep K steps."""
     if pairs >= FUSED_LARGE_PAIRS:
         return FUSED_LARGE_TILES
-    return FUSED_MEDIUM_TILES if pairs >= FUSED_MEDIUM_PAIRS else {}
+    if pairs >= FUSED_MEDIUM_PAIRS:
+        return FUSED_MEDIUM_TILES
+    if weight_bytes != 2:   # FP8 and fp32 keep the tiers they were measured on
+        return FUSED_MEDIUM_TILES if pairs >= FUSED_32_PAIRS else {}
+    return FUSED_32_TILES if pairs >= FUSED_32_PAIRS else FUSED_SMALL_TILES
 
 
 def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
     """The fewest tokens of each (tile tier, pair layout) regime `AutoExperts` runs, for the prefill
     warm-up: each regime is its own compile of the kernels, and the sizes within one are not
-    specialized, so once each has run, no step compiles (runtime/jit_watch.py)."""
+    specialized, so once each has run, no step compiles (runtime/jit_watch.py). The regime is constant
+    between these boundaries of the pairs, so their starts meet each one."""
     from .fused_moe import ALIGN_KERNEL_MAX_PAIRS
-    pairs = (1, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1)
+    pairs = (1, FUSED_32_PAIRS, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1)
     return tuple(sorted({-(-p // top_k) for p in pairs}))
 
 
@@ -170,9 +180,10 @@ class AutoExperts(_Experts):
     # layer's experts dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms)
     fp8_in_kernel = True
 
-    def fn(self, x, topk_ids, *args, fp8=None):
+    def fn(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0, fp8=None):
         from . import fused_moe
-        return fused_moe.experts_fused(x, topk_ids, *args, **fused_tiles(topk_ids.numel()), fp8=fp8)
+        tiles = fused_tiles(topk_ids.numel(), gate_up.element_size())
+        return fused_moe.experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset, **tiles, fp8=fp8)
 
 
 class GatheredExperts(_Experts):

@@ -104,13 +104,13 @@ def _decode_kernels():
     return attend, merge
 
 
-# Flash-decoding targets this many programs per SM: one (row, KV head) per program leaves a
-# 64-row batch with 4 KV heads at 256 programs on 132 SMs, too few loads in flight to stream HBM.
-SPLIT_PROGRAMS_PER_SM = 4
+# Flash-decoding targets this many programs per SM: with 128-key tiles one wave is enough (the H200
+# at 32 rows × 4 KV heads: 2 splits 41 µs, 1 48, 4 48; at 64 rows 1 split 69 µs, 2 82: decode_attn.py).
+SPLIT_PROGRAMS_PER_SM = 1
 MAX_KV_SPLITS = KV_SPLITS_MAX
 
 
-def kv_splits_for(rows: int, kv_heads: int, max_context: int, sms: int, tile: int = 64) -> int:
+def kv_splits_for(rows: int, kv_heads: int, max_context: int, sms: int, tile: int = 128) -> int:
     """Splits per (row, KV head) from shapes alone (the padded batch, the block table's width), so a
     captured graph keeps its grid: enough programs for the SMs, no split shorter than one tile."""
     want = -(-SPLIT_PROGRAMS_PER_SM * sms // max(rows * kv_heads, 1))
@@ -122,18 +122,29 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
+def decode_launch(dtype: torch.dtype, block_size: int, interpret: bool = False) -> tuple[int, int]:
+    """(tile, num_stages) of the decode attention. 16-bit caches: 128-key tiles, 3 stages (the H200 at
+    batch 64, 2k: 69 µs a layer against 83 with 64-key tiles and 2 stages; 32×2k and 64×4k alike:
+    decode_attn.py's sweep); fp32 caches (the exact paths) and the interpreter: 64-key tiles, 2 stages
+    (a 128-key fp32 stage would not fit shared memory three times). A block wider than the tile sets it."""
+    tile, stages = (64, 2) if dtype == torch.float32 or interpret else (128, 3)
+    return max(tile, block_size), stages
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float,
-                     kv_splits: int | str = 1, tile: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                     kv_splits: int | str = 1, tile: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None):
     """q: [B, H, D]; k/v_cache: [slots, KVH, D]; block_tables: int32 [B, max_blocks];
     seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]. `kv_splits`: 1 for one pass per
     (row, KV head); n > 1 or "auto" (kv_splits_for) to split each row's context n ways. `tile` (keys
-    a loop step reads), `num_warps`, `num_stages`: e2e/gpu/decode_attn.py's sweep."""
+    a loop step reads), `num_warps`, `num_stages`: decode_launch's unless given (decode_attn.py's sweep)."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     group = h // kvh
     o = torch.empty_like(q)
-    tile = tile or (64 if block_size <= 64 else block_size)
     interpret = triton_interpreting()
+    default_tile, default_stages = decode_launch(k_cache.dtype, block_size, interpret)
+    tile, num_stages = tile or default_tile, num_stages or default_stages
     if kv_splits == "auto":
         sms = _sm_count(q.device.index) if q.device.type == "cuda" else 132
         kv_splits = kv_splits_for(b, kvh, block_tables.shape[1] * block_size, sms, tile)

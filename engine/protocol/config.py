@@ -212,8 +212,9 @@ class EngineConfig(BaseModel):
     # decode step 1.9 ms faster on the H200, docs/PERF.md), the torch ops elsewhere
     add_norm: Literal["auto", "torch", "fused"] = "auto"
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
-    # per (row, KV head), or "auto" from the batch and the SM count; 1: one pass. Opt-in until timed
-    decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = 1
+    # per (row, KV head), or "auto" from the batch and the SM count (2 at 32 rows on an H200, 1 from
+    # 33: a wave of programs); 1: always one pass
+    decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
     # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"

@@ -208,12 +208,16 @@ def test_an_fp8_model_through_the_fused_experts_equals_the_reference_path():
 
 @pytest.mark.parametrize("t", [80, 256, 1024])
 def test_auto_experts_grow_their_tiles_with_the_pairs_and_keep_fp8_weights_in_the_kernels(t):
-    """AutoExperts runs the fused kernels at every size, with 16-, 64- and 128-row tiles as the pairs
-    grow; FP8 experts stay e4m3 into the kernels at each (exact against the dequantizing reference)."""
+    """AutoExperts runs the fused kernels at every size, with 16-, 32- (16-bit weights; FP8 64-),
+    64- and 128-row tiles as the pairs grow; FP8 experts stay e4m3 into the kernels at each (exact
+    against the dequantizing reference)."""
     from pdrollout.engine.model import fp8 as fp8mod
     from pdrollout.engine.model.backends import AutoExperts, fused_tiles
     k = 8
-    assert fused_tiles(t * k).get("block_m", BLOCK_M) == {80: 16, 256: 64, 1024: 128}[t]
+    assert fused_tiles(t * k, 1).get("block_m", BLOCK_M) == {80: 16, 256: 64, 1024: 128}[t]
+    assert fused_tiles(t * k).get("block_m", BLOCK_M) == {80: 16, 256: 32, 1024: 128}[t]
+    assert [fused_tiles(p).get("block_m", BLOCK_M) for p in (2047, 2048, 4095, 4096, 8191)] == [16, 32, 32, 64, 64]
+    assert fused_tiles(640).get("block_k") == 128 and fused_tiles(640, 4) == {}   # fp32: 64-deep K steps
     ex = _fp8_experts(8, 256, 128, (128, 128), seed=2)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(t, 256, generator=g)

@@ -12,20 +12,22 @@ from pdrollout.engine.model.backends import fused_regime_tokens, fused_tiles
 from pdrollout.engine.runtime import jit_watch
 
 
-def _regime(tokens: int, top_k: int) -> tuple:
+def _regime(tokens: int, top_k: int, weight_bytes: int) -> tuple:
     pairs = tokens * top_k
     layout = "fused" if pairs <= fused_moe.ALIGN_KERNEL_MAX_PAIRS else "spread"
-    return tuple(sorted(fused_tiles(pairs).items())), layout
+    return tuple(sorted(fused_tiles(pairs, weight_bytes).items())), layout
 
 
+@pytest.mark.parametrize("weight_bytes", [1, 2, 4])
 @pytest.mark.parametrize("top_k", [1, 2, 6, 8])
-def test_the_warm_up_sizes_meet_every_moe_regime_once(top_k):
+def test_the_warm_up_sizes_meet_every_moe_regime_once(top_k, weight_bytes):
     """Each (tile tier, pair layout) of AutoExperts is its own compile; the warm-up's sizes must meet
-    every regime a step of up to 64k tokens can, each once."""
+    every regime a step of up to 64k tokens can, for FP8, bf16 and fp32 weights."""
     sizes = fused_regime_tokens(top_k)
-    seen = {_regime(t, top_k) for t in range(1, 65536)}
-    assert sorted(map(str, (_regime(t, top_k) for t in sizes))) == sorted(map(str, seen))
-    assert len({_regime(t, top_k) for t in sizes}) == len(sizes)
+    seen = {_regime(t, top_k, weight_bytes) for t in range(1, 65536)}
+    assert sorted(map(str, {_regime(t, top_k, weight_bytes) for t in sizes})) == sorted(map(str, seen))
+    if weight_bytes == 2:   # the tiers the other weights share are a subset: some sizes repeat one
+        assert len({_regime(t, top_k, 2) for t in sizes}) == len(sizes)
 
 
 def test_the_watch_counts_compiles_by_kernel_and_keeps_an_earlier_hook(monkeypatch):
@@ -56,9 +58,10 @@ def test_the_prefill_warm_up_runs_each_regime_a_fused_step_can_reach(tiny_model)
                                  control=ControlSettings(prefill_budget_tokens=1000)))
     steps, exchange = [], engine._exchange
     engine._exchange = lambda plan: (steps.append(sum(r.length for r in plan.replicas[0].prefill)), exchange(plan))[1]
-    assert engine.warm_prefill() == 7
-    # the tiny model routes top-2: 1,024 tokens are 2,048 pairs (the 64-row tiles), past the budget
-    # of 1,000 but within it plus 64 D rows; 4,096 (the 128-row tiles) is not; last the continuation
-    assert fused_regime_tokens(2) == (1, 1024, 4096, 4097)
-    assert steps == [1, 37, 256, 999, 1000, 1024, 128]
+    assert engine.warm_prefill() == 8
+    # the tiny model routes top-2: 513 tokens are the first pairs laid out by three launches; 1,024
+    # are 2,048 pairs (the 32-row tiles), past the budget of 1,000 but within it plus 64 D rows;
+    # 2,048 and 4,096 (64- and 128-row tiles) are not; last the continuation
+    assert fused_regime_tokens(2) == (1, 513, 1024, 2048, 4096)
+    assert steps == [1, 37, 256, 513, 999, 1000, 1024, 128]
     assert engine.stats()["kv_blocks_used"] == 0
