@@ -29,21 +29,22 @@ def _decode_kernels():
     import triton
     import triton.language as tl
 
-    # the block tables' width follows the batch's longest row: not specialized (runtime/jit_watch.py)
+    # the block tables' width follows the batch's longest row, the split count the batch's rows: neither
+    # is specialized (the splits are the grid's third axis), so no served step compiles (runtime/jit_watch.py)
     @triton.jit(do_not_specialize=["sbt_b"])
     def attend(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, scale,
                sq_b, sq_h, sk_s, sk_h, sbt_b, so_b, so_h,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                BLOCK: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, F32: tl.constexpr):
         """One (row, KV head, split): online softmax over the split's slice of the row's context.
-        SPLITS 1: the whole context, written as the output. Else a normalized partial into
-        [B, H, SPLITS, D] fp32 and its log-sum-exp (-inf for an empty slice), for `merge`."""
+        Not SPLIT (one split): the whole context, written as the output. Else a normalized partial
+        into [B, H, splits, D] fp32 and its log-sum-exp (-inf for an empty slice), for `merge`."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        sp = tl.program_id(2)
+        sp, splits = tl.program_id(2), tl.num_programs(2)
         seq_len = tl.load(len_ptr + b)
         # slices of whole tiles, sized from this row's length: the grid is fixed (graph-safe)
-        per = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
+        per = tl.cdiv(tl.cdiv(seq_len, splits), TILE) * TILE
         lo = sp * per
         hi = tl.minimum(lo + per, seq_len)
         g = tl.arange(0, GROUP_PAD)
@@ -74,26 +75,26 @@ def _decode_kernels():
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m = m_new
         out = acc / tl.maximum(l, 1e-30)[:, None]    # an empty context (a padding row) → zeros
-        if SPLITS == 1:
+        if not SPLIT:
             tl.store(o_ptr + b * so_b + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=gmask[:, None])
         else:
             lse = tl.where(l > 0, m + tl.log(tl.maximum(l, 1e-30)), float("-inf"))
-            at = (b * (GROUP * tl.num_programs(1)) + heads) * SPLITS + sp
+            at = (b * (GROUP * tl.num_programs(1)) + heads) * splits + sp
             tl.store(o_ptr + at[:, None] * D + d[None, :], out, mask=gmask[:, None])
             tl.store(lse_ptr + at, lse, mask=gmask)
 
-    @triton.jit
-    def merge(o_ptr, lse_ptr, out_ptr, so_b, so_h, H: tl.constexpr, D: tl.constexpr,
-              SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["splits"])
+    def merge(o_ptr, lse_ptr, out_ptr, so_b, so_h, splits, H: tl.constexpr, D: tl.constexpr,
+              SPLITS_PAD: tl.constexpr):
         """One (row, head): the splits' partials weighted by exp(lse - max lse); a row with no
         context (padding) gets zeros."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS_PAD)
         d = tl.arange(0, D)
-        smask = sp < SPLITS
-        at = (b * H + h) * SPLITS + sp
+        smask = sp < splits
+        at = (b * H + h) * splits + sp
         lse = tl.load(lse_ptr + at, mask=smask, other=float("-inf"))
         top = tl.max(lse, 0)
         w = tl.where(lse > float("-inf"), tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
@@ -108,6 +109,7 @@ def _decode_kernels():
 # at 32 rows × 4 KV heads: 2 splits 41 µs, 1 48, 4 48; at 64 rows 1 split 69 µs, 2 82: decode_attn.py).
 SPLIT_PROGRAMS_PER_SM = 1
 MAX_KV_SPLITS = KV_SPLITS_MAX
+MERGE_PAD = 1 << (MAX_KV_SPLITS - 1).bit_length()   # one merge compile for every split count
 
 
 def kv_splits_for(rows: int, kv_heads: int, max_context: int, sms: int, tile: int = 128) -> int:
@@ -159,13 +161,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: in
                                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                 block_tables.stride(0), *so,
                                 GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), D=d,
-                                SPLITS=kv_splits, BLOCK=block_size, TILE=tile, num_warps=num_warps,
+                                SPLIT=kv_splits > 1, BLOCK=block_size, TILE=tile, num_warps=num_warps,
                                 num_stages=num_stages,
                                 PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32",
                                 F32=interpret)
     if kv_splits > 1:
-        merge[(b, h)](parts, lse, o, o.stride(0), o.stride(1), H=h, D=d, SPLITS=kv_splits,
-                      SPLITS_PAD=max(2, 1 << (kv_splits - 1).bit_length()), num_warps=4)
+        merge[(b, h)](parts, lse, o, o.stride(0), o.stride(1), kv_splits, H=h, D=d,
+                      SPLITS_PAD=MERGE_PAD, num_warps=4)
     return o
 
 
