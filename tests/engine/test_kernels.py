@@ -306,7 +306,8 @@ def test_a_new_batch_size_compiles_nothing_once_each_regime_ran():
     """Triton compiles a kernel per specialization; a compile mid-run stalled a 19,579-token step for
     1 s on the H200 (runtime/jit_watch.py). The MoE path's per-step sizes (pairs, blocks, rows) and the
     decode attention's table width are unspecialized, so once `fused_regime_tokens` ran (what the
-    prefill warm-up does) and one decode launch did, token counts of every residue compile nothing."""
+    prefill warm-up does) and one decode launch in one pass and one split did, token counts of every
+    residue and every batch's split count compile nothing."""
     import triton
     import triton.language as tl
 
@@ -339,21 +340,24 @@ def test_a_new_batch_size_compiles_nothing_once_each_regime_ran():
     h, kvh, d, bs = 8, 2, 128, 16
     k, v, tables = _paged([5000], bs, kvh, d, torch.bfloat16, g)
 
-    def attend(rows: int, width: int) -> None:
+    def attend(rows: int, width: int, splits="auto") -> None:
         bt = torch.tensor(tables[0][:width], dtype=torch.int32, device=cuda).repeat(rows, 1)
         lens = torch.full((rows,), width * bs, dtype=torch.int32, device=cuda)
         q = torch.randn(rows, h, d, generator=g, device=cuda).to(torch.bfloat16)
-        decode_attention(q, k, v, bt, lens, bs, d ** -0.5)   # the engine's default: one walk a row
+        decode_attention(q, k, v, bt, lens, bs, d ** -0.5, kv_splits=splits)   # auto: the engine's default
 
     for t in fused_regime_tokens(top_k):
         moe(t)
-    attend(64, 128)
+    attend(64, 128, 1)
+    attend(64, 128, 2)
     torch.cuda.synchronize()
     watch.take()
     # odd and even token counts (pairs a multiple of 16 or not), blocks of every residue, both layouts
     for t in (2, 3, 17, 31, 255, 257, 258, 999, 1023, 1025, 1031, 2447, 4099, 19579):
         moe(t)
-    for rows, width in ((1, 1), (3, 2), (17, 16), (64, 17), (5, 313)):
-        attend(rows, width)
+    for rows, width in ((1, 1), (3, 2), (17, 16), (64, 17), (5, 313), (1, 313), (2, 313), (8, 64)):
+        attend(rows, width)   # auto: 1 to 16 splits by the rows (h/kvh = 4 heads a row's program)
+    for splits in range(1, 17):
+        attend(3, 313, splits)
     torch.cuda.synchronize()
     assert watch.take() == ()
