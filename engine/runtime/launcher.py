@@ -13,9 +13,11 @@ import datetime
 import json
 import os
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
-from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_STALL, exit_code, last_words, lost_report, name as exit_name
+from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, exit_code, last_words, lost_report, name as exit_name
 from ..protocol.layout import GroupLayout, LayoutError
 from ..protocol.topology import Topology, TopologyError
 
@@ -71,6 +73,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
     import torch.distributed as dist
     # Ctrl-C reaches the whole process group: the launcher stops the group, the rank must not die first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_with_launcher()
     from .node import connect_and_join
     from .watchdog import report_lost
     code, store, box = EXIT_ERROR, None, []
@@ -87,6 +90,24 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         # its next plan) ends here, and an orphaned rank has no one else to say how it ended
         print(last_words(rank, code, e), file=sys.stderr, flush=True)
     os._exit(code)   # no teardown: a collective thread may still be blocked
+
+
+def leave_with_launcher(poll_s: float = 0.5) -> threading.Thread:
+    """A rank outlives no launcher: once it is gone (a signal before its handlers, SIGKILL, the OOM
+    killer) the rank is reparented, and leaves within poll_s with the lost-peer code. A rank left
+    behind in a deleted pod kept running until the pod's grace ended, joined the next group under
+    node 0's stable name, and took that group down when it was killed (a second group restart)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"pdrollout: this rank's launcher (pid {parent}) is gone; leaving", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    t = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    t.start()
+    return t
 
 
 def _run_worker(rank: int, layout: GroupLayout, store, config_json: str, options: dict, counters,

@@ -283,8 +283,13 @@ class WorkerNode:
         self.layout, self.host, self.port, self.log = layout, host, port, log
         self.exit_wait_s = exit_wait_s   # how long the other ranks may take to reach the group's verdict
         self.counters = RankCounters(layout.local_ranks)
-        self.local = spawn(layout, layout.local_ranks, target, (*args, self.counters))
         self.stopping = False
+        # before the ranks exist: a SIGTERM between their spawn and run() would otherwise end this
+        # launcher by the default action and leave them to join the next group (docs/OPERATOR.md)
+        self._stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: (setattr(self, "stopping", True), self._stop.set()))
+        self.local = spawn(layout, layout.local_ranks, target, (*args, self.counters))
 
     def health(self) -> tuple[int, dict]:
         codes = self.local.codes()
@@ -304,9 +309,7 @@ class WorkerNode:
 
     def run(self) -> int:
         """Serve until the ranks end (or SIGTERM); returns the node's exit code."""
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: (setattr(self, "stopping", True), stop.set()))
+        stop = self._stop
         server = self._serve() if self.port is not None else None
         self.log(f"pdrollout node {self.layout.node_rank}: started ranks {list(self.layout.local_ranks)} "
                  f"({self.layout.describe()})")

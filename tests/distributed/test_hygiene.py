@@ -172,3 +172,20 @@ def test_sigterm_to_node_1_takes_its_ranks_and_ends_the_group(two_nodes):
     code0, _ = _stopped(node0.proc, tree0, t0, 20.0, "node 0 after node 1 stopped", node0.tail)
     assert code0 == EXIT_PEER_LOST, node0.tail()
     assert not flight.join(10.0), f"requests hung: {flight.outcomes}"
+
+
+def test_ranks_leave_when_node_1s_launcher_is_killed(two_nodes):
+    """A launcher killed outright (SIGKILL, the OOM killer, a SIGTERM before its handlers) leaves no
+    rank behind: each rank sees itself reparented and leaves with the lost-peer code. A rank left in a
+    deleted pod ran until the pod's grace ended, joined the next group under node 0's stable name and
+    took it down when killed (a second group restart on real kubelets: docs/OPERATOR.md)."""
+    node0, node1 = two_nodes
+    ranks1, tree0 = rank_pids(node1.pid), node0.tree()
+    assert ranks1, node1.tail()
+    t0 = time.monotonic()
+    os.kill(node1.pid, signal.SIGKILL)
+    left = wait_gone(ranks1, 5.0)
+    assert not left, f"node 1's ranks {left} outlived their launcher by 5 s\n{node1.tail()}"
+    print(f"\nhygiene: node 1's ranks gone {time.monotonic() - t0:.1f}s after its launcher's SIGKILL", flush=True)
+    code0, _ = _stopped(node0.proc, tree0, t0, 20.0, "node 0 after node 1's launcher was killed", node0.tail)
+    assert code0 == EXIT_PEER_LOST, node0.tail()
