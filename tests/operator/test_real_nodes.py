@@ -260,9 +260,11 @@ class _EngineLogs:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         self._stop.set()
         self._thread.join(30)
+        if exc_type is not None:   # a wait gave up: these logs say why as well
+            self.show()
 
     def _poll(self) -> None:
         while not self._stop.wait(1.0):
@@ -280,8 +282,9 @@ class _EngineLogs:
                 if r.returncode == 0 and r.stdout.strip():
                     self.logs[f"{pod_name} {uid[:8]}{' (previous run)' if prev else ''}"] = r.stdout
 
-    def text(self) -> str:
-        return "\n".join(f"--- {k}\n{v.rstrip()}" for k, v in self.logs.items())
+    def show(self) -> None:
+        text = "\n".join(f"--- {k}\n{v.rstrip()}" for k, v in self.logs.items())
+        print(f"\n[real-nodes] engine logs while the group restarted:\n{text}", file=sys.stderr)
 
 
 def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, explain_failure, tmp_path, wait):
@@ -413,21 +416,21 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
 
     # --- 4. node 1's pod deleted: the operator recreates the whole group, once.
     cr_uid = c.get("pdrollout", name, "-n", ns)["metadata"]["uid"]
-    logs = _EngineLogs(c, ns, name).__enter__()
-    c.kubectl("delete", "pod", f"{name}-1", "-n", ns, timeout=90)
+    with _EngineLogs(c, ns, name) as logs:
+        c.kubectl("delete", "pod", f"{name}-1", "-n", ns, timeout=90)
 
-    def regrouped():
-        pods = _live_pods(c, ns, name)
-        return (len(pods) == 2 and all(p["metadata"]["uid"] not in uids.values() and _ready(p)
-                                       for p in pods.values()) and pods)
-    pods = wait("a new group, Ready", regrouped, timeout=240, interval=1)
-    st = wait("Running again", lambda: (s := _status(c, ns, name)).get("phase") == "Running" and s, timeout=60)
-    lap("group recreated, Running")
-    time.sleep(5)   # a few more operator polls: no second restart follows
-    st = _status(c, ns, name)
-    logs.__exit__()
+        def regrouped():
+            pods = _live_pods(c, ns, name)
+            return (len(pods) == 2 and all(p["metadata"]["uid"] not in uids.values() and _ready(p)
+                                           for p in pods.values()) and pods)
+        pods = wait("a new group, Ready", regrouped, timeout=240, interval=1)
+        st = wait("Running again", lambda: (s := _status(c, ns, name)).get("phase") == "Running" and s,
+                  timeout=60)
+        lap("group recreated, Running")
+        time.sleep(5)   # a few more operator polls: no second restart follows
+        st = _status(c, ns, name)
     if st.get("groupRestarts") != 1:
-        print(f"\n[real-nodes] engine logs while the group restarted:\n{logs.text()}", file=sys.stderr)
+        logs.show()
     # Exactly once. Extra restarts (3 seen) came from pods deleted while their engine was starting: as
     # PID 1 it lost the SIGTERM, ran its whole grace period and joined the next group by node 0's name,
     # which then lost it (exit 4). The pause container is PID 1 now, and a rank joins only a store with
