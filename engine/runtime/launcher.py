@@ -73,7 +73,7 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
     import torch.distributed as dist
     # Ctrl-C reaches the whole process group: the launcher stops the group, the rank must not die first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    leave_with_launcher()
+    leave_with_launcher(rank)
     from .node import connect_and_join
     from .watchdog import report_lost
     code, store, box = EXIT_ERROR, None, []
@@ -92,7 +92,11 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 
-def leave_with_launcher(poll_s: float = 0.5) -> threading.Thread:
+class LauncherGone(ConnectionError):
+    """This rank's launcher died without stopping it (the rank was reparented)."""
+
+
+def leave_with_launcher(rank: int, poll_s: float = 0.5) -> None:
     """A rank outlives no launcher: once it is gone (a signal before its handlers, SIGKILL, the OOM
     killer) the rank is reparented, and leaves within poll_s with the lost-peer code. A rank left
     behind in a deleted pod kept running until the pod's grace ended, joined the next group under
@@ -102,12 +106,12 @@ def leave_with_launcher(poll_s: float = 0.5) -> threading.Thread:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"pdrollout: this rank's launcher (pid {parent}) is gone; leaving", file=sys.stderr, flush=True)
+        # the same last words as any other ending: an orphan's log tail is all anyone reads
+        gone = LauncherGone(f"this rank's launcher (pid {parent}) is gone; leaving")
+        print(last_words(rank, EXIT_PEER_LOST, gone), file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
 
-    t = threading.Thread(target=watch, name="launcher-watch", daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _run_worker(rank: int, layout: GroupLayout, store, config_json: str, options: dict, counters,

@@ -6,6 +6,7 @@ every test for what it left; these check the trees of the commands themselves.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -187,5 +188,11 @@ def test_ranks_leave_when_node_1s_launcher_is_killed(two_nodes):
     left = wait_gone(ranks1, 5.0)
     assert not left, f"node 1's ranks {left} outlived their launcher by 5 s\n{node1.tail()}"
     print(f"\nhygiene: node 1's ranks gone {time.monotonic() - t0:.1f}s after its launcher's SIGKILL", flush=True)
+    # each orphan leaves its last words through the pipe it shared with its launcher
+    deadline = time.monotonic() + 3.0
+    while (said := len(re.findall(r"\[rank \d+\] exit 4 \(.*\): LauncherGone", node1.tail()))) < len(ranks1) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert said == len(ranks1), node1.tail()
     code0, _ = _stopped(node0.proc, tree0, t0, 20.0, "node 0 after node 1's launcher was killed", node0.tail)
     assert code0 == EXIT_PEER_LOST, node0.tail()
