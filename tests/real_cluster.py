@@ -101,6 +101,28 @@ def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+        return True
+    except (ValueError, ProcessLookupError, PermissionError):
+        return False
+
+
+def sweep_dead_clusters(parent: Path) -> list[Path]:
+    """Clean up real-node clusters whose test run was killed (no finalizer ran): every process they
+    recorded is gone, but their mounts (over the node image store's snapshots) and namespaces stay
+    until stop.sh removes them. A cluster with any recorded process alive belongs to a live run."""
+    swept = []
+    for d in sorted(parent.glob("pdr-real-*")):
+        if not (d / "cluster.env").exists() or any(_alive(f) for f in (d / "pids").glob("*.pid")):
+            continue
+        _script(str(CLUSTER / "stop.sh"), str(d), timeout=300)
+        shutil.rmtree(d, ignore_errors=True)
+        swept.append(d)
+    return swept
+
+
 @pytest.fixture(scope="session")
 def real_cluster(tools) -> RealCluster:
     """Two real nodes (build, Debian packages and images cached; a fresh machine builds them once).
@@ -120,6 +142,8 @@ def real_cluster(tools) -> RealCluster:
         if r.returncode:
             pytest.fail(f"e2e/cluster/{step} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
         print(f"\n[real-nodes] {step}: {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    for gone in sweep_dead_clusters(Path(tempfile.gettempdir())):
+        print(f"[real-nodes] cleaned up {gone}: its test run was killed", file=sys.stderr)
     d = Path(tempfile.mkdtemp(prefix="pdr-real-"))
     t0 = time.monotonic()
     r = _script(str(CLUSTER / "start.sh"), str(d), "--real-nodes", "2", timeout=900)
