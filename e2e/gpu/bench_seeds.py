@@ -26,6 +26,9 @@ call, then summarized.
 --reuse-server: a (variant, mode) keeps one server for every (pressure, seed), its prefix cache
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start
 (~19 s of a ~45 s P1 run on the H200) per run. Without it each run gets a fresh server.
+--blocks N (with --reuse-server): the seeds are cut into N blocks, each with servers of its own, and
+the (variant, mode) order is reversed in every other block (normal, mixed, pd, then pd, mixed,
+normal): whatever drifts over a call (clocks, heat) falls on every mode alike, not on the last one.
     DEVICE=cpu ... --preset tiny                         # dry run on CPU
     ... --reuse-server --py-spy 15 --variant spy:pd:{}   # each run's server sampled by py-spy (native
                                                          # frames) into its pyspy.txt; the figures of a
@@ -197,10 +200,11 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     died is started again for the jobs left."""
     from pdrollout.engine.workload.servers import serve
     variant, mode = jobs[0]["variant"], jobs[0]["mode"]
+    tag = mode + (f"-b{jobs[0]['block']}" if jobs[0].get("block") else "")   # block 0 keeps the old names
     extra = ("--engine-config", json.dumps(engine_config(variant)))
     if args.step_logs:
-        extra += ("--step-log", str(Path(args.out) / variant["name"] / f"steps-{mode}"))
-    log_path = Path(args.out) / variant["name"] / f"server-{mode}.log"
+        extra += ("--step-log", str(Path(args.out) / variant["name"] / f"steps-{tag}"))
+    log_path = Path(args.out) / variant["name"] / f"server-{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     left = list(jobs)
     while left:
@@ -215,6 +219,31 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
                 first = False
 
 
+def seed_blocks(seeds: list[int], n: int) -> list[list[int]]:
+    """The seeds in n contiguous blocks as even as they go (the first ones one longer)."""
+    n = max(1, min(n, len(seeds)))
+    size, extra = divmod(len(seeds), n)
+    out, at = [], 0
+    for b in range(n):
+        out.append(seeds[at:at + size + (b < extra)])
+        at += len(out[-1])
+    return out
+
+
+def server_groups(jobs: list[dict], seeds: list[int], blocks: int) -> list[list[dict]]:
+    """--reuse-server's units in run order: per block of seeds, one group per (variant, mode), the
+    largest first; every other block in reverse. Each job says its block (server and step log names)."""
+    order = []
+    for b, block in enumerate(seed_blocks(seeds, blocks)):
+        groups: dict = {}
+        for j in jobs:
+            if j["seed"] in block:
+                groups.setdefault((j["variant"]["name"], j["mode"]), []).append({**j, "block": b})
+        ranked = sorted(groups.values(), key=len, reverse=True)
+        order += ranked[::-1] if b % 2 else ranked
+    return order
+
+
 def run_all(args, variants: list[dict]) -> None:
     jobs = [{"variant": v, "pressure": p, "seed": s, "mode": m}
             for s in args.seeds for p in args.pressures for v in variants for m in v["modes"].split(",")
@@ -225,11 +254,8 @@ def run_all(args, variants: list[dict]) -> None:
         print(f"{len(done)} jobs have results in {args.out} already: skipped", flush=True)
     jobs.sort(key=lambda j: j["pressure"] != "trace")   # the long ones first: the GPUs end together
     q: queue.Queue = queue.Queue()
-    if args.reuse_server:   # a unit of work is a (variant, mode) and all its runs
-        groups: dict = {}
-        for j in jobs:
-            groups.setdefault((j["variant"]["name"], j["mode"]), []).append(j)
-        for g in sorted(groups.values(), key=len, reverse=True):
+    if args.reuse_server:   # a unit of work is a (variant, mode) and its runs in one block of seeds
+        for g in server_groups(jobs, args.seeds, args.blocks):
             q.put(g)
     else:
         for j in jobs:
@@ -351,6 +377,9 @@ def main() -> int:
     ap.add_argument("--step-logs", action="store_true", help="each server writes its step log under OUT")
     ap.add_argument("--reuse-server", action="store_true",
                     help="one server per (variant, mode) for all its runs, prefix cache flushed between")
+    ap.add_argument("--blocks", type=int, default=1,
+                    help="with --reuse-server: cut the seeds into N blocks, servers of their own, mode order "
+                         "reversed in every other block (drift over the call falls on every mode)")
     ap.add_argument("--skip-existing", action="store_true",
                     help="run only the jobs without results in OUT (resume a run cut short)")
     ap.add_argument("--summarize", action="store_true", help="only rebuild the table from OUT")
@@ -364,6 +393,8 @@ def main() -> int:
         variants = [parse_variant(v) for v in args.variant] or [parse_variant("base:normal,mixed,pd:{}")]
         if args.py_spy and not args.reuse_server:
             ap.error("--py-spy needs --reuse-server (the server's process is then this script's child)")
+        if args.blocks > 1 and not args.reuse_server:
+            ap.error("--blocks orders the servers of --reuse-server (without it every run has its own)")
         if not args.py_spy and not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):
             ap.error("the first variant is the baseline: it must run normal and mixed")
         args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -378,7 +409,9 @@ def main() -> int:
                 "nproc": 1, "topology": "one GPU per engine (EP1/ADP1); jobs spread over GPUs " + (args.gpus or "-"),
                 "engine_config": BASE_CONFIG, "variants": variants,
                 "servers": "one per (variant, mode), cache flushed between runs" if args.reuse_server
-                           else "a fresh one per run"}
+                           else "a fresh one per run",
+                "blocks": [{"seeds": blk, "order": "reversed" if b % 2 else "forward"}
+                           for b, blk in enumerate(seed_blocks(args.seeds, args.blocks))] if args.reuse_server else None}
         (out / "meta.json").write_text(json.dumps(add_invocation(out / "meta.json", meta), indent=1))
         run_all(args, variants)
     summary = summarize(out)

@@ -4,7 +4,16 @@ Each step is D only, P only, or P and D (fused into one forward, or the step tha
 beside D), or D beside an epoch in flight; steps that carry P are binned by their P tokens. Per bin:
 steps, median wall ms, median decode rows, and their total seconds: where a mode's time goes; then
 the steps that compiled a Triton kernel (the log's `jit_compiles`), each a stall.
-    python3 e2e/gpu/step_costs.py STEPLOG...   (rank0.jsonl or rank0.jsonl.gz; a directory: its rank0 log)
+
+With --bound, per run in the log (a server reused over seeds logs one run per seed, in order): what
+P cost the run beyond its D steps, and so how far any P/D planner could move this run's makespan.
+D rows are priced by a line fitted to the log's D-only steps (a + b * rows); P's cost is every
+other step's wall beyond that price (a P-only step's whole wall, a fused step's excess, a D step's
+excess beside an epoch in flight). A planner that ran the same P at the log's large-batch rate (the
+median us/token of its steps of >= BULK_TOKENS P tokens and at most 2 D rows) with no one waiting ends at `bound_floor` of
+this run; with P free, at `bound_free`. At P1 the critical session decodes through nearly the whole
+run, so these bound pd against the mode that made the log.
+    python3 e2e/gpu/step_costs.py [--bound [--json OUT]] STEPLOG...   (rank0.jsonl[.gz]; a directory: its rank0 log)
 """
 from __future__ import annotations
 
@@ -16,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 P_BINS = (128, 256, 512, 1024, 4096)
+BULK_TOKENS = 4096      # P-only steps this large run near the prefill kernels' best rate
+RUN_START_TOKENS = 8192  # a run starts with its burst of first turns: this much P within 3 steps of an idle P step
 
 
 def read(path: Path) -> list[dict]:
@@ -70,12 +81,75 @@ def compiled(steps: list[dict]) -> list[dict] | None:
              "decode_rows": s["decode_rows"], "kernels": s["jit_compiles"]} for s in steps if s.get("jit_compiles")]
 
 
+def runs(steps: list[dict]) -> list[list[dict]]:
+    """The log cut into runs: the warm-up (step 0) dropped; a run starts at a step with no D rows
+    that begins a burst (RUN_START_TOKENS of P in it and the next two steps; the first request of a
+    burst often runs alone, and the rest right after it belong to the same run)."""
+    live = [s for s in steps if s["step"] > 0]
+    opens = [s["decode_rows"] == 0 and s["prefill_tokens"] > 0
+             and sum(x["prefill_tokens"] for x in live[i:i + 3]) >= RUN_START_TOKENS for i, s in enumerate(live)]
+    starts = [i for i, o in enumerate(opens) if o and not (i and opens[i - 1])]
+    return [live[a:b] for a, b in zip(starts, starts[1:] + [len(live)])]
+
+
+def d_line(steps: list[dict]) -> tuple[float, float]:
+    """Least squares a + b * rows over the D-only steps, in seconds."""
+    d = [(s["decode_rows"], s["wall_s"]) for s in steps if not s["prefill_tokens"] and s.get("p_flight") is None]
+    if len(d) < 2:
+        raise ValueError(f"{len(d)} D-only steps: too few to price a D row")
+    n, sx, sy = len(d), sum(r for r, _ in d), sum(w for _, w in d)
+    sxx, sxy = sum(r * r for r, _ in d), sum(r * w for r, w in d)
+    b = (n * sxy - sx * sy) / (n * sxx - sx * sx) if n * sxx != sx * sx else 0.0
+    return (sy - b * sx) / n, b
+
+
+def bound(run: list[dict], line: tuple[float, float], bulk_s_per_token: float) -> dict:
+    a, b = line
+    total = sum(s["wall_s"] for s in run)
+    p_tokens = sum(s["prefill_tokens"] for s in run)
+    p_cost = sum(s["wall_s"] - (a + b * s["decode_rows"] if s["decode_rows"] else 0.0)
+                 for s in run if s["prefill_tokens"] or s.get("p_flight") is not None)
+    floor = p_tokens * bulk_s_per_token
+    return {"steps": len(run), "total_s": total, "p_tokens": p_tokens, "p_cost_s": p_cost, "p_share": p_cost / total,
+            "p_floor_s": floor, "bound_floor": (total - p_cost + floor) / total, "bound_free": (total - p_cost) / total}
+
+
+def bounds(steps: list[dict]) -> list[dict]:
+    line = d_line([s for s in steps if s["step"] > 0])
+    # `mixed` runs its bursts as chunks with a row or two of D riding along: priced out
+    bulk = [(s["wall_s"] - (line[0] + line[1] * s["decode_rows"] if s["decode_rows"] else 0.0)) / s["prefill_tokens"]
+            for s in steps if s["step"] > 0 and s["decode_rows"] <= 2 and s["prefill_tokens"] >= BULK_TOKENS]
+    if not bulk:
+        raise ValueError(f"no step of >= {BULK_TOKENS} P tokens and <= 2 D rows to take P's large-batch rate from")
+    rate = statistics.median(bulk)
+    return [{"run": i, "d_ms": (line[0] * 1e3, line[1] * 1e3), "bulk_us_per_token": rate * 1e6, **bound(r, line, rate)}
+            for i, r in enumerate(runs(steps))]
+
+
 def main(argv: list[str]) -> int:
-    if not argv:
+    cmd = " ".join(["python3 e2e/gpu/step_costs.py", *argv])
+    want_bound = "--bound" in argv
+    argv = [a for a in argv if a != "--bound"]
+    out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    if not argv or (out and not want_bound):
         print(__doc__, file=sys.stderr)
         return 2
+    found = {}
     for arg in argv:
         steps = read(Path(arg))
+        if want_bound:
+            found[arg] = bounds(steps)
+            print(f"{arg}\n{'run':>4}{'steps':>7}{'total s':>9}{'P tokens':>10}{'P cost s':>10}{'P share':>9}"
+                  f"{'P floor s':>11}{'bound floor':>13}{'bound free':>12}")
+            for r in found[arg]:
+                print(f"{r['run']:>4}{r['steps']:>7}{r['total_s']:>9.2f}{r['p_tokens']:>10}{r['p_cost_s']:>10.2f}"
+                      f"{r['p_share']:>9.3f}{r['p_floor_s']:>11.2f}{r['bound_floor']:>13.3f}{r['bound_free']:>12.3f}")
+            print(f"  D step {r['d_ms'][0]:.2f} ms + {r['d_ms'][1]:.3f} ms/row; P at {r['bulk_us_per_token']:.1f} us/token "
+                  f"in steps of >= {BULK_TOKENS} P tokens")
+            continue
         rows = costs(steps)
         print(f"{arg}\n{'kind':>14}{'P tokens':>10}{'steps':>7}{'wall ms':>9}{'D rows':>8}{'total s':>9}")
         for r in rows:
@@ -87,6 +161,11 @@ def main(argv: list[str]) -> int:
         for c in stalls or ():
             print(f"  step {c['step']} compiled {', '.join(c['kernels'])}: {c['wall_ms']:.0f} ms "
                   f"({c['prefill_tokens']} P tokens, {c['decode_rows']} D rows)")
+    if out:
+        meta = {"command": cmd, "what": "per run of each step log: P's cost beyond D and the makespan bounds "
+                "(the logs' own meta.json beside them has machine, commit, seed, nproc and topology)",
+                "bulk_tokens": BULK_TOKENS}
+        out.write_text(json.dumps({"meta": meta, "logs": found}, indent=1))
     return 0
 
 

@@ -332,3 +332,49 @@ def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     log[3]["jit_compiles"], log[6]["jit_compiles"] = ["gate_up", "down"], []
     assert compiled(log) == [{"step": 3, "wall_ms": pytest.approx(20.0), "prefill_tokens": 100, "decode_rows": 8,
                               "kernels": ["gate_up", "down"]}]
+
+
+def test_step_costs_bound_prices_d_rows_and_charges_p_the_rest(tmp_path):
+    """--bound: runs split at each burst, D rows priced by the D-only line, every other step's excess
+    charged to P, and the makespan P could give back at the bulk rate or for free."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from step_costs import bounds, runs
+    finally:
+        sys.path.pop(0)
+    step = lambda d, p, wall, **kw: {"step": 1, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
+                                     "p_flight": None, **kw}
+    d = lambda rows: step(rows, 0, 0.005 + 0.001 * rows)      # D-only: 5 ms + 1 ms a row, exactly
+    warm = [dict(step(0, 32768, 0.4), step=0)]                  # the warm-up: never a run
+    run = [step(0, 600, 0.03), step(0, 9000, 0.09), d(8), d(4), step(4, 100, 0.013), d(2),
+           step(2, 0, 0.010, p_flight=3)]
+    log = warm + run + run
+    assert [len(r) for r in runs(log)] == [len(run), len(run)]
+    b = bounds(log)
+    assert len(b) == 2 and b[0]["d_ms"] == pytest.approx((5.0, 1.0))
+    assert b[0]["bulk_us_per_token"] == pytest.approx(10.0)     # 9,000 tokens in 90 ms, the only bulk step
+    # P's cost: the two P-only steps whole, the fused step's 4 ms over 9 ms, the epoch's 3 ms over 7 ms
+    assert b[0]["p_cost_s"] == pytest.approx(0.03 + 0.09 + 0.004 + 0.003)
+    total = sum(s["wall_s"] for s in run)
+    assert b[0]["total_s"] == pytest.approx(total) and b[0]["p_tokens"] == 9700
+    assert b[0]["bound_free"] == pytest.approx((total - 0.127) / total)
+    assert b[0]["bound_floor"] == pytest.approx((total - 0.127 + 9700 * 10e-6) / total)
+
+
+def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
+    """--blocks 2: seeds 0-2 on servers normal, mixed, pd; seeds 3-4 on new servers pd, mixed, normal
+    (a drift over the call no longer falls on the last mode only)."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from bench_seeds import parse_variant, seed_blocks, server_groups
+    finally:
+        sys.path.pop(0)
+    assert seed_blocks([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    assert seed_blocks([0, 1, 2], 1) == [[0, 1, 2]] and seed_blocks([0, 1], 5) == [[0], [1]]
+    base = parse_variant("base:normal,mixed,pd:{}")
+    jobs = [{"variant": base, "pressure": "P1", "seed": s, "mode": m} for s in range(5) for m in ("normal", "mixed", "pd")]
+    groups = server_groups(jobs, [0, 1, 2, 3, 4], 2)
+    assert [(g[0]["mode"], [j["seed"] for j in g], g[0]["block"]) for g in groups] == [
+        ("normal", [0, 1, 2], 0), ("mixed", [0, 1, 2], 0), ("pd", [0, 1, 2], 0),
+        ("pd", [3, 4], 1), ("mixed", [3, 4], 1), ("normal", [3, 4], 1)]
+    assert [g[0]["mode"] for g in server_groups(jobs, [0, 1, 2, 3, 4], 1)] == ["normal", "mixed", "pd"]

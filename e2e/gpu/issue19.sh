@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 19's must-show figures on one H200, in parts that each fit one device call (<= 600 s), every
+# part packed into OUT/PART.tgz the moment it ends: the device returns files under $OUT only to a
+# shallow depth, and a call that runs out of time returns what was packed before (a fifteenth-session
+# call lost a finished five-seed table that way).
+#
+#   COMMIT=<sha> bash e2e/gpu/issue19.sh OUT PART [SEEDS] [-- EXTRA bench_seeds ARGS]
+#     tests          python3 -m pytest -m gpu tests/engine (exactness, compiles, graphs)
+#     p1             bench_seeds at P1 over SEEDS (default 0,1,2,3,4), normal/mixed/pd, step logs,
+#                    servers reused in two blocks with the mode order reversed in the second; then
+#                    step_costs.py --bound over the step logs
+#     trace          the same at trace pressure (SEEDS default 0,1: ~4 min a seed)
+#     decode         bench_engine.py decode steps at batch 1, 8 and 64 (graph replays) beside their floors
+#
+# COMMIT is required: the device copy's `git rev-parse` has read an older HEAD than the tree it ran.
+# Each part stops itself PART_BUDGET_S seconds in (default 540) so that packing always happens.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:?usage: issue19.sh OUT tests|p1|trace|decode [SEEDS]}"
+part="${2:?usage: issue19.sh OUT tests|p1|trace|decode [SEEDS]}"
+seeds="${3:-}"
+shift $(( $# < 3 ? $# : 3 ))
+[ "${1:-}" = "--" ] && shift
+: "${COMMIT:?set COMMIT to the commit this tree is (the git HEAD of the device copy can lag)}"
+export COMMIT MACHINE="${MACHINE:-nvidia-h200}" NCCL_NVLS_ENABLE=0
+budget="${PART_BUDGET_S:-540}"
+source "$here/env.sh"
+dir="$out/$part"
+mkdir -p "$dir"
+pack() { tar -C "$out" -czf "$out/$part.tgz" "$part" && echo "[issue19] packed $out/$part.tgz ($(du -h "$out/$part.tgz" | cut -f1))"; }
+trap pack EXIT
+started=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - started) )); }
+
+seeds_runs() {  # seeds_runs PRESSURE DEFAULT_SEEDS [EXTRA bench_seeds ARGS]
+  local pressure="$1" s="${seeds:-$2}" blocks=1
+  shift 2
+  [ "$(tr ',' '\n' <<< "$s" | wc -l)" -ge 2 ] && blocks=2
+  timeout --signal=INT "$(left)" python3 "$here/bench_seeds.py" "$dir" --seeds "$s" --pressures "$pressure" \
+    --reuse-server --blocks "$blocks" --step-logs --skip-existing --variant 'base:normal,mixed,pd:{}' "$@" \
+    2>&1 | tail -n 60
+  python3 "$here/bench_seeds.py" "$dir" --summarize > /dev/null 2>&1
+  # P's share of each run and the bound it puts on any planner (docs/PERF.md, sixteenth session)
+  local logs=("$dir"/base/steps-*)
+  [ -e "${logs[0]}" ] && python3 "$here/step_costs.py" --bound --json "$dir/bounds.json" "${logs[@]}" > "$dir/bounds.txt" 2>&1
+}
+
+case "$part" in
+  tests)
+    timeout --signal=INT "$(left)" python3 -m pytest -m gpu tests/engine -q -p no:cacheprovider > "$dir/gpu_tests.txt" 2>&1
+    tail -n 15 "$dir/gpu_tests.txt" ;;
+  p1) seeds_runs P1 0,1,2,3,4 "$@" ;;
+  trace) seeds_runs trace 0,1 "$@" ;;
+  decode)
+    for b in 1 8 64; do
+      [ "$(left)" -gt 60 ] || break
+      timeout --signal=INT "$(left)" python3 "$here/bench_engine.py" --batch "$b" --ctx 2048 --steps 30 \
+        --out "$dir/decode-b$b.json" > "$dir/decode-b$b.log" 2>&1
+      tail -n 4 "$dir/decode-b$b.log"
+    done ;;
+  *) echo "unknown part $part: tests, p1, trace or decode" >&2; exit 2 ;;
+esac
