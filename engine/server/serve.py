@@ -2,7 +2,8 @@
 on its thread, serve until SIGTERM/SIGINT, then shut down gracefully: stop accepting, let
 in-flight requests finish for up to `drain_timeout_s`, abort the rest (they end with
 finish_reason abort), close connections, exit 0. If the engine fails, in-flight requests end with
-an abort that says why and the exit code classifies the failure (protocol/exits.py)."""
+an abort that says why and the exit code classifies the failure (protocol/exits.py), also when it
+fails during that drain."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional
 from aiohttp import web
 
 from .app import Server, ServerSettings, build_app
+from .bridge import EngineUnavailable
 
 log = logging.getLogger("pdrollout.server")
 
@@ -39,8 +41,13 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
     server.unpaused.set()                    # requests parked by a pause now get 503
     for site in list(runner.sites):
         await site.stop()                    # stop accepting connections
-    if server.bridge.state == "ready":
-        await server.bridge.set_paused(False)   # paused-in-place work must be able to drain
+    # The engine can fail at any point of the stop (a peer's heartbeat lost mid-drain): a command
+    # then raises, its in-flight requests end with the failure's abort, and `run` returns its code.
+    try:
+        if server.bridge.state == "ready":
+            await server.bridge.set_paused(False)   # paused-in-place work must be able to drain
+    except EngineUnavailable:
+        pass
     deadline = time.monotonic() + server.settings.drain_timeout_s
     if server.in_flight:
         log.info("draining %d in-flight request(s) for up to %.0f s", server.in_flight,
@@ -48,8 +55,11 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
     while server.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if server.in_flight and server.bridge.state == "ready":
-        n = await server.bridge.call(lambda e: e.abort_all())
-        log.info("drain timeout: aborted %d request(s)", n)
+        try:
+            n = await server.bridge.call(lambda e: e.abort_all())
+            log.info("drain timeout: aborted %d request(s)", n)
+        except EngineUnavailable:
+            pass
         deadline = time.monotonic() + 5.0
         while server.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -80,10 +90,14 @@ async def run(settings: ServerSettings, engine_factory: Callable[[], Any], token
     failed = server.bridge.state == "failed"
     if failed:
         log.error("%s", server.bridge.error)
-        if failure is not None:
-            failure.append(server.bridge.error)
     else:
         log.info("shutting down")
     expiry.cancel()
     await shutdown(server, runner)
-    return server.bridge.exit_code if failed else 0
+    if server.bridge.state == "failed":   # before the stop, or during its drain: the group's verdict
+        if not failed:
+            log.error("failed while shutting down: %s", server.bridge.error)
+        if failure is not None:
+            failure.append(server.bridge.error)
+        return server.bridge.exit_code
+    return 0

@@ -5,7 +5,8 @@ epochs coming), then one fault per run:
 * SIGKILL of the worker rank mid-round               -> exit 4 (peer lost)
 * SIGSTOP of the worker rank past the watchdog bound -> exit 4 (peer lost: its heartbeat stopped)
 * SIGKILL of rank 0 (the server, the store's host)   -> the worker rank leaves by itself with 4
-* a rank's step-log disk full (a 64 KiB tmpfs we mount) -> exit 1 (error), the same on every rank
+* a rank's step-log disk full (a 64 KiB tmpfs we mount) -> exit 1 (error), the same on every rank;
+  on one rank while the server drains after SIGTERM -> exit 1 too (the stop does not hide it)
 * 5% and 30% loss on the ranks' links (iptables in a network namespace of our own; no netem here)
                                                      -> the ranks carry on (TCP retransmits), or
                                                         end as a stall (3) or lost peer (4)
@@ -171,6 +172,34 @@ def test_full_disk_for_a_step_log_ends_every_rank_with_error(served, tmp_path, r
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def test_an_engine_that_fails_while_draining_after_sigterm_exits_with_its_code(served, tmp_path):
+    """SIGTERM starts a graceful drain and the engine fails during it (its step log's disk fills):
+    the server exits with the failure's code and says so, not 0 as if the stop had been clean. One
+    rank, so no watchdog's forced exit can decide the code first; on two ranks 30 % loss once held a
+    heartbeat past the bound just as a stop began, and the drain's first command raised instead."""
+    disk, logs = tmp_path / "disk", tmp_path / "steplogs"
+    _mount_tmpfs(disk, "64k")
+    logs.mkdir()
+    (logs / "rank0.jsonl").symlink_to(disk / "rank0.jsonl")
+    try:
+        srv = served("--nproc", "1", "--ep", "1", "--step-log", str(logs), "--drain-timeout", "60")
+        flight = InFlight(srv.url)
+        deadline = time.monotonic() + 120
+        while metric(srv.url, "pdrollout:generation_tokens_total") < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tree = srv.tree()
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)   # the drain waits up to 60 s for the long requests
+        time.sleep(0.5)
+        _fill(disk)
+        _end(srv, flight, "step-log disk full while draining after SIGTERM (one rank)", EXIT_ERROR, t0, tree)
+        tail = srv.tail()
+        assert "failed while shutting down" in tail and "No space left on device" in tail, tail
+        assert "pdrollout serve: exit 1 (error)" in tail and "EngineUnavailable" not in tail, tail
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 # ---- loss on the ranks' links ----------------------------------------------------------------
 # No sch_netem in this kernel ("Specified qdisc kind is unknown"), so no delay qdisc: loss is
 # iptables' `statistic` match dropping a random share of every packet on the loopback of a network
@@ -286,8 +315,13 @@ def test_loss_on_the_ranks_links_is_carried_or_ends_with_a_documented_code(serve
                                                     f"{dropped} packets dropped", "")}})
         assert dropped > 0, f"the rule dropped nothing:\n{stats}"
         assert answers >= 1 and rounds > 0, (answers, rounds)
-        srv.proc.send_signal(signal.SIGTERM)   # ... and it still stops cleanly
-        assert srv.proc.wait(30) == 0, srv.tail()
+        srv.proc.send_signal(signal.SIGTERM)   # ... and it still stops cleanly, or
+        code = srv.proc.wait(30)
+        # ... TCP's backoff held a heartbeat past the bound after the heal, and the group gave up
+        # during the stop: its documented code then (once a traceback's 1, CI at abc94e9)
+        assert code == 0 or (code in (EXIT_STALL, EXIT_PEER_LOST) and "Traceback" not in srv.tail()), \
+            f"exit {code} on SIGTERM after the loss\n{srv.tail()}"
+        CHAOS_TABLE[-1]["code"] = f"running, then {code} on SIGTERM"
         assert not wait_gone(tree, 5.0)
         return
     # the group gave up: only with a documented code, within the bound of the first failed answer
