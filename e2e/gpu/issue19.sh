@@ -24,7 +24,9 @@ shift $(( $# < 3 ? $# : 3 ))
 : "${COMMIT:?set COMMIT to the commit this tree is (the git HEAD of the device copy can lag)}"
 export COMMIT MACHINE="${MACHINE:-nvidia-h200}" NCCL_NVLS_ENABLE=0
 budget="${PART_BUDGET_S:-540}"
-source "$here/env.sh"
+# DEVICE=cpu: a dry run here with the repo's venv (tests/engine/test_gpu_scripts_dry_run.py); the
+# shim and the carried wheels are the GPU machine's
+[ "${DEVICE:-}" = cpu ] || source "$here/env.sh"
 dir="$out/$part"
 mkdir -p "$dir"
 pack() { tar -C "$out" -czf "$out/$part.tgz" "$part" && echo "[issue19] packed $out/$part.tgz ($(du -h "$out/$part.tgz" | cut -f1))"; }

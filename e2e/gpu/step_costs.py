@@ -141,7 +141,12 @@ def main(argv: list[str]) -> int:
     for arg in argv:
         steps = read(Path(arg))
         if want_bound:
-            found[arg] = bounds(steps)
+            try:
+                found[arg] = bounds(steps)
+            except ValueError as e:   # e.g. a tiny dry run: no burst large enough to price P by
+                print(f"{arg}: no bound: {e}")
+                found[arg] = {"error": str(e)}
+                continue
             print(f"{arg}\n{'run':>4}{'steps':>7}{'total s':>9}{'P tokens':>10}{'P cost s':>10}{'P share':>9}"
                   f"{'P floor s':>11}{'bound floor':>13}{'bound free':>12}")
             for r in found[arg]:

@@ -378,3 +378,22 @@ def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
         ("normal", [0, 1, 2], 0), ("mixed", [0, 1, 2], 0), ("pd", [0, 1, 2], 0),
         ("pd", [3, 4], 1), ("mixed", [3, 4], 1), ("normal", [3, 4], 1)]
     assert [g[0]["mode"] for g in server_groups(jobs, [0, 1, 2, 3, 4], 1)] == ["normal", "mixed", "pd"]
+
+
+def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
+    """e2e/gpu/issue19.sh p1 on two seeds: the second seed's servers run in reverse order, and the
+    part comes back packed (what a device call returns) with its table and step logs."""
+    import tarfile
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), "p1", "0,1", "--", "--preset", "tiny",
+                        "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
+                       env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ups = [line.split()[3].rstrip(":") for line in r.stdout.splitlines() if "server up" in line]
+    assert ups == ["normal", "mixed", "pd", "pd", "mixed", "normal"], r.stdout
+    with tarfile.open(out / "p1.tgz") as t:
+        names = set(t.getnames())
+    assert {"p1/summary.json", "p1/meta.json", "p1/bounds.txt", "p1/base/steps-pd-b1/rank0.jsonl"} <= names, sorted(names)
+    meta = json.loads((out / "p1" / "meta.json").read_text())
+    assert meta["commit"] == "dry-run" and [b["order"] for b in meta["blocks"]] == ["forward", "reversed"]
