@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "e2e" / "cluster"
@@ -101,12 +102,9 @@ def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _alive(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text().strip()), 0)
-        return True
-    except (ValueError, ProcessLookupError, PermissionError):
-        return False
+def _recorded_alive(pid_file: Path) -> bool:
+    text = pid_file.read_text().strip()
+    return text.isdigit() and alive(int(text))
 
 
 def sweep_dead_clusters(parent: Path) -> list[Path]:
@@ -115,7 +113,7 @@ def sweep_dead_clusters(parent: Path) -> list[Path]:
     until stop.sh removes them. A cluster with any recorded process alive belongs to a live run."""
     swept = []
     for d in sorted(parent.glob("pdr-real-*")):
-        if not (d / "cluster.env").exists() or any(_alive(f) for f in (d / "pids").glob("*.pid")):
+        if not (d / "cluster.env").exists() or any(_recorded_alive(f) for f in (d / "pids").glob("*.pid")):
             continue
         _script(str(CLUSTER / "stop.sh"), str(d), timeout=300)
         shutil.rmtree(d, ignore_errors=True)

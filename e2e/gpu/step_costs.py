@@ -103,27 +103,31 @@ def d_line(steps: list[dict]) -> tuple[float, float]:
     return (sy - b * sx) / n, b
 
 
+def d_price(step: dict, line: tuple[float, float]) -> float:
+    """What the step's D rows would cost as a D-only step (nothing for a step without them)."""
+    return line[0] + line[1] * step["decode_rows"] if step["decode_rows"] else 0.0
+
+
 def bound(run: list[dict], line: tuple[float, float], bulk_s_per_token: float) -> dict:
-    a, b = line
     total = sum(s["wall_s"] for s in run)
     p_tokens = sum(s["prefill_tokens"] for s in run)
-    p_cost = sum(s["wall_s"] - (a + b * s["decode_rows"] if s["decode_rows"] else 0.0)
-                 for s in run if s["prefill_tokens"] or s.get("p_flight") is not None)
+    p_cost = sum(s["wall_s"] - d_price(s, line) for s in run if s["prefill_tokens"] or s.get("p_flight") is not None)
     floor = p_tokens * bulk_s_per_token
     return {"steps": len(run), "total_s": total, "p_tokens": p_tokens, "p_cost_s": p_cost, "p_share": p_cost / total,
             "p_floor_s": floor, "bound_floor": (total - p_cost + floor) / total, "bound_free": (total - p_cost) / total}
 
 
 def bounds(steps: list[dict]) -> list[dict]:
-    line = d_line([s for s in steps if s["step"] > 0])
+    live = [s for s in steps if s["step"] > 0]
+    line = d_line(live)
     # `mixed` runs its bursts as chunks with a row or two of D riding along: priced out
-    bulk = [(s["wall_s"] - (line[0] + line[1] * s["decode_rows"] if s["decode_rows"] else 0.0)) / s["prefill_tokens"]
-            for s in steps if s["step"] > 0 and s["decode_rows"] <= 2 and s["prefill_tokens"] >= BULK_TOKENS]
+    bulk = [(s["wall_s"] - d_price(s, line)) / s["prefill_tokens"]
+            for s in live if s["decode_rows"] <= 2 and s["prefill_tokens"] >= BULK_TOKENS]
     if not bulk:
         raise ValueError(f"no step of >= {BULK_TOKENS} P tokens and <= 2 D rows to take P's large-batch rate from")
     rate = statistics.median(bulk)
     return [{"run": i, "d_ms": (line[0] * 1e3, line[1] * 1e3), "bulk_us_per_token": rate * 1e6, **bound(r, line, rate)}
-            for i, r in enumerate(runs(steps))]
+            for i, r in enumerate(runs(live))]
 
 
 def main(argv: list[str]) -> int:
