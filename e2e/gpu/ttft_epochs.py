@@ -9,6 +9,7 @@ Usage: python3 e2e/gpu/ttft_epochs.py DIR...   (any directory holding records-*.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -38,11 +39,13 @@ def summary(records: list[dict], window_s: float, skip_s: float) -> dict:
 
 
 def record_runs(dirs: list[str]):
-    """(run name, its records) for every records-<mode>.jsonl under each of `dirs`, in path order."""
+    """(run name, its records) for every records-<mode>.jsonl under each of `dirs`, in path order
+    (committed ones are gzipped: records-<mode>.jsonl.gz)."""
     for d in dirs:
-        for f in sorted(Path(d).rglob("records-*.jsonl")):
-            name = str(f.parent.relative_to(d)) + "/" + f.stem.removeprefix("records-")
-            yield name, [json.loads(line) for line in f.open()]
+        for f in sorted(p for p in Path(d).rglob("records-*") if p.name.endswith((".jsonl", ".jsonl.gz"))):
+            mode = f.name.removeprefix("records-").removesuffix(".gz").removesuffix(".jsonl")
+            with (gzip.open(f, "rt") if f.suffix == ".gz" else f.open()) as lines:
+                yield str(f.parent.relative_to(d)) + "/" + mode, [json.loads(line) for line in lines]
 
 
 def main() -> int:
