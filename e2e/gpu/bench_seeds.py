@@ -200,7 +200,9 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     died is started again for the jobs left."""
     from pdrollout.engine.workload.servers import serve
     variant, mode = jobs[0]["variant"], jobs[0]["mode"]
-    tag = mode + (f"-b{jobs[0]['block']}" if jobs[0].get("block") else "")   # block 0 keeps the old names
+    # Named by the seeds the server runs, in order: a later call on other seeds (--skip-existing)
+    # writes logs of its own beside these instead of over them (step_costs.py reads the seeds back)
+    tag = f"{mode}-s" + "-".join(str(j["seed"]) for j in jobs)
     extra = ("--engine-config", json.dumps(engine_config(variant)))
     if args.step_logs:
         extra += ("--step-log", str(Path(args.out) / variant["name"] / f"steps-{tag}"))
@@ -232,7 +234,7 @@ def seed_blocks(seeds: list[int], n: int) -> list[list[int]]:
 
 def server_groups(jobs: list[dict], seeds: list[int], blocks: int) -> list[list[dict]]:
     """--reuse-server's units in run order: per block of seeds, one group per (variant, mode), the
-    largest first; every other block in reverse. Each job says its block (server and step log names)."""
+    largest first; every other block in reverse. Each job says its block."""
     order = []
     for b, block in enumerate(seed_blocks(seeds, blocks)):
         groups: dict = {}

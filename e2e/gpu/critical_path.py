@@ -4,7 +4,10 @@ The makespan ends with the last session to finish. Its turns run back to back (a
 when the previous one ends, after the trace's tool time): the makespan is that session's start, its
 turns' waits for a first token, its decode time and its tool gaps. This prints them per run, and its
 decode time per generated token beside the run's other sessions' (what D's steps cost the critical
-session, P's interference included).
+session, P's interference included). `floor s` is where an engine that took no time at all would
+end the run: the latest session's start plus its tool gaps (both the trace's: a turn is released
+its tool time after the last one ended); `floor` is that over the run's end, a bound no planner
+or kernel can beat.
 Usage: python3 e2e/gpu/critical_path.py DIR...   (any directory holding records-*.jsonl, searched down)
 """
 from __future__ import annotations
@@ -38,8 +41,10 @@ def summary(records: list[dict]) -> dict:
     paths = {s: path_of(rs) for s, rs in sessions(records).items()}
     last = max(paths, key=lambda s: paths[s]["end_s"])
     others = [p["ms_per_token"] for s, p in paths.items() if s != last and p["tokens"]]
+    floor = max(p["start_s"] + p["gaps_s"] for p in paths.values())
     return {"session": last, **paths[last],
-            "others_ms_per_token": statistics.median(others) if others else float("nan")}
+            "others_ms_per_token": statistics.median(others) if others else float("nan"),
+            "floor_s": floor, "floor_share": floor / paths[last]["end_s"]}
 
 
 def main() -> int:
@@ -47,11 +52,12 @@ def main() -> int:
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args()
     print(f"{'run':<34}{'session':>11}{'end s':>7}{'turns':>6}{'TTFT s':>8}{'decode s':>9}{'gaps s':>7}"
-          f"{'tokens':>7}{'ms/tok':>7}{'others':>7}")
+          f"{'tokens':>7}{'ms/tok':>7}{'others':>7}{'floor s':>8}{'floor':>7}")
     for name, records in record_runs(a.dirs):
         s = summary(records)
         print(f"{name:<34}{s['session']:>11}{s['end_s']:>7.2f}{s['turns']:>6}{s['ttft_s']:>8.2f}{s['decode_s']:>9.2f}"
-              f"{s['gaps_s']:>7.2f}{s['tokens']:>7}{s['ms_per_token']:>7.1f}{s['others_ms_per_token']:>7.1f}")
+              f"{s['gaps_s']:>7.2f}{s['tokens']:>7}{s['ms_per_token']:>7.1f}{s['others_ms_per_token']:>7.1f}"
+              f"{s['floor_s']:>8.2f}{s['floor_share']:>7.3f}")
     return 0
 
 

@@ -29,7 +29,11 @@ budget="${PART_BUDGET_S:-540}"
 [ "${DEVICE:-}" = cpu ] || source "$here/env.sh"
 dir="$out/$part"
 mkdir -p "$dir"
-pack() { tar -C "$out" -czf "$out/$part.tgz" "$part" && echo "[issue19] packed $out/$part.tgz ($(du -h "$out/$part.tgz" | cut -f1))"; }
+# Logs over 100 KB as they are committed (docs/perf: gzipped; the scripts read either)
+pack() {
+  find "$dir" -name '*.jsonl' -size +100k -exec gzip -9nf {} +
+  tar -C "$out" -czf "$out/$part.tgz" "$part" && echo "[issue19] packed $out/$part.tgz ($(du -h "$out/$part.tgz" | cut -f1))"
+}
 trap pack EXIT
 started=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - started) )); }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -171,11 +172,38 @@ def main(argv: list[str]) -> int:
             print(f"  step {c['step']} compiled {', '.join(c['kernels'])}: {c['wall_ms']:.0f} ms "
                   f"({c['prefill_tokens']} P tokens, {c['decode_rows']} D rows)")
     if out:
-        meta = {"command": cmd, "what": "per run of each step log: P's cost beyond D and the makespan bounds "
-                "(the logs' own meta.json beside them has machine, commit, seed, nproc and topology)",
-                "bulk_tokens": BULK_TOKENS}
+        sources = {arg: source_meta(Path(arg)) for arg in found}
+        for arg, rows in found.items():
+            seeds = (sources[arg] or {}).get("seeds")
+            if isinstance(rows, list) and seeds and len(seeds) == len(rows):
+                for r, seed in zip(rows, seeds):
+                    r["seed"] = seed
+        meta = {"command": cmd, "what": "per run of each step log: P's cost beyond D and the makespan bounds; "
+                "a run's seed where its log's bench meta.json names as many seeds as the log has runs",
+                "bulk_tokens": BULK_TOKENS, "sources": sources}
         out.write_text(json.dumps({"meta": meta, "logs": found}, indent=1))
     return 0
+
+
+def source_meta(log: Path) -> dict | None:
+    """What the bench_seeds meta.json above a step log says of the run that wrote it: commit, machine,
+    nproc, topology; and the seeds its server ran, in order: from the log's name (steps-<mode>-s0-1-2),
+    or, for a log named before that (steps-<mode>[-b<N>]), from its block in the meta.json, which a
+    later call on the same directory may have rewritten (then the log's run count will not match)."""
+    at = log if log.is_dir() else log.parent
+    meta_path = next((d / "meta.json" for d in (at, *at.parents) if (d / "meta.json").is_file()), None)
+    meta = json.loads(meta_path.read_text()) if meta_path else {}
+    named = re.search(r"-s(\d+(?:-\d+)*)$", at.name)
+    if named:
+        seeds = [int(x) for x in named.group(1).split("-")]
+    else:
+        block = re.search(r"-b(\d+)$", at.name)
+        b, blocks = int(block.group(1)) if block else 0, meta.get("blocks") or []
+        seeds = blocks[b]["seeds"] if b < len(blocks) else None if block else meta.get("seeds")
+    if meta_path is None and not named:
+        return None
+    return {"meta": str(meta_path) if meta_path else None, "seeds": seeds,
+            **{k: meta.get(k) for k in ("commit", "machine", "nproc", "topology", "pressures")}}
 
 
 if __name__ == "__main__":

@@ -227,7 +227,8 @@ def test_decode_attn_dry_run_checks_every_swept_launch_against_the_reference(tmp
 
 def test_critical_path_splits_the_last_sessions_time():
     """The last session to end is the critical one: its start, first-token waits, decode time and
-    tool gaps add up to its end; its decode ms per token is set beside the other sessions'."""
+    tool gaps add up to its end; its decode ms per token is set beside the other sessions'; the
+    run's floor is the latest start plus tool gaps of any session."""
     sys.path.insert(0, str(ROOT / "e2e/gpu"))
     try:
         from critical_path import summary
@@ -242,6 +243,10 @@ def test_critical_path_splits_the_last_sessions_time():
     assert abs(s["ttft_s"] - 0.3) < 1e-9 and abs(s["decode_s"] - 3.3) < 1e-9 and abs(s["gaps_s"] - 0.5) < 1e-9
     assert abs(s["start_s"] + s["ttft_s"] + s["decode_s"] + s["gaps_s"] - s["end_s"]) < 1e-9
     assert abs(s["ms_per_token"] - 22.0) < 1e-9 and abs(s["others_ms_per_token"] - 30.0) < 1e-9
+    # no engine time: a starts at 0.5 and waits its 0.5-s gap; b starts at 0 with none
+    assert abs(s["floor_s"] - 1.0) < 1e-9 and abs(s["floor_share"] - 1.0 / 4.6) < 1e-9
+    records.append(rec("c", 0, 3.0, 3.1, 3.2, 1))   # a late arrival bounds the run alone
+    assert abs(summary(records)["floor_s"] - 3.0) < 1e-9
 
 
 def _result(root, variant, seed, mode, makespan, **extra):
@@ -361,6 +366,28 @@ def test_step_costs_bound_prices_d_rows_and_charges_p_the_rest(tmp_path):
     assert b[0]["bound_floor"] == pytest.approx((total - 0.127 + 9700 * 10e-6) / total)
 
 
+def test_step_costs_bound_json_names_each_runs_seed_from_the_logs_name(tmp_path):
+    """--bound --json: a run's seed comes from its log's name (steps-<mode>-s3-4); an old-named log
+    takes its block's seeds from the bench's meta.json, and none where the counts disagree."""
+    step = lambda d, p, wall: {"step": 1, "decode_rows": d, "prefill_tokens": p, "wall_s": wall, "p_flight": None}
+    run = [step(0, 9000, 0.09), step(4, 0, 0.009), step(2, 0, 0.007), step(2, 50, 0.012)]
+    (tmp_path / "meta.json").write_text(json.dumps({"commit": "abc", "machine": "m", "nproc": 1, "topology": "t",
+                                                    "blocks": [{"seeds": [0, 1, 2]}, {"seeds": [5]}]}))
+    for name, n in (("steps-pd-s3-4", 2), ("steps-pd-b1", 1), ("steps-pd", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in run * n))
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--bound", "--json", str(out),
+                        *(str(tmp_path / n) for n in ("steps-pd-s3-4", "steps-pd-b1", "steps-pd"))],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    b = json.loads(out.read_text())
+    seeds = {Path(k).name: [row.get("seed") for row in v] for k, v in b["logs"].items()}
+    assert seeds == {"steps-pd-s3-4": [3, 4], "steps-pd-b1": [5], "steps-pd": [None, None]}
+    src = b["meta"]["sources"][str(tmp_path / "steps-pd-s3-4")]
+    assert (src["commit"], src["nproc"], src["topology"], src["seeds"]) == ("abc", 1, "t", [3, 4])
+
+
 def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
     """--blocks 2: seeds 0-2 on servers normal, mixed, pd; seeds 3-4 on new servers pd, mixed, normal
     (a drift over the call no longer falls on the last mode only)."""
@@ -393,7 +420,12 @@ def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
     ups = [line.split()[3].rstrip(":") for line in r.stdout.splitlines() if "server up" in line]
     assert ups == ["normal", "mixed", "pd", "pd", "mixed", "normal"], r.stdout
     with tarfile.open(out / "p1.tgz") as t:
-        names = set(t.getnames())
-    assert {"p1/summary.json", "p1/meta.json", "p1/bounds.txt", "p1/base/steps-pd-b1/rank0.jsonl"} <= names, sorted(names)
+        members = t.getmembers()
+    names = {m.name for m in members}
+    assert {"p1/summary.json", "p1/meta.json", "p1/bounds.txt"} <= names, sorted(names)
+    assert names & {"p1/base/steps-pd-s1/rank0.jsonl", "p1/base/steps-pd-s1/rank0.jsonl.gz"}, sorted(names)
+    # packed as committed: no plain log over 100 KB
+    assert all(m.size <= 100 * 1024 for m in members if m.name.endswith(".jsonl")), \
+        [(m.name, m.size) for m in members if m.name.endswith(".jsonl")]
     meta = json.loads((out / "p1" / "meta.json").read_text())
     assert meta["commit"] == "dry-run" and [b["order"] for b in meta["blocks"]] == ["forward", "reversed"]
