@@ -13,7 +13,11 @@ excess beside an epoch in flight). A planner that ran the same P at the log's la
 median us/token of its steps of >= BULK_TOKENS P tokens and at most 2 D rows) with no one waiting ends at `bound_floor` of
 this run; with P free, at `bound_free`. At P1 the critical session decodes through nearly the whole
 run, so these bound pd against the mode that made the log.
+With --d-speed A B, per run of two logs of the same seeds: the median over row counts of A's D-only
+graph steps' median wall over B's at the same row count. The replay is the same kernels in every
+mode, so this is the two servers' speed on identical work, the yardstick for a makespan ratio.
     python3 e2e/gpu/step_costs.py [--bound [--json OUT]] STEPLOG...   (rank0.jsonl[.gz]; a directory: its rank0 log)
+    python3 e2e/gpu/step_costs.py --d-speed STEPLOG_A STEPLOG_B
 """
 from __future__ import annotations
 
@@ -131,8 +135,37 @@ def bounds(steps: list[dict]) -> list[dict]:
             for i, r in enumerate(runs(live))]
 
 
+def d_speed(a: list[dict], b: list[dict], min_steps: int = 5) -> list[dict]:
+    """Per run (paired in order): A's D-only graph step wall over B's, the median over the row counts
+    both ran at least `min_steps` times (each side's median wall at that count)."""
+    def by_rows(run):
+        out: dict = defaultdict(list)
+        for s in run:
+            if not s["prefill_tokens"] and s.get("p_flight") is None and s.get("graph"):
+                out[s["decode_rows"]].append(s["wall_s"])
+        return out
+    ra, rb = runs(a), runs(b)
+    if len(ra) != len(rb):
+        raise ValueError(f"the logs hold {len(ra)} and {len(rb)} runs: not the same seeds")
+    rows = []
+    for i, (x, y) in enumerate(zip(map(by_rows, ra), map(by_rows, rb))):
+        common = [r for r in x if len(x[r]) >= min_steps and len(y.get(r, ())) >= min_steps]
+        ratios = [statistics.median(x[r]) / statistics.median(y[r]) for r in common]
+        rows.append({"run": i, "row_counts": len(common),
+                     "ratio": statistics.median(ratios) if ratios else float("nan")})
+    return rows
+
+
 def main(argv: list[str]) -> int:
     cmd = " ".join(["python3 e2e/gpu/step_costs.py", *argv])
+    if argv[:1] == ["--d-speed"]:
+        if len(argv) != 3:
+            print(__doc__, file=sys.stderr)
+            return 2
+        print(f"{'run':>4}{'row counts':>12}{'D step A / B':>14}")
+        for r in d_speed(read(Path(argv[1])), read(Path(argv[2]))):
+            print(f"{r['run']:>4}{r['row_counts']:>12}{r['ratio']:>14.3f}")
+        return 0
     want_bound = "--bound" in argv
     argv = [a for a in argv if a != "--bound"]
     out = None

@@ -15,6 +15,8 @@ wins over the lost peer it causes (`verdict`).
 """
 from __future__ import annotations
 
+import sys
+
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_STALL, EXIT_PEER_LOST = 0, 1, 2, 3, 4
 NAMES = {EXIT_OK: "ok", EXIT_ERROR: "error", EXIT_CONFIG: "bad configuration", EXIT_STALL: "stall",
          EXIT_PEER_LOST: "peer lost"}
@@ -37,6 +39,27 @@ _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "br
 
 def name(code: int | None) -> str:
     return NAMES.get(code, "signal" if code is not None and code < 0 else f"exit {code}")
+
+
+def say(text: str) -> None:
+    """A line on stderr that never raises. The watchdog, the exit paths and the launcher watch speak
+    right before they act: if whoever read this process's stderr is gone (a pipe with no reader, a
+    closed file), a BrokenPipeError there ended the watchdog's thread before its verdict, and the
+    engine then waited on a stopped peer forever."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):   # EPIPE/EIO, or stderr closed
+        pass
+
+
+def flush_quietly() -> None:
+    """stdout and stderr flushed before an os._exit, never raising (see `say`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def lost_report(rank: int, code: int, err: BaseException) -> str:

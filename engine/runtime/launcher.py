@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, exit_code, last_words, lost_report, name as exit_name
+from ..protocol.exits import EXIT_CONFIG, EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, exit_code, last_words, lost_report, name as exit_name, say, flush_quietly
 from ..protocol.layout import GroupLayout, LayoutError
 from ..protocol.topology import Topology, TopologyError
 
@@ -83,12 +83,12 @@ def _child(rank: int, layout: GroupLayout, config_json: str, options: dict, coun
         code = _run_worker(rank, layout, store, config_json, options, counters, box)
     except BaseException as e:
         code = box[0].wd.verdict(e) if box else exit_code(e)
-        print(f"[rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        say(f"[rank {rank}] {type(e).__name__}: {e}")
         if store is not None and code != EXIT_STALL:   # tell the group at once, with the cause
             report_lost(dist.PrefixStore("wd", store), rank, lost_report(rank, code, e), code)
         # last, Worker.exit_now's line: an error outside a step (rank 0 gone while this rank waited for
         # its next plan) ends here, and an orphaned rank has no one else to say how it ended
-        print(last_words(rank, code, e), file=sys.stderr, flush=True)
+        say(last_words(rank, code, e))
     os._exit(code)   # no teardown: a collective thread may still be blocked
 
 
@@ -108,7 +108,7 @@ def leave_with_launcher(rank: int, poll_s: float = 0.5) -> None:
             time.sleep(poll_s)
         # the same last words as any other ending: an orphan's log tail is all anyone reads
         gone = LauncherGone(f"this rank's launcher (pid {parent}) is gone; leaving")
-        print(last_words(rank, EXIT_PEER_LOST, gone), file=sys.stderr, flush=True)
+        say(last_words(rank, EXIT_PEER_LOST, gone))
         os._exit(EXIT_PEER_LOST)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
@@ -265,8 +265,7 @@ def _exit_now(code: int) -> None:
     """No interpreter teardown: a collective thread of this rank may still be blocked in gloo, and
     finalizing under it aborts the process (SIGABRT, "terminate called without an active
     exception") instead of exiting with the verdict."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush_quietly()
     os._exit(code)
 
 

@@ -21,7 +21,6 @@ import secrets
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..protocol import metrics as metric
 from ..protocol.exits import (EXIT_OK, GroupJoinTimeout, PeerLostError, is_connection_lost, most_telling,
-                              name as exit_name)
+                              name as exit_name, say)
 from ..protocol.layout import GroupLayout
 
 JOIN_POLL_S = 0.1
@@ -372,7 +371,7 @@ class WorkerNode:
 
 
 def log_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    say(msg)   # a worker node's verdict lines: never raising with no one reading (exits.say)
 
 
 # Per-rank figures of one node's ranks: every node's /metrics shows its own ranks (node 0 also

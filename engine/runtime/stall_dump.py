@@ -11,6 +11,8 @@ import sys
 import threading
 import traceback
 
+from ..protocol.exits import say
+
 
 def dump_threads(rank: int) -> None:
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -18,8 +20,7 @@ def dump_threads(rank: int) -> None:
     for ident, frame in sys._current_frames().items():
         stack = "".join(traceback.format_stack(frame, limit=12))
         parts.append(f"--- rank {rank} thread {names.get(ident, ident)}\n{stack}")
-    sys.stderr.write("\n".join(parts) + "\n")
-    sys.stderr.flush()
+    say("\n".join(parts))
     out = os.environ.get("PDROLLOUT_STALL_NATIVE")
     spy = shutil.which("py-spy")
     if out and spy:

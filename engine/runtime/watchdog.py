@@ -20,12 +20,11 @@ must not turn it into a lost peer.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from typing import Any, Callable
 
-from ..protocol.exits import EXIT_PEER_LOST, PeerLostError, exit_code
+from ..protocol.exits import EXIT_PEER_LOST, PeerLostError, exit_code, say
 
 
 class StallError(RuntimeError):
@@ -229,7 +228,7 @@ class Watchdog:
 
     def _declare(self, stall: dict, fs: dict[int, dict], waited: float) -> None:
         err = StallError(stall["report"], fs, waited)
-        print(f"[watchdog rank {self.rank}] {stall['report']}", file=sys.stderr, flush=True)
+        say(f"[watchdog rank {self.rank}] {stall['report']}")
         if self.on_declare is not None:   # before check() raises: every thread is still where it stalled
             self.on_declare(err)
         self.stall = err
@@ -238,7 +237,7 @@ class Watchdog:
     def _adopt_lost(self, report: str) -> None:
         if self.lost is not None or self.stall is not None:
             return
-        print(f"[watchdog rank {self.rank}] {report}", file=sys.stderr, flush=True)
+        say(f"[watchdog rank {self.rank}] {report}")
         self.lost = PeerLostError(report)
 
     def _exit_after_grace(self, err: BaseException | None) -> None:

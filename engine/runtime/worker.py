@@ -368,7 +368,7 @@ class Worker:
     def exit_now(self, err: BaseException) -> None:
         """The group failed and a thread may be stuck inside a collective: leave with the verdict,
         after the exit hooks had their say."""
-        from ..protocol.exits import EXIT_STALL, last_words, lost_report
+        from ..protocol.exits import EXIT_STALL, last_words, lost_report, say
         code = self.verdict(err)
         if self.wd is not None:   # tell the group the cause first, so every rank exits with its code
             from .watchdog import report_lost
@@ -378,10 +378,10 @@ class Worker:
             try:
                 hook(err, code)
             except Exception as e:
-                print(f"[rank {self.rank}] exit hook failed: {e!r}", file=sys.stderr, flush=True)
+                say(f"[rank {self.rank}] exit hook failed: {e!r}")
         # one line per rank that says how it ended (a rank orphaned by its launcher has no one else to
         # say it); last, after the hooks ended this node's other ranks, so a log's tail is the verdict
-        print(last_words(self.rank, code, err), file=sys.stderr, flush=True)
+        say(last_words(self.rank, code, err))
         os._exit(code)
 
     def side(self, rank: int) -> int:

@@ -54,7 +54,7 @@ def _fail(message: str, code: int) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from ..runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
     from ..protocol.config import EngineConfig
-    from ..protocol.exits import EXIT_CONFIG, name as exit_name
+    from ..protocol.exits import EXIT_CONFIG, flush_quietly, name as exit_name, say as say_err
     from ..protocol.layout import LayoutError
     from .app import ServerSettings
     from .serve import run
@@ -86,8 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return _fail(error.removeprefix("pdrollout serve: "), EXIT_CONFIG)
         if not layout.is_master:   # a worker node: its ranks, /health and /metrics; no API
             rc = run_worker_node(layout, config, options, args.host, args.port)
-            sys.stdout.flush()
-            sys.stderr.flush()
+            flush_quietly()
             os._exit(rc)
     settings = ServerSettings(model=args.model, served_model_name=args.served_model_name, host=args.host,
                               port=args.port, mode=args.mode, device=layout.device,
@@ -125,12 +124,11 @@ def run_serve(args: argparse.Namespace) -> int:
         reap_children()
     logging.shutdown()
     if rc != 0:   # last, after this node's ranks (and their tracebacks) ended: a log's tail is the verdict
-        print(f"pdrollout serve: exit {rc} ({exit_name(rc)})" + (f": {failure[0]}" if failure else ""),
-              file=sys.stderr, flush=True)
+        say_err(f"pdrollout serve: exit {rc} ({exit_name(rc)})" + (f": {failure[0]}" if failure else ""))
     # Interpreter teardown with torch loaded takes seconds; the server is already shut down
-    # cleanly, so leave now (a SIGTERM'd pod should exit fast).
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # cleanly, so leave now (a SIGTERM'd pod should exit fast). Nothing here may raise: with no
+    # one reading our output, a raise fell into the teardown, which aborted under a gloo thread.
+    flush_quietly()
     os._exit(rc)
 
 

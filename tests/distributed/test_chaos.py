@@ -31,8 +31,8 @@ import httpx
 import pytest
 
 from pdrollout.engine.protocol.exits import EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, name as exit_name
-from procs import (BOUND_S, CHAOS_TABLE, InFlight, Served, in_group, metric, mid_round, prompt, rank_pids,
-                   serve_args, wait_gone)
+from procs import (BOUND_S, CHAOS_TABLE, PDROLLOUT, InFlight, Served, descendants, in_group, metric, mid_round,
+                   prompt, rank_pids, serve_args, wait_gone)
 
 pytestmark = pytest.mark.timeout(600)
 LOST_S = 5.0          # a silent peer is lost after max(watchdog bound / 2, 5 s)
@@ -99,6 +99,51 @@ def test_sigstop_of_a_rank_past_the_watchdog_bound_ends_the_group_with_peer_lost
     os.kill(ranks[0], signal.SIGSTOP)   # never continued: the launcher must take it down stopped
     _end(srv, flight, f"SIGSTOP of rank 1 (bound {BOUND_S:.0f}s)", EXIT_PEER_LOST, t0, tree)
     assert "no heartbeat" in srv.tail(), srv.tail()
+
+
+def test_sigstop_of_a_rank_ends_the_group_when_no_one_reads_the_servers_stderr(tiny_model):
+    """The server's output pipe lost its reader (the supervisor that read it died, as pytest's pump
+    does when a run is killed): the watchdog's verdict must still end the group. Its thread used to
+    die of a BrokenPipeError on the line before the exit, and the server then served on, forever,
+    beside a stopped rank."""
+    proc = subprocess.Popen([*PDROLLOUT, "serve", *serve_args(tiny_model)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    late = threading.Timer(240.0, proc.kill)   # a server that never gets ready ends the read below
+    late.start()
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "ready on http://" in line:
+                break
+        assert "ready on http://" in "".join(seen[-1:]), "".join(seen)[-3000:]
+        late.cancel()
+        proc.stdout.close()   # no reader from here on: every write of the server's tree fails
+        tree, ranks = [proc.pid, *descendants(proc.pid)], rank_pids(proc.pid)
+        assert len(ranks) == 1, f"expected one spawned worker rank, found {ranks}"
+        t0 = time.monotonic()
+        os.kill(ranks[0], signal.SIGSTOP)
+        try:
+            code = proc.wait(EXIT_WITHIN_S + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within {EXIT_WITHIN_S + 10:.0f}s of a stopped rank with its "
+                        f"stderr unread (a hang)")
+        took = time.monotonic() - t0
+        print(f"\nchaos: SIGSTOP of rank 1, stderr unread: exit {code} ({exit_name(code)}) after {took:.1f}s", flush=True)
+        assert code == EXIT_PEER_LOST, f"exit {code} ({exit_name(code)}), expected {EXIT_PEER_LOST}"
+        assert took <= EXIT_WITHIN_S, f"exit after {took:.1f}s, bound {EXIT_WITHIN_S}s"
+        left = wait_gone(tree, 5.0)
+        assert not left and not in_group(proc.pid), f"processes outlived the server: {left or in_group(proc.pid)}"
+    finally:
+        late.cancel()
+        for p in in_group(proc.pid):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        proc.wait(10)
 
 
 def test_sigkill_of_rank_0_leaves_no_rank_behind(served):

@@ -388,6 +388,38 @@ def test_step_costs_bound_json_names_each_runs_seed_from_the_logs_name(tmp_path)
     assert (src["commit"], src["nproc"], src["topology"], src["seeds"]) == ("abc", 1, "t", [3, 4])
 
 
+def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
+    """--d-speed A B: per run, the median over row counts of A's D-only graph step over B's at the
+    same count; steps with P, beside an epoch, eager, or at counts either side ran too rarely are out."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from step_costs import d_speed
+    finally:
+        sys.path.pop(0)
+    step = lambda d, p, wall, graph=True, **kw: {"step": 1, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
+                                                 "p_flight": None, "graph": graph, **kw}
+    def log(scale: list[float]) -> list[dict]:
+        out = []
+        for k in scale:   # one run per factor: a burst, then D-only steps at 2 and 4 rows (and noise)
+            out += [step(0, 9000, 0.09)]
+            out += [step(2, 0, 0.010 * k)] * 5 + [step(4, 0, 0.020 * k)] * 5 + [step(8, 0, 0.5)] * 4
+            out += [step(2, 50, 0.5), step(2, 0, 0.5, graph=False), step(2, 0, 0.5, p_flight=3)]
+        return out
+    rows = d_speed(log([1.05, 1.0]), log([1.0, 1.0]))
+    assert [r["row_counts"] for r in rows] == [2, 2]   # 8 rows: 4 steps a side, too few
+    assert rows[0]["ratio"] == pytest.approx(1.05) and rows[1]["ratio"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="2 and 1 runs"):
+        d_speed(log([1.0, 1.0]), log([1.0]))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, scale in ((a, [1.05, 1.0]), (b, [1.0, 1.0])):
+        d.mkdir()
+        (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(scale)))
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--d-speed", str(a), str(b)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [line.split() for line in r.stdout.splitlines()[1:]] == [["0", "2", "1.050"], ["1", "2", "1.000"]]
+
+
 def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
     """--blocks 2: seeds 0-2 on servers normal, mixed, pd; seeds 3-4 on new servers pd, mixed, normal
     (a drift over the call no longer falls on the last mode only)."""
