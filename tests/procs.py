@@ -125,12 +125,7 @@ class Served:
 
     def kill(self) -> None:
         """Everything of the tree, stopped processes included (a test's cleanup, never its check)."""
-        for p in in_group(self.pid):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
+        kill_all(in_group(self.pid))
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -188,6 +183,7 @@ def _session_helper(pid: int) -> bool:
 
 
 def kill_all(pids) -> None:
+    """SIGCONT then SIGKILL to each: a stopped process is killed too."""
     for p in pids:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:

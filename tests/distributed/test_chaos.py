@@ -31,8 +31,8 @@ import httpx
 import pytest
 
 from pdrollout.engine.protocol.exits import EXIT_ERROR, EXIT_PEER_LOST, EXIT_STALL, name as exit_name
-from procs import (BOUND_S, CHAOS_TABLE, PDROLLOUT, InFlight, Served, descendants, in_group, metric, mid_round,
-                   prompt, rank_pids, serve_args, wait_gone)
+from procs import (BOUND_S, CHAOS_TABLE, PDROLLOUT, InFlight, Served, descendants, in_group, kill_all, metric,
+                   mid_round, prompt, rank_pids, serve_args, wait_gone)
 
 pytestmark = pytest.mark.timeout(600)
 LOST_S = 5.0          # a silent peer is lost after max(watchdog bound / 2, 5 s)
@@ -137,12 +137,7 @@ def test_sigstop_of_a_rank_ends_the_group_when_no_one_reads_the_servers_stderr(t
         assert not left and not in_group(proc.pid), f"processes outlived the server: {left or in_group(proc.pid)}"
     finally:
         late.cancel()
-        for p in in_group(proc.pid):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
+        kill_all(in_group(proc.pid))
         proc.wait(10)
 
 
