@@ -97,9 +97,14 @@ def runs(steps: list[dict]) -> list[list[dict]]:
     return [live[a:b] for a, b in zip(starts, starts[1:] + [len(live)])]
 
 
+def d_only(step: dict) -> bool:
+    """A step of D rows alone: no P in it and no P epoch in flight beside it."""
+    return not step["prefill_tokens"] and step.get("p_flight") is None
+
+
 def d_line(steps: list[dict]) -> tuple[float, float]:
     """Least squares a + b * rows over the D-only steps, in seconds."""
-    d = [(s["decode_rows"], s["wall_s"]) for s in steps if not s["prefill_tokens"] and s.get("p_flight") is None]
+    d = [(s["decode_rows"], s["wall_s"]) for s in steps if d_only(s)]
     if len(d) < 2:
         raise ValueError(f"{len(d)} D-only steps: too few to price a D row")
     n, sx, sy = len(d), sum(r for r, _ in d), sum(w for _, w in d)
@@ -141,7 +146,7 @@ def d_speed(a: list[dict], b: list[dict], min_steps: int = 5) -> list[dict]:
     def by_rows(run):
         out: dict = defaultdict(list)
         for s in run:
-            if not s["prefill_tokens"] and s.get("p_flight") is None and s.get("graph"):
+            if d_only(s) and s.get("graph"):
                 out[s["decode_rows"]].append(s["wall_s"])
         return out
     ra, rb = runs(a), runs(b)
@@ -226,13 +231,15 @@ def source_meta(log: Path) -> dict | None:
     at = log if log.is_dir() else log.parent
     meta_path = next((d / "meta.json" for d in (at, *at.parents) if (d / "meta.json").is_file()), None)
     meta = json.loads(meta_path.read_text()) if meta_path else {}
-    named = re.search(r"-s(\d+(?:-\d+)*)$", at.name)
+    named, block = re.search(r"-s(\d+(?:-\d+)*)$", at.name), re.search(r"-b(\d+)$", at.name)
+    blocks = meta.get("blocks") or []
     if named:
         seeds = [int(x) for x in named.group(1).split("-")]
-    else:
-        block = re.search(r"-b(\d+)$", at.name)
-        b, blocks = int(block.group(1)) if block else 0, meta.get("blocks") or []
-        seeds = blocks[b]["seeds"] if b < len(blocks) else None if block else meta.get("seeds")
+    elif block:   # steps-<mode>-b<N>: block N's seeds, if the meta.json has that block
+        b = int(block.group(1))
+        seeds = blocks[b]["seeds"] if b < len(blocks) else None
+    else:         # steps-<mode>: block 0's, or the call's seeds from before blocks
+        seeds = blocks[0]["seeds"] if blocks else meta.get("seeds")
     if meta_path is None and not named:
         return None
     return {"meta": str(meta_path) if meta_path else None, "seeds": seeds,
