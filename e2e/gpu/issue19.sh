@@ -11,13 +11,16 @@
 #                    step_costs.py --bound over the step logs
 #     trace          the same at trace pressure (SEEDS default 0,1: ~4 min a seed)
 #     decode         bench_engine.py decode steps at batch 1, 8 and 64 (graph replays) beside their floors
+#     spread         identical servers on the same seeds (SEEDS default 0,1,2): `normal`, three `mixed` and
+#                    two `pd`, one block, the GPU's clocks sampled beside them; then step_costs.py --d-speed
+#                    between every pair of one mode (how far two servers of the same code differ)
 #
 # COMMIT is required: the device copy's `git rev-parse` has read an older HEAD than the tree it ran.
 # Each part stops itself PART_BUDGET_S seconds in (default 540) so that packing always happens.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="${1:?usage: issue19.sh OUT tests|p1|trace|decode [SEEDS]}"
-part="${2:?usage: issue19.sh OUT tests|p1|trace|decode [SEEDS]}"
+out="${1:?usage: issue19.sh OUT tests|p1|trace|decode|spread [SEEDS]}"
+part="${2:?usage: issue19.sh OUT tests|p1|trace|decode|spread [SEEDS]}"
 seeds="${3:-}"
 shift $(( $# < 3 ? $# : 3 ))
 [ "${1:-}" = "--" ] && shift
@@ -64,5 +67,24 @@ case "$part" in
         --out "$dir/decode-b$b.json" > "$dir/decode-b$b.log" 2>&1
       tail -n 4 "$dir/decode-b$b.log"
     done ;;
-  *) echo "unknown part $part: tests, p1, trace or decode" >&2; exit 2 ;;
+  spread)
+    sampler=""
+    if command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,nounits -lms 500 > "$dir/clocks.csv" 2>&1 &
+      sampler=$!
+    fi
+    timeout --signal=INT "$(left)" python3 "$here/bench_seeds.py" "$dir" --seeds "${seeds:-0,1,2}" --pressures P1 \
+      --reuse-server --blocks 1 --step-logs --skip-existing --variant 'base:normal,mixed,pd:{}' \
+      --variant 'm2:mixed:{}' --variant 'm3:mixed:{}' --variant 'q2:pd:{}' "$@" 2>&1 | tail -n 40
+    [ -n "$sampler" ] && kill "$sampler"
+    python3 "$here/bench_seeds.py" "$dir" --summarize > /dev/null 2>&1
+    for pair in base/mixed:m2/mixed base/mixed:m3/mixed m2/mixed:m3/mixed base/pd:q2/pd base/pd:base/mixed; do
+      a="${pair%%:*}" b="${pair##*:}"
+      a=("$dir/${a%/*}"/steps-"${a#*/}"-*) b=("$dir/${b%/*}"/steps-"${b#*/}"-*)
+      [ -e "${a[0]}" ] && [ -e "${b[0]}" ] || continue
+      echo "== ${pair%%:*} / ${pair##*:}"
+      python3 "$here/step_costs.py" --d-speed "${a[0]}" "${b[0]}"
+    done 2>&1 | tee "$dir/d_speed.txt" ;;
+  *) echo "unknown part $part: tests, p1, trace, decode or spread" >&2; exit 2 ;;
 esac
