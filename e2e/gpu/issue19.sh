@@ -11,8 +11,8 @@
 #                    step_costs.py --bound over the step logs
 #     trace          the same at trace pressure (SEEDS default 0,1: ~4 min a seed)
 #     decode         bench_engine.py decode steps at batch 1, 8 and 64 (graph replays) beside their floors
-#     spread         identical servers on the same seeds (SEEDS default 0,1,2): `normal`, three `mixed` and
-#                    two `pd`, one block, the GPU's clocks sampled beside them; then step_costs.py --d-speed
+#     spread         identical servers on the same seeds (SEEDS default 0,1,2): two `normal`, three `mixed`
+#                    and two `pd`, one block, the GPU's clocks sampled beside them; then step_costs.py --d-speed
 #                    between every pair of one mode (how far two servers of the same code differ)
 #
 # COMMIT is required: the device copy's `git rev-parse` has read an older HEAD than the tree it ran.
@@ -76,10 +76,10 @@ case "$part" in
     fi
     timeout --signal=INT "$(left)" python3 "$here/bench_seeds.py" "$dir" --seeds "${seeds:-0,1,2}" --pressures P1 \
       --reuse-server --blocks 1 --step-logs --skip-existing --variant 'base:normal,mixed,pd:{}' \
-      --variant 'm2:mixed:{}' --variant 'm3:mixed:{}' --variant 'q2:pd:{}' "$@" 2>&1 | tail -n 40
+      --variant 'm2:mixed:{}' --variant 'm3:mixed:{}' --variant 'q2:pd:{}' --variant 'n2:normal:{}' "$@" 2>&1 | tail -n 40
     [ -n "$sampler" ] && kill "$sampler"
     python3 "$here/bench_seeds.py" "$dir" --summarize > /dev/null 2>&1
-    for pair in base/mixed:m2/mixed base/mixed:m3/mixed m2/mixed:m3/mixed base/pd:q2/pd base/pd:base/mixed; do
+    for pair in base/mixed:m2/mixed base/mixed:m3/mixed m2/mixed:m3/mixed base/pd:q2/pd base/normal:n2/normal base/pd:base/mixed; do
       a="${pair%%:*}" b="${pair##*:}"
       a=("$dir/${a%/*}"/steps-"${a#*/}"-*) b=("$dir/${b%/*}"/steps-"${b#*/}"-*)
       [ -e "${a[0]}" ] && [ -e "${b[0]}" ] || continue
