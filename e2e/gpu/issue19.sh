@@ -13,7 +13,8 @@
 #     decode         bench_engine.py decode steps at batch 1, 8 and 64 (graph replays) beside their floors
 #     spread         identical servers on the same seeds (SEEDS default 0,1,2): two `normal`, three `mixed`
 #                    and two `pd`, one block, the GPU's clocks sampled beside them; then step_costs.py --d-speed
-#                    between every pair of one mode (how far two servers of the same code differ)
+#                    between every pair of one mode (how far two servers of the same code differ), and
+#                    repeats.py: the modes' ratios between their median servers, per seed
 #
 # COMMIT is required: the device copy's `git rev-parse` has read an older HEAD than the tree it ran.
 # Each part stops itself PART_BUDGET_S seconds in (default 540) so that packing always happens.
@@ -85,6 +86,8 @@ case "$part" in
       [ -e "${a[0]}" ] && [ -e "${b[0]}" ] || continue
       echo "== ${pair%%:*} / ${pair##*:}"
       python3 "$here/step_costs.py" --d-speed "${a[0]}" "${b[0]}"
-    done 2>&1 | tee "$dir/d_speed.txt" ;;
+    done 2>&1 | tee "$dir/d_speed.txt"
+    # the modes against each other over the repeated servers (the median server of each mode)
+    python3 "$here/repeats.py" --json "$dir/repeats.json" "$dir/summary.json" 2>&1 | tee "$dir/repeats.md" ;;
   *) echo "unknown part $part: tests, p1, trace, decode or spread" >&2; exit 2 ;;
 esac

@@ -15,7 +15,10 @@ this run; with P free, at `bound_free`. At P1 the critical session decodes throu
 run, so these bound pd against the mode that made the log.
 With --d-speed A B, per run of two logs of the same seeds: the median over row counts of A's D-only
 graph steps' median wall over B's at the same row count. The replay is the same kernels in every
-mode, so this is the two servers' speed on identical work, the yardstick for a makespan ratio.
+mode, so this is the two servers' speed on identical work, the yardstick for a makespan ratio. Logs
+that time the replay on the GPU (`d_gpu_s`, CUDA events) split it: the GPU's ratio, and each side's
+host ms a step (wall less GPU time, median over the same row counts), so a difference in speed is
+placed on the device or on the host.
     python3 e2e/gpu/step_costs.py [--bound [--json OUT]] STEPLOG...   (rank0.jsonl[.gz]; a directory: its rank0 log)
     python3 e2e/gpu/step_costs.py --d-speed STEPLOG_A STEPLOG_B
 """
@@ -142,22 +145,34 @@ def bounds(steps: list[dict]) -> list[dict]:
 
 def d_speed(a: list[dict], b: list[dict], min_steps: int = 5) -> list[dict]:
     """Per run (paired in order): A's D-only graph step wall over B's, the median over the row counts
-    both ran at least `min_steps` times (each side's median wall at that count)."""
+    both ran at least `min_steps` times (each side's median wall at that count); where both logs timed
+    the replay on the GPU, the same for that time (`gpu_ratio`) and each side's host ms (`host_ms_a`,
+    `host_ms_b`: median over those counts of the median wall less GPU time), else None."""
     def by_rows(run):
         out: dict = defaultdict(list)
         for s in run:
             if d_only(s) and s.get("graph"):
-                out[s["decode_rows"]].append(s["wall_s"])
+                out[s["decode_rows"]].append((s["wall_s"], s.get("d_gpu_s")))
         return out
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
     ra, rb = runs(a), runs(b)
     if len(ra) != len(rb):
         raise ValueError(f"the logs hold {len(ra)} and {len(rb)} runs: not the same seeds")
     rows = []
     for i, (x, y) in enumerate(zip(map(by_rows, ra), map(by_rows, rb))):
         common = [r for r in x if len(x[r]) >= min_steps and len(y.get(r, ())) >= min_steps]
-        ratios = [statistics.median(x[r]) / statistics.median(y[r]) for r in common]
-        rows.append({"run": i, "row_counts": len(common),
-                     "ratio": statistics.median(ratios) if ratios else float("nan")})
+        wall = lambda side, r: statistics.median(w for w, _ in side[r])
+        row = {"run": i, "row_counts": len(common),
+               "ratio": med([wall(x, r) / wall(y, r) for r in common]),
+               "gpu_ratio": None, "host_ms_a": None, "host_ms_b": None}
+        timed = lambda side, r: [(w, g) for w, g in side[r] if g is not None]
+        both = [r for r in common if len(timed(x, r)) >= min_steps and len(timed(y, r)) >= min_steps]
+        if both:
+            gpu = lambda side, r: statistics.median(g for _, g in timed(side, r))
+            host = lambda side, r: statistics.median(w - g for w, g in timed(side, r)) * 1e3
+            row.update(gpu_ratio=med([gpu(x, r) / gpu(y, r) for r in both]),
+                       host_ms_a=med([host(x, r) for r in both]), host_ms_b=med([host(y, r) for r in both]))
+        rows.append(row)
     return rows
 
 
@@ -167,9 +182,16 @@ def main(argv: list[str]) -> int:
         if len(argv) != 3:
             print(__doc__, file=sys.stderr)
             return 2
-        print(f"{'run':>4}{'row counts':>12}{'D step A / B':>14}")
-        for r in d_speed(read(Path(argv[1])), read(Path(argv[2]))):
-            print(f"{r['run']:>4}{r['row_counts']:>12}{r['ratio']:>14.3f}")
+        rows = d_speed(read(Path(argv[1])), read(Path(argv[2])))
+        timed = any(r["gpu_ratio"] is not None for r in rows)
+        print(f"{'run':>4}{'row counts':>12}{'D step A / B':>14}"
+              + (f"{'GPU A / B':>11}{'host ms A':>11}{'host ms B':>11}" if timed else ""))
+        for r in rows:
+            extra = ""
+            if timed:
+                extra = "".join(f"{'-':>11}" if r[k] is None else f"{r[k]:>11.{3 if k == 'gpu_ratio' else 2}f}"
+                                for k in ("gpu_ratio", "host_ms_a", "host_ms_b"))
+            print(f"{r['run']:>4}{r['row_counts']:>12}{r['ratio']:>14.3f}{extra}")
         return 0
     want_bound = "--bound" in argv
     argv = [a for a in argv if a != "--bound"]

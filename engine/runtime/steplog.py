@@ -22,15 +22,17 @@ class StepLog:
         except OSError as e:   # a full disk: say which file, the group ends with "error"
             raise StepLogError(f"rank {self.rank}: step log {self._file.name}: {e.strerror or e}") from e
 
-    def step(self, plan, report, work, wall_s: float, p_graph_replays: int | None, group_fields: dict) -> None:
-        """One executed step: the plan (`work`: this rank's replica's), what the rank reported, and its wall."""
+    def step(self, plan, report, work, wall_s: float, p_graph_replays: int | None, group_fields: dict,
+             d_gpu_s: float | None = None) -> None:
+        """One executed step: the plan (`work`: this rank's replica's), what the rank reported, its wall,
+        and its D graph replay's time on the GPU (CUDA events; None: no replay, or not yet complete)."""
         self.write({"step": plan.step, "rank": self.rank, "control": plan.control,
                     "ordering": report.ordering, "rounds": report.rounds,
                     "decode_rows": work.decode_rows, "prefill_tokens": work.prefill_tokens,
                     "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
                     # a P epoch spanning steps: continued here / still going / finished here
                     "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
-                    "graph": report.graph, "wall_s": wall_s,
+                    "graph": report.graph, "wall_s": wall_s, "d_gpu_s": d_gpu_s,
                     "jit_compiles": list(report.jit_compiles),   # kernel names: each stalled the step
                     # P forwards served by P's pieces so far (an epoch's may still be in flight)
                     "p_graph_replays": p_graph_replays, **group_fields})

@@ -145,3 +145,20 @@ def test_cuda_sampling_draws_on_the_device_from_each_requests_seed(tiny_model):
         return out
     alone, together = go(PROMPTS[:1]), go(PROMPTS)
     assert len(alone["r0"]) == 12 and together["r0"] == alone["r0"]
+
+
+def test_cuda_step_log_times_each_d_graph_replay_on_the_gpu(tiny_model, tmp_path):
+    """The step log's d_gpu_s: a D-only graph step's replay on the GPU (CUDA events), inside the step's
+    wall; None on steps that replayed no D graph (P-only ones)."""
+    import json
+    from pdrollout.engine.protocol.topology import Topology
+    from pdrollout.engine.runtime.options import RankOptions
+    from pdrollout.engine.runtime.worker import Worker
+    cfg = EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode="normal", block_size=4,
+                       num_blocks=512, max_running=8, control=ControlSettings(prefill_budget_tokens=24))
+    e = Engine(cfg, Worker(cfg, Topology(1), 0, options=RankOptions(step_log=str(tmp_path))))
+    run_all(e, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    steps = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    d = [s for s in steps if s["graph"] and s["decode_rows"] and not s["prefill_tokens"]]
+    assert d and all(0 < s["d_gpu_s"] <= s["wall_s"] for s in d), d[:3]
+    assert all(s["d_gpu_s"] is None for s in steps if s["prefill_tokens"] and not s["decode_rows"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -418,6 +419,39 @@ def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert [line.split() for line in r.stdout.splitlines()[1:]] == [["0", "2", "1.050"], ["1", "2", "1.000"]]
+    assert rows[0]["gpu_ratio"] is None and rows[0]["host_ms_a"] is None   # untimed logs
+
+
+def test_step_costs_d_speed_places_a_difference_on_the_gpu_or_the_host(tmp_path):
+    """Logs with the replay's GPU time (d_gpu_s): A's steps are 1 ms slower on the host at equal
+    GPU time in run 0, and 10 % slower on the GPU in run 1."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from step_costs import d_speed
+    finally:
+        sys.path.pop(0)
+    step = lambda d, gpu, host: {"step": 1, "decode_rows": d, "prefill_tokens": 0, "p_flight": None, "graph": True,
+                                 "wall_s": gpu + host, "d_gpu_s": gpu}
+    def log(runs):
+        out = []
+        for gpu_k, host in runs:
+            out += [{"step": 1, "decode_rows": 0, "prefill_tokens": 9000, "wall_s": 0.09, "p_flight": None, "graph": False}]
+            out += [step(2, 0.010 * gpu_k, host)] * 5 + [step(4, 0.020 * gpu_k, host)] * 5
+        return out
+    rows = d_speed(log([(1.0, 0.002), (1.1, 0.001)]), log([(1.0, 0.001), (1.0, 0.001)]))
+    assert rows[0]["gpu_ratio"] == pytest.approx(1.0) and rows[1]["gpu_ratio"] == pytest.approx(1.1)
+    assert rows[0]["host_ms_a"] == pytest.approx(2.0) and rows[0]["host_ms_b"] == pytest.approx(1.0)
+    assert rows[1]["host_ms_a"] == pytest.approx(1.0)
+    assert rows[0]["ratio"] == pytest.approx(statistics.median([0.012 / 0.011, 0.022 / 0.021]))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, runs in ((a, [(1.0, 0.002), (1.1, 0.001)]), (b, [(1.0, 0.001), (1.0, 0.001)])):
+        d.mkdir()
+        (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(runs)))
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--d-speed", str(a), str(b)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "GPU A / B" in r.stdout.splitlines()[0]
+    assert [line.split()[3:] for line in r.stdout.splitlines()[1:]] == [["1.000", "2.00", "1.00"], ["1.100", "1.00", "1.00"]]
 
 
 def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
@@ -461,3 +495,65 @@ def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
         [(m.name, m.size) for m in members if m.name.endswith(".jsonl")]
     meta = json.loads((out / "p1" / "meta.json").read_text())
     assert meta["commit"] == "dry-run" and [b["order"] for b in meta["blocks"]] == ["forward", "reversed"]
+
+
+def _summary(name, variants, per_mode):
+    """A bench_seeds summary: `per_mode` {variant/mode: {seed: (makespan s, p99 TTFT ms)}}."""
+    table = {"P1": {vm: {"per_seed": {str(s): {"makespan_s": m, "p99_ttft_ms": p} for s, (m, p) in seeds.items()}}
+                    for vm, seeds in per_mode.items()}}
+    return {"meta": {"commit": name, "machine": "m", "nproc": 1, "topology": "t", "variants": variants}, "table": table}
+
+
+def test_repeats_takes_each_modes_median_server_and_leaves_other_configurations_out(tmp_path):
+    """Three identical `mixed` servers and two `pd` ones on one seed: the ratios are taken between the
+    modes' median servers, the spread is max / min per mode, the pairs' range covers every pd × mixed
+    pair, and a variant with extra settings is not pooled."""
+    sys.path.insert(0, str(ROOT / "e2e" / "gpu"))
+    import repeats
+    plain = lambda n, modes: {"name": n, "modes": modes, "extra": {}, "weights": "bf16", "mtp_layers": 0,
+                              "priority": "none"}
+    a = _summary("c1", [plain("base", "normal,mixed,pd"), plain("m2", "mixed"),
+                        {**plain("f", "pd"), "extra": {"solo_fuse_tokens": 128}}],
+                 {"base/normal": {0: (20.0, 300.0)}, "base/mixed": {0: (17.0, 330.0)}, "base/pd": {0: (16.0, 310.0)},
+                  "m2/mixed": {0: (18.0, 320.0)}, "f/pd": {0: (1.0, 1.0)}})
+    b = _summary("c2", [plain("base", "normal,mixed"), plain("q2", "pd")],
+                 {"base/normal": {0: (22.0, 280.0)}, "base/mixed": {0: (19.0, 340.0)}, "q2/pd": {0: (17.0, 290.0)}})
+    by_mode, left = repeats.servers([("a", a), ("b", b)], "P1")
+    assert left == ["a:f/pd"]
+    assert [len(by_mode[m]) for m in repeats.MODES] == [2, 3, 2]
+    t = repeats.table(by_mode)
+    r = t["per_seed"][0]
+    assert r["makespan_s"] == {"normal": 21.0, "mixed": 18.0, "pd": 16.5}
+    assert r["pd_vs_mixed"] == pytest.approx(16.5 / 18.0) and r["pd_vs_normal"] == pytest.approx(16.5 / 21.0)
+    assert r["server_spread"]["mixed"] == pytest.approx(19.0 / 17.0)
+    assert r["pd_vs_mixed_pairs"] == pytest.approx({"min": 16.0 / 19.0, "max": 17.0 / 17.0})
+    assert r["p99_ttft_pd_vs_normal"] == pytest.approx(300.0 / 290.0)
+    out = tmp_path / "r.json"
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(a))
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(b))
+    assert repeats.main(["--json", str(out), str(tmp_path / "a" / "summary.json"), str(tmp_path / "b" / "summary.json")]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["commits"] == ["c1", "c2"] and meta["seeds"] == [0] and meta["left_out"] == ["a:f/pd"]
+    with pytest.raises(ValueError, match="no server of pd"):
+        repeats.table({"normal": by_mode["normal"], "mixed": by_mode["mixed"], "pd": []})
+
+
+def test_issue19_spread_part_runs_identical_servers_and_compares_them(tmp_path):
+    """e2e/gpu/issue19.sh spread on one seed: two normal, three mixed and two pd servers, then the
+    repeated-servers table over them (packed with the part)."""
+    import tarfile
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), "spread", "0", "--", "--preset", "tiny",
+                        "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
+                       env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ups = [line.split()[2:4] for line in r.stdout.splitlines() if "server up" in line]
+    assert ups == [["base", "normal:"], ["base", "mixed:"], ["base", "pd:"], ["m2", "mixed:"], ["m3", "mixed:"],
+                   ["q2", "pd:"], ["n2", "normal:"]], r.stdout
+    rep = json.loads((out / "spread" / "repeats.json").read_text())
+    assert rep["per_seed"][0]["servers"] == {"normal": 2, "mixed": 3, "pd": 2}
+    with tarfile.open(out / "spread.tgz") as t:
+        names = set(t.getnames())
+    assert {"spread/repeats.md", "spread/d_speed.txt", "spread/summary.json"} <= names, sorted(names)
