@@ -14,6 +14,8 @@ import time
 
 import httpx
 
+from pdrollout.engine.server.cli import EXIT_WITH_PARENT
+
 CHAOS_TABLE: list[dict] = []   # rows of tests/distributed/test_chaos.py, printed in the terminal summary
 PDROLLOUT = [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())"]
 
@@ -94,9 +96,13 @@ class Served:
         self.lines: list[str] = []
         self.url: str | None = None
         self._ready = threading.Event()
+        # its own session (a test signals its group), yet it ends with this process however that ends
+        # (SIGTERM from the kernel, server/cli.py): a killed test run left idle servers behind; not
+        # through a prefix, whose process would be the server's parent
+        parent = {} if prefix else {EXIT_WITH_PARENT: str(os.getpid())}
         self.proc = subprocess.Popen([*(prefix or []), *PDROLLOUT, "serve", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **parent, **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
         if wait_ready and (not self._ready.wait(ready_timeout) or self.url is None):
             self.kill()

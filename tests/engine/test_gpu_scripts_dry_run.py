@@ -473,18 +473,26 @@ def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
     assert [g[0]["mode"] for g in server_groups(jobs, [0, 1, 2, 3, 4], 1)] == ["normal", "mixed", "pd"]
 
 
-def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
-    """e2e/gpu/issue19.sh p1 on two seeds: the second seed's servers run in reverse order, and the
-    part comes back packed (what a device call returns) with its table and step logs."""
-    import tarfile
+def _issue19(tmp_path, part: str, seeds: str) -> tuple[Path, list[list[str]]]:
+    """e2e/gpu/issue19.sh PART SEEDS on the CPU (tiny shape): its OUT, and each server's (variant, mode)
+    in the order they came up."""
     out = tmp_path / "out"
-    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), "p1", "0,1", "--", "--preset", "tiny",
+    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), part, seeds, "--", "--preset", "tiny",
                         "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
                        env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ups = [line.split()[3].rstrip(":") for line in r.stdout.splitlines() if "server up" in line]
-    assert ups == ["normal", "mixed", "pd", "pd", "mixed", "normal"], r.stdout
+    # "gpu None VARIANT MODE: server up in N s"
+    return out, [[line.split()[2], line.split()[3].rstrip(":")] for line in r.stdout.splitlines() if "server up" in line]
+
+
+def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
+    """e2e/gpu/issue19.sh p1 on two seeds: the second seed's servers run in reverse order, and the
+    part comes back packed (what a device call returns) with its table and step logs."""
+    import tarfile
+    out, servers = _issue19(tmp_path, "p1", "0,1")
+    ups = [mode for _, mode in servers]
+    assert ups == ["normal", "mixed", "pd", "pd", "mixed", "normal"], servers
     with tarfile.open(out / "p1.tgz") as t:
         members = t.getmembers()
     names = {m.name for m in members}
@@ -543,15 +551,9 @@ def test_issue19_spread_part_runs_identical_servers_and_compares_them(tmp_path):
     """e2e/gpu/issue19.sh spread on one seed: two normal, three mixed and two pd servers, then the
     repeated-servers table over them (packed with the part)."""
     import tarfile
-    out = tmp_path / "out"
-    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), "spread", "0", "--", "--preset", "tiny",
-                        "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
-                       env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ups = [line.split()[2:4] for line in r.stdout.splitlines() if "server up" in line]
-    assert ups == [["base", "normal:"], ["base", "mixed:"], ["base", "pd:"], ["m2", "mixed:"], ["m3", "mixed:"],
-                   ["q2", "pd:"], ["n2", "normal:"]], r.stdout
+    out, servers = _issue19(tmp_path, "spread", "0")
+    assert servers == [["base", "normal"], ["base", "mixed"], ["base", "pd"], ["m2", "mixed"], ["m3", "mixed"],
+                       ["q2", "pd"], ["n2", "normal"]], servers
     rep = json.loads((out / "spread" / "repeats.json").read_text())
     assert rep["per_seed"][0]["servers"] == {"normal": 2, "mixed": 3, "pd": 2}
     with tarfile.open(out / "spread.tgz") as t:
