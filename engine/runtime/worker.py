@@ -110,7 +110,6 @@ class Worker:
         self.graphs = None
         self.pd = None
         self._log = StepLog(options.step_log, rank) if options.step_log else None
-        self._d_events = None   # a step log's CUDA event pair around this step's D graph replay
         self._capture_forward = None
         self.p_graphs = None   # piecewise graphs of forwards that carry P (one rank)
         if self.multi:
@@ -227,7 +226,7 @@ class Worker:
         if self._log:
             self._log.step(plan, report, mine, time.monotonic() - t_start,
                            self.p_graphs.replays if self.p_graphs is not None else None,
-                           self.group.log_fields(mark) if self.multi else {}, d_gpu_s=self._d_gpu_s())
+                           self.group.log_fields(mark) if self.multi else {})
         return report
 
     # ---- forwards ------------------------------------------------------------------------
@@ -301,30 +300,14 @@ class Worker:
         s = self.streams.get("d") or torch.cuda.current_stream()
         rows = list(plan.replicas[self.replica].decode)
         with torch.cuda.stream(s):
-            # the step log's D time on the GPU (inputs' copy and the replay): the step's wall less it
-            # is the host's part (docs/PERF.md, eighteenth session)
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-                if self._log is not None else None
-            if events:
-                events[0].record(s)
-            with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext():
+            with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext(), \
+                    self._log.timed_d(s) if self._log else contextlib.nullcontext():   # the log's d_gpu_s
                 logits = self.graphs.replay(rows, self.graphs.bucket(n))
-            if events:
-                events[1].record(s)
-                self._d_events = events
             if self.keep_hidden and rows:   # a copy: the next replay overwrites the graph's output
                 self.hidden.keep_rows(self.graphs.last_hidden.clone(), rows)
         if wait:
             s.synchronize()
         return logits, True
-
-    def _d_gpu_s(self) -> float | None:
-        """Seconds on the GPU of this step's D graph replay; None without one, or while it still
-        runs (a step that returns before D's kernels end: --d-async, a P epoch's thread)."""
-        events, self._d_events = self._d_events, None
-        if events is None or not events[1].query():
-            return None
-        return events[0].elapsed_time(events[1]) / 1e3
 
     def d_done(self, logits):
         """D's logits once its kernels completed (--d-async returns before they do)."""

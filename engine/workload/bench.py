@@ -234,47 +234,71 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
               model: str | None = None, url: str | None = None, device: str | None = None,
               pressure: str = "trace", seed: int = 0, progress: bool = True,
               serve_args: tuple[str, ...] = (), meta: dict | None = None,
-              priority: str = "none") -> dict[str, dict]:
-    """Bench each mode on a fresh server (or the one at `url`), write results and plots."""
+              priority: str = "none", repeats: int = 1) -> dict[str, dict]:
+    """Bench each mode on a fresh server (or the one at `url`), write results and plots.
+
+    `repeats` > 1: every mode on that many fresh servers, in rounds whose mode order is reversed
+    every other round (a drift over the run falls on every mode alike); each mode's median server
+    (the lower one of an even count) stands for it in the table and plots, and results.json's
+    `repeats` holds every server's makespan and the ratios between the modes' medians. Identical
+    servers on one GPU end up to ~7 % apart (docs/PERF.md), more than pd and mixed differ."""
     import os
 
-    from .measures import check_same_work, format_table
+    from .measures import check_same_work, format_repeats, format_table, repeat_spread
     from .report import write_plots, write_results
     from .servers import serve
     from .trace import stats
 
     os.makedirs(out_dir, exist_ok=True)
     expected = stats(rows)
-    results: dict[str, dict] = {}
-    records: dict[str, list[RequestRecord]] = {}
     if not url and not (model and modes):
         raise BenchError("bench needs --url, or --model and at least one mode")
-    for mode in ([modes[0] if modes else "server"] if url else modes):
-        print(f"[bench] mode {mode}: {expected['requests']} requests in "
-              f"{expected['conversations']} sessions, pressure {pressure}", flush=True)
-        if url:
-            summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress, priority=priority)
-            summary.update(speculation_of(url))
-        else:
-            log = os.path.join(out_dir, f"server-{mode}.log")
-            # "{mode}" in a serve arg names the mode (e.g. one --step-log directory per mode)
-            extra = tuple(a.replace("{mode}", mode) for a in serve_args)
-            with serve(model, mode, log, device=device, extra_args=extra) as live:
-                summary, recs = replay(live.url, rows, pressure=pressure, seed=seed,
-                                       progress=progress, priority=priority, watch=live.died)
-                summary.update(speculation_of(live.url))
-        if (summary["total_input_tokens"], summary["total_output_tokens"]) != (
-                expected["input_tokens"], expected["output_tokens"]):
-            raise BenchError(f"mode {mode}: server counted {summary['total_input_tokens']} input /"
-                             f" {summary['total_output_tokens']} output tokens; the trace has "
-                             f"{expected['input_tokens']} / {expected['output_tokens']}")
-        summary.update(mode=mode, pressure=pressure)
-        results[mode], records[mode] = summary, recs
-        print(f"[bench] mode {mode}: makespan {summary['makespan_s']:.2f} s", flush=True)
-    check_same_work(results)
+    if repeats < 1 or (url and repeats > 1):
+        raise BenchError(f"repeats {repeats}: at least 1, and above 1 only with fresh servers (--model, not --url)")
+    labels = [modes[0] if modes else "server"] if url else list(modes)
+    runs: dict[str, list[tuple[dict, list[RequestRecord]]]] = {m: [] for m in labels}
+    for r in range(repeats):
+        for mode in (labels if r % 2 == 0 else labels[::-1]):
+            run = mode if repeats == 1 else f"{mode}-r{r}"   # names this server's logs and records
+            print(f"[bench] {'mode ' + mode if repeats == 1 else f'mode {mode}, server {r + 1} of {repeats}'}: "
+                  f"{expected['requests']} requests in {expected['conversations']} sessions, pressure {pressure}",
+                  flush=True)
+            if url:
+                summary, recs = replay(url, rows, pressure=pressure, seed=seed, progress=progress, priority=priority)
+                summary.update(speculation_of(url))
+            else:
+                log = os.path.join(out_dir, f"server-{run}.log")
+                # "{mode}" in a serve arg names the mode, "{run}" this server (e.g. a --step-log directory)
+                extra = tuple(a.replace("{mode}", mode).replace("{run}", run) for a in serve_args)
+                with serve(model, mode, log, device=device, extra_args=extra) as live:
+                    summary, recs = replay(live.url, rows, pressure=pressure, seed=seed,
+                                           progress=progress, priority=priority, watch=live.died)
+                    summary.update(speculation_of(live.url))
+            if (summary["total_input_tokens"], summary["total_output_tokens"]) != (
+                    expected["input_tokens"], expected["output_tokens"]):
+                raise BenchError(f"mode {mode}: server counted {summary['total_input_tokens']} input /"
+                                 f" {summary['total_output_tokens']} output tokens; the trace has "
+                                 f"{expected['input_tokens']} / {expected['output_tokens']}")
+            summary.update(mode=mode, pressure=pressure, **({"repeat": r} if repeats > 1 else {}))
+            runs[mode].append((summary, recs))
+            print(f"[bench] mode {mode}: makespan {summary['makespan_s']:.2f} s", flush=True)
+    results: dict[str, dict] = {}
+    records: dict[str, list[RequestRecord]] = {}
+    for mode, done in runs.items():
+        median = sorted(done, key=lambda x: x[0]["makespan_s"])[(len(done) - 1) // 2]
+        results[mode], records[mode] = median
+    check_same_work({m if repeats == 1 else f"{m}-r{s['repeat']}": s for m, done in runs.items() for s, _ in done})
     info = dict(meta or {}, pressure=pressure, seed=seed, trace=expected, priority=priority)
-    path = write_results(out_dir, results, info, records)
+    spread = None
+    if repeats > 1:
+        spread = repeat_spread({m: [s for s, _ in done] for m, done in runs.items()})
+        info["repeats"] = {"servers_per_mode": repeats, "by_mode": spread,
+                           "order": [labels if r % 2 == 0 else labels[::-1] for r in range(repeats)]}
+    path = write_results(out_dir, results, info, records if repeats == 1 else
+                         {f"{m}-r{s['repeat']}": recs for m, done in runs.items() for s, recs in done})
     plots = write_plots(out_dir, results, records)
     print(format_table(results))
+    if spread is not None:
+        print(format_repeats(spread))
     print(f"[bench] wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
     return results

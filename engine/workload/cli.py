@@ -35,10 +35,16 @@ def _cmd_bench(a) -> int:
     from .trace import generate, read_jsonl
 
     modes = [m.strip() for m in (a.modes or "").split(",") if m.strip()]
+    if a.repeats < 1:
+        print(f"error: --repeats {a.repeats}: at least 1", file=sys.stderr)
+        return 2
     if a.url:
         if len(modes) > 1:
             print("error: --url benches one running server: give at most one --modes label",
                   file=sys.stderr)
+            return 2
+        if a.repeats > 1:
+            print("error: --repeats starts fresh servers: give --model DIR, not --url", file=sys.stderr)
             return 2
     elif not a.model:
         print("error: give --model DIR (fresh server per mode) or --url URL", file=sys.stderr)
@@ -60,7 +66,7 @@ def _cmd_bench(a) -> int:
     try:
         run_bench(rows, a.out, modes=modes, model=a.model, url=a.url, device=a.device,
                   pressure=a.pressure, seed=a.seed, progress=not a.no_progress,
-                  serve_args=tuple(a.serve_arg), meta=meta, priority=a.priority)
+                  serve_args=tuple(a.serve_arg), meta=meta, priority=a.priority, repeats=a.repeats)
     except BenchError as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 1
@@ -103,7 +109,12 @@ def add_bench_parser(subparsers) -> None:
     b.add_argument("--device", help="passed to `pdrollout serve --device`")
     b.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `pdrollout serve` (repeatable; {mode} becomes the mode, "
-                        "e.g. --serve-arg=--step-log --serve-arg=logs/{mode})")
+                        "{run} the server: the mode, or mode-rN with --repeats; "
+                        "e.g. --serve-arg=--step-log --serve-arg=logs/{run})")
+    b.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="N fresh servers per mode, the mode order reversed every other round; each mode's "
+                        "median server stands for it, results.json's `repeats` has every server and the "
+                        "ratios between the modes' medians (one GPU's identical servers differ by up to ~7 %%)")
     b.add_argument("--priority", choices=PRIORITY_HINTS, default="none",
                    help="/generate's `priority`: critical-path sends each turn its trajectory's output "
                         "tokens still to come (what an RL client knows), so long trajectories go first")

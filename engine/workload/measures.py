@@ -201,6 +201,40 @@ def format_table(results: dict[str, dict], base: str = "normal") -> str:
     return "\n".join(lines)
 
 
+def repeat_spread(runs: dict[str, list[dict]], bases: tuple[str, ...] = ("normal", "mixed")) -> dict:
+    """Per mode over its servers (`runs`: each server's summary): every makespan and p99 TTFT, their
+    medians, how far identical servers spread (max / min), and each mode's median makespan over each
+    base mode's (`makespan_vs_normal`, ...) and its median p99 TTFT over normal's."""
+    import statistics
+    out: dict[str, dict] = {}
+    for mode, summaries in runs.items():
+        mk = [s["makespan_s"] for s in summaries]
+        p99 = [s["p99_ttft_ms"] for s in summaries if s.get("p99_ttft_ms") is not None]
+        out[mode] = {"servers": len(mk), "makespan_s": mk, "median_makespan_s": statistics.median(mk),
+                     "spread": max(mk) / min(mk), "p99_ttft_ms": p99,
+                     "median_p99_ttft_ms": statistics.median(p99) if p99 else None}
+    for mode, row in out.items():
+        for base in bases:
+            if base in out and base != mode:
+                row[f"makespan_vs_{base}"] = row["median_makespan_s"] / out[base]["median_makespan_s"]
+        if "normal" in out and mode != "normal":
+            row["p99_ttft_vs_normal"] = ratio(row["median_p99_ttft_ms"], out["normal"]["median_p99_ttft_ms"])
+    return out
+
+
+def format_repeats(spread: dict[str, dict]) -> str:
+    """The repeated servers: per mode its median makespan, min–max, spread, and the ratios of medians."""
+    cell = lambda v: "-" if v is None else f"x{v:.3f}"
+    lines = [f"{'repeated servers':<22}{'servers':>8}{'median s':>10}{'min-max s':>16}{'max/min':>9}"
+             f"{'vs normal':>11}{'vs mixed':>10}{'p99 TTFT vs normal':>20}"]
+    for mode, r in spread.items():
+        span = f"{min(r['makespan_s']):.2f}-{max(r['makespan_s']):.2f}"
+        lines.append(f"{mode:<22}{r['servers']:>8}{r['median_makespan_s']:>10.2f}{span:>16}{r['spread']:>9.3f}"
+                     f"{cell(r.get('makespan_vs_normal')):>11}{cell(r.get('makespan_vs_mixed')):>10}"
+                     f"{cell(r.get('p99_ttft_vs_normal')):>20}")
+    return "\n".join(lines)
+
+
 def check_same_work(results: dict[str, dict]) -> None:
     """Every mode must have done identical work; raise BenchError naming the difference."""
     keys = ("completed", "total_input_tokens", "total_output_tokens")

@@ -138,3 +138,33 @@ def test_a_bench_server_ends_when_the_bench_is_killed(tiny_model, tmp_path):
     if not gone:
         os.killpg(server, signal.SIGKILL)
     assert gone, f"the server outlived its bench by 30 s; log:\n{(tmp_path / 'server.log').read_text()[-2000:]}"
+
+
+def test_bench_repeats_each_mode_on_fresh_servers_and_takes_the_median_server(tiny_model, tmp_path):
+    """--repeats 2 on two modes: four servers, the second round in reverse order, each server's step
+    log by its run name ({run}); results.json keeps every server's makespan and the ratio between the
+    modes' medians, and the records of every server."""
+    out = tmp_path / "bench"
+    r = _pdrollout("bench", "--modes", "normal,pd", "--model", str(tiny_model), "--preset", "tiny", "--pressure",
+                   "P1", "--device", "cpu", "--no-progress", "--repeats", "2", "--out", str(out),
+                   "--serve-arg=--step-log", f"--serve-arg={tmp_path}/steps/{{run}}", timeout=900)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    order = [line.split(":")[0].removeprefix("[bench] ") for line in r.stdout.splitlines() if "server " in line
+             and " of 2:" in line]
+    assert order == ["mode normal, server 1 of 2", "mode pd, server 1 of 2", "mode pd, server 2 of 2",
+                     "mode normal, server 2 of 2"], r.stdout
+    data = json.loads((out / "results.json").read_text())
+    rep = data["meta"]["repeats"]["by_mode"]
+    assert [rep[m]["servers"] for m in ("normal", "pd")] == [2, 2]
+    for m in ("normal", "pd"):
+        mk = rep[m]["makespan_s"]
+        assert rep[m]["median_makespan_s"] == pytest.approx(sum(mk) / 2)
+        assert rep[m]["spread"] == pytest.approx(max(mk) / min(mk))
+        assert data["modes"][m]["makespan_s"] == min(mk)   # the lower median server stands for the mode
+    assert rep["pd"]["makespan_vs_normal"] == pytest.approx(rep["pd"]["median_makespan_s"] / rep["normal"]["median_makespan_s"])
+    assert {p.name for p in out.glob("records-*.jsonl")} == {f"records-{m}-r{i}.jsonl" for m in ("normal", "pd")
+                                                              for i in (0, 1)}
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["normal-r0", "normal-r1", "pd-r0", "pd-r1"]
+    assert "repeated servers" in r.stdout
+    bad = _pdrollout("bench", "--url", "http://127.0.0.1:9", "--repeats", "2", "--out", str(tmp_path / "x"), timeout=60)
+    assert bad.returncode == 2 and "--repeats starts fresh servers" in bad.stderr

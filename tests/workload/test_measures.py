@@ -116,3 +116,19 @@ def test_same_work_check_and_table():
     other = dict(base, total_output_tokens=base["total_output_tokens"] + 1)
     with pytest.raises(BenchError, match="different work.*pd: .*total_output_tokens=23"):
         check_same_work({"normal": base, "pd": other})
+
+
+def test_repeat_spread_takes_ratios_between_the_modes_median_servers():
+    from pdrollout.engine.workload.measures import format_repeats, repeat_spread
+    s = lambda mk, p99: {"makespan_s": mk, "p99_ttft_ms": p99}
+    out = repeat_spread({"normal": [s(20.0, 300.0), s(22.0, 280.0)], "mixed": [s(17.0, 330.0), s(18.0, 320.0),
+                                                                             s(19.0, 340.0)],
+                         "pd": [s(16.0, 310.0), s(17.0, 290.0)]})
+    assert out["mixed"]["median_makespan_s"] == 18.0 and out["normal"]["median_makespan_s"] == 21.0
+    assert out["pd"]["makespan_vs_normal"] == pytest.approx(16.5 / 21.0)
+    assert out["pd"]["makespan_vs_mixed"] == pytest.approx(16.5 / 18.0)
+    assert out["mixed"]["spread"] == pytest.approx(19.0 / 17.0)
+    assert out["pd"]["p99_ttft_vs_normal"] == pytest.approx(300.0 / 290.0)
+    assert "makespan_vs_normal" not in out["normal"] and "makespan_vs_mixed" not in out["mixed"]
+    table = format_repeats(out)
+    assert "16.00-17.00" in table and "x0.786" in table
