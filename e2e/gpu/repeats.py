@@ -20,6 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_seeds import spread  # noqa: E402   median, min, max, n
+
 MODES = ("normal", "mixed", "pd")
 BASE = {"extra": {}, "weights": "bf16", "mtp_layers": 0, "priority": "none"}
 
@@ -39,10 +42,6 @@ def servers(summaries: list[tuple[str, dict]], pressure: str) -> tuple[dict, lis
             else:
                 left.append(f"{src}:{name}")
     return out, left
-
-
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def table(by_mode: dict) -> dict:
@@ -69,9 +68,9 @@ def table(by_mode: dict) -> dict:
             "pd_vs_mixed_pairs": {"min": min(pairs), "max": max(pairs)},
             "p99_ttft_pd_vs_normal": statistics.median(p99["pd"]) / statistics.median(p99["normal"]),
         })
-    over = {k: _spread([r[k] for r in rows]) for k in
+    over = {k: spread([r[k] for r in rows]) for k in
             ("pd_vs_normal", "pd_vs_mixed", "mixed_vs_normal", "p99_ttft_pd_vs_normal")}
-    over["server_spread"] = {m: _spread([r["server_spread"][m] for r in rows]) for m in MODES}
+    over["server_spread"] = {m: spread([r["server_spread"][m] for r in rows]) for m in MODES}
     return {"seeds": seeds, "per_seed": rows, "over_seeds": over}
 
 
