@@ -6,7 +6,7 @@ splits, each a CUDA graph replay. Why: FlashInfer's published GQA decode (32/4 h
 batch 64, 2k context) reads at ~73 % of an H100's peak; ours, from the profiles, at ~35 % of the
 H200's (docs/PERF.md, fourteenth session). Decides the decode launch's defaults.
 
-    python3 e2e/gpu/decode_attn.py OUT.json [--shapes 32x2048,64x2048,64x4096] [--sweep]
+    python3 e2e/gpu/decode_attn.py OUT.json [--shapes 32x2048,64x2048,64x4096] [--sweep [--small]]
     DEVICE=cpu python3 e2e/gpu/decode_attn.py OUT.json --sweep   # dry run: a tiny shape, the interpreter
 """
 from __future__ import annotations
@@ -31,7 +31,10 @@ from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402
 BLOCK = 16
 
 
-def configs(cpu: bool) -> list[dict]:
+def configs(cpu: bool, small: bool = False) -> list[dict]:
+    if small and not cpu:   # a few rows: up to 64 splits a row (16 was the engine's most)
+        return [dict(tile=t, num_warps=4, num_stages=st, kv_splits=s)
+                for t, st, s in itertools.product((64, 128), (2, 3), (8, 16, 32, 64))]
     if cpu:
         return [dict(tile=t, num_warps=4, num_stages=2, kv_splits=s) for t, s in itertools.product((16, 32), (1, 2))]
     return [dict(tile=t, num_warps=w, num_stages=st, kv_splits=s)
@@ -74,7 +77,7 @@ def run_shape(batch: int, ctx: int, a, dev, cpu: bool, bw: float | None) -> dict
         row["default_tb_s"] = kv_bytes / row["default_us"] / 1e6
     if a.sweep:
         out = []
-        for cfg in configs(cpu):
+        for cfg in configs(cpu, a.small):
             run = lambda: decode_attention(q, k, v, tables, lens, BLOCK, scale, **cfg)  # noqa: E731
             try:
                 entry = {"config": cfg, "rel_err": rel(run(), ref)}
@@ -97,6 +100,7 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--shapes", default="32x2048,64x2048,64x4096", help="BATCHxCONTEXT, comma-separated")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--small", action="store_true", help="with --sweep: the grid for a few rows (splits up to 64)")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
     dev = torch.device("cpu" if cpu else "cuda")

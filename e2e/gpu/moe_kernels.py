@@ -3,9 +3,11 @@
 graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
 touches. Decides `experts_kernel`'s default (issue 19).
 
-    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--sweep-large] [--fp8]
+    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--sweep-large]
+        [--sweep-small] [--fp8]
     (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach;
      --sweep-large: the 128-row tiles by row-block group (group_m), stages and down's own tiles;
+     --sweep-small: 16-row tiles for 1-4 tokens, each pair its own block (`direct`) or laid out;
      --fp8: the same experts as e4m3 with 128×128 block scales — the fused kernel dequantizing tiles in
      registers against today's CUDA FP8 path (the layer dequantized, then grouped GEMMs), its FP8
      floor, and the bf16 and FP8 GEMM peaks measured in the same call (issue 23))
@@ -50,6 +52,14 @@ def sweep(run, ref, flops: float) -> list[dict]:
             for bm, (bn, bk), warps, stages in itertools.product((16, 32, 64, 128), ((64, 64), (128, 64), (64, 128)),
                                                                  (4, 8), (3, 4))]
     return sweep_configs(run, ref, flops, grid)
+
+
+def small_configs() -> list[dict]:
+    """--sweep-small: 16-row tiles for a few decode rows (1-4 tokens: 8-32 pairs at top-8), with each
+    pair its own block (`direct`) or laid out; narrower column tiles give the weights more programs."""
+    import itertools
+    return [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, direct=d)
+            for d, bn, bk, st in itertools.product((True, False), (16, 32, 64), (64, 128, 256), (3, 4))]
 
 
 def large_configs() -> list[dict]:
@@ -151,6 +161,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,32,64,128,256,2048,8192")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-large", action="store_true", help="the 128-row tiles by group, stages and down tiles")
+    ap.add_argument("--sweep-small", action="store_true", help="16-row tiles for 1-4 tokens, direct or laid out")
     ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
@@ -197,6 +208,11 @@ def main() -> int:
                                                    large_configs())
                 best = row["sweep_large"][0]
                 row["best_large_us"], row["best_large_config"] = best.get("us"), best["config"]
+            if a.sweep_small:
+                row["sweep_small"] = sweep_configs(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops,
+                                                   small_configs())
+                best = row["sweep_small"][0]
+                row["best_small_us"], row["best_small_config"] = best.get("us"), best["config"]
             if a.sweep:
                 row["sweep"] = sweep(lambda **kw: experts_fused(x, ids, w, gate_up, down, **kw), ref, flops)
                 best = row["sweep"][0]

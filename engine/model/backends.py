@@ -67,8 +67,8 @@ class PagedAttention:
         nd = batch.num_decode
         o = torch.empty_like(q)
         if nd:
-            o[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                              batch.block_size, scale, kv_splits=self.kv_splits)
+            kernels.decode_attention(q[:nd], k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                     batch.block_size, scale, kv_splits=self.kv_splits, out=o[:nd])
         segments = batch.seqs[nd:]
         if segments and self.prefill in ("triton", "hybrid"):
             from . import paged_prefill
@@ -170,8 +170,8 @@ def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
     warm-up: each regime is its own compile of the kernels, and the sizes within one are not
     specialized, so once each has run, no step compiles (runtime/jit_watch.py). The regime is constant
     between these boundaries of the pairs, so their starts meet each one."""
-    from .fused_moe import ALIGN_KERNEL_MAX_PAIRS
-    pairs = (1, FUSED_32_PAIRS, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1)
+    from .fused_moe import ALIGN_KERNEL_MAX_PAIRS, DIRECT_MAX_PAIRS
+    pairs = (1, DIRECT_MAX_PAIRS + 1, FUSED_32_PAIRS, FUSED_MEDIUM_PAIRS, FUSED_LARGE_PAIRS, ALIGN_KERNEL_MAX_PAIRS + 1)
     return tuple(sorted({-(-p // top_k) for p in pairs}))
 
 

@@ -82,6 +82,10 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
 # Up to here one program lays out the pairs; past it align_spread's three launches, faster from
 # 1,536 pairs on the H200 (16.5 against 21.1 µs; at 1,024 pairs 14.2 against 14.9: moe_kernels.py)
 ALIGN_KERNEL_MAX_PAIRS = 1024
+# Up to here each pair is a block of its own and no layout is made (`direct`): an expert two pairs
+# share is read twice, which at 2 tokens × top-8 (16 pairs, ~0.5 shared) costs less than the layout's
+# launch (5 µs of a 1-row layer's ~80 on the H200: docs/PERF.md); at 4 tokens it would not.
+DIRECT_MAX_PAIRS = 16
 
 
 @functools.cache
@@ -225,10 +229,11 @@ def _kernels(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n_pairs", "blocks"])
+    @triton.jit(do_not_specialize=["n_pairs", "blocks", "expert_offset"])
     def gate_up(x, w, sorted_ids, block_expert, act, n_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, num_local,
-                sx, swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
+                sx, swe, swn, swk, ws, sse, ssn, ssk, blocks, expert_offset, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr,
+                DIRECT: tl.constexpr):
         # GM row blocks share a group: its programs walk their column tiles together, so the blocks'
         # rows and their experts' weight tiles are read from L2, not HBM, by the group's programs
         pid, n_tiles = tl.program_id(0), tl.cdiv(I, BN)
@@ -236,11 +241,17 @@ def _kernels(interpret: bool):
         size = tl.minimum(blocks - first, GM)
         pid_m = first + pid % (GM * n_tiles) % size
         pid_n = pid % (GM * n_tiles) // size
-        e = tl.load(block_expert + pid_m)
-        if e >= num_local:
-            return
         rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids + rows)
+        if DIRECT:   # block b is pair b alone (block_expert: the routed ids; see experts_fused)
+            e = tl.load(block_expert + pid_m) - expert_offset
+            if (e < 0) | (e >= num_local):
+                return
+            pair = tl.where(tl.arange(0, BM) == 0, pid_m, n_pairs)
+        else:
+            e = tl.load(block_expert + pid_m)
+            if e >= num_local:
+                return
+            pair = tl.load(sorted_ids + rows)
         valid = pair < n_pairs
         tok = pair // K
         cols = pid_n * BN + tl.arange(0, BN)
@@ -277,20 +288,27 @@ def _kernels(interpret: bool):
 
     # the same block preamble as gate_up: a jit helper would have to be a module global, and this
     # module imports Triton only when a kernel first runs
-    @triton.jit(do_not_specialize=["n_pairs", "blocks"])
+    @triton.jit(do_not_specialize=["n_pairs", "blocks", "expert_offset"])
     def down(act, w, sorted_ids, block_expert, weights, y, n_pairs, H: tl.constexpr, I: tl.constexpr, num_local,
-             swe, swn, swk, ws, sse, ssn, ssk, blocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr):
+             swe, swn, swk, ws, sse, ssn, ssk, blocks, expert_offset, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, GM: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, QB: tl.constexpr,
+             DIRECT: tl.constexpr):
         pid, n_tiles = tl.program_id(0), tl.cdiv(H, BN)
         first = pid // (GM * n_tiles) * GM
         size = tl.minimum(blocks - first, GM)
         pid_m = first + pid % (GM * n_tiles) % size
         pid_n = pid % (GM * n_tiles) // size
-        e = tl.load(block_expert + pid_m)
-        if e >= num_local:
-            return
         rows = pid_m * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ids + rows)
+        if DIRECT:
+            e = tl.load(block_expert + pid_m) - expert_offset
+            if (e < 0) | (e >= num_local):
+                return
+            pair = tl.where(tl.arange(0, BM) == 0, pid_m, n_pairs)
+        else:
+            e = tl.load(block_expert + pid_m)
+            if e >= num_local:
+                return
+            pair = tl.load(sorted_ids + rows)
         valid = pair < n_pairs
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = cols < H
@@ -337,21 +355,29 @@ COMBINE_BH = 512    # hidden columns per combine program
 
 def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0,
                   block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                  num_stages: int = 3, group_m: int = 1, down_tiles: dict | None = None, fp8: tuple | None = None):
+                  num_stages: int = 3, group_m: int = 1, down_tiles: dict | None = None, fp8: tuple | None = None,
+                  direct: bool | None = None):
     """Same function as ops.experts_reference. gate_up: [E, 2I, H]; down: [E, H, I]. The tile
     arguments: backends.AutoExperts' large tiles for long prefill, and e2e/gpu/moe_kernels.py's sweep;
     `group_m` row blocks walk their column tiles together (L2 reuse); `down_tiles` overrides block_n,
     block_k, num_warps, num_stages and group_m for the down kernel (block_m is the layout's).
     `fp8` = (gate_up scale_inv, down scale_inv, quant block) with e4m3 weights (fp8.py's layout: gate's
     and up's block rows quantized apart): each weight tile is dequantized in registers, exactly as
-    fp8.dequantize would (fp32 product, cast to x's dtype), so the weights cross HBM as FP8."""
+    fp8.dequantize would (fp32 product, cast to x's dtype), so the weights cross HBM as FP8.
+    `direct`: block b holds pair b alone, its expert read from topk_ids, and no layout is made (None:
+    up to DIRECT_MAX_PAIRS pairs, from the shapes alone)."""
     import triton
     t, k = topk_ids.shape
     e_local, two_i, hidden = gate_up.shape
     inter = two_i // 2
     n = t * k
-    lay_out = align_fused if n <= ALIGN_KERNEL_MAX_PAIRS else align_spread
-    sorted_ids, block_expert, blocks = lay_out(topk_ids, e_local, expert_offset, block_m)
+    ids = topk_ids.contiguous()
+    direct = n <= DIRECT_MAX_PAIRS if direct is None else direct
+    if direct:   # the kernels read each pair's expert themselves: one launch a layer fewer
+        sorted_ids, block_expert, blocks = ids, ids, n
+    else:
+        lay_out = align_fused if n <= ALIGN_KERNEL_MAX_PAIRS else align_spread
+        sorted_ids, block_expert, blocks = lay_out(topk_ids, e_local, expert_offset, block_m)
     wdtype = x.dtype if fp8 is not None else gate_up.dtype
     act = torch.empty(blocks * block_m, inter, dtype=wdtype, device=x.device)
     # owned pairs' rows, all written: weighted outputs in the compute dtype, as the reference's
@@ -375,17 +401,17 @@ def experts_fused(x, topk_ids, topk_weights, gate_up, down, expert_offset: int =
 
     def tiles(block_n, block_k, num_warps, num_stages, group_m):
         launch = {} if interpret else dict(num_warps=num_warps, num_stages=num_stages)
-        return dict(BM=block_m, BN=block_n, BK=block_k, GM=group_m, F32=interpret, IEEE=ieee, QB=qb, **launch)
+        return dict(BM=block_m, BN=block_n, BK=block_k, GM=group_m, F32=interpret, IEEE=ieee, QB=qb,
+                    DIRECT=direct, **launch)
     k_gate_up[(blocks * triton.cdiv(inter, block_n),)](
         xs, gate_up, sorted_ids, block_expert, act, n, k, hidden, inter, e_local,
-        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gu, *st_gu, blocks,
+        xs.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), s_gu, *st_gu, blocks, expert_offset,
         **tiles(block_n, block_k, num_warps, num_stages, group_m))
     w = topk_weights.reshape(-1).contiguous()
     k_down[(blocks * triton.cdiv(hidden, d["block_n"]),)](
         act, down, sorted_ids, block_expert, w, y, n, hidden, inter, e_local,
-        down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, blocks, **tiles(**d))
+        down.stride(0), down.stride(1), down.stride(2), s_dn, *st_dn, blocks, expert_offset, **tiles(**d))
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    ids = topk_ids.contiguous()
     k_combine[(t, triton.cdiv(hidden, COMBINE_BH))](y, ids, out, expert_offset, e_local, hidden, k,
                                                     COMBINE_BH, **({} if interpret else dict(num_warps=4)))
     return out

@@ -135,15 +135,17 @@ def decode_launch(dtype: torch.dtype, block_size: int, interpret: bool = False) 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: int, scale: float,
                      kv_splits: int | str = 1, tile: int | None = None, num_warps: int = 4,
-                     num_stages: int | None = None):
+                     num_stages: int | None = None, out: torch.Tensor | None = None):
     """q: [B, H, D]; k/v_cache: [slots, KVH, D]; block_tables: int32 [B, max_blocks];
-    seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D]. `kv_splits`: 1 for one pass per
+    seq_lens: int32 [B] (0 for padding rows). Returns [B, H, D] (`out` when given: written in place,
+    no copy of the result a layer). `kv_splits`: 1 for one pass per
     (row, KV head); n > 1 or "auto" (kv_splits_for) to split each row's context n ways. `tile` (keys
     a loop step reads), `num_warps`, `num_stages`: decode_launch's unless given (decode_attn.py's sweep)."""
+    import triton
     b, h, d = q.shape
     kvh = k_cache.shape[1]
     group = h // kvh
-    o = torch.empty_like(q)
+    o = torch.empty_like(q) if out is None else out
     interpret = triton_interpreting()
     default_tile, default_stages = decode_launch(k_cache.dtype, block_size, interpret)
     tile, num_stages = tile or default_tile, num_stages or default_stages
@@ -167,7 +169,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size: in
                                 F32=interpret)
     if kv_splits > 1:
         merge[(b, h)](parts, lse, o, o.stride(0), o.stride(1), kv_splits, H=h, D=d,
-                      SPLITS_PAD=MERGE_PAD, num_warps=4)
+                      SPLITS_PAD=max(MERGE_PAD, triton.next_power_of_2(kv_splits)), num_warps=4)
     return o
 
 

@@ -1,6 +1,6 @@
-"""The attention prologue in one Triton kernel per operand: Qwen3's per-head RMSNorm of q and k,
-RoPE, and k's write into the paged cache (v is one copy), in place of the ~15 element-wise kernels
-the torch ops take per layer at decode. The same rounding points as the reference ops (normalize in
+"""The attention prologue in one Triton launch a layer: Qwen3's per-head RMSNorm of q and k, RoPE,
+and k's and v's writes into the paged cache, in place of the ~15 element-wise kernels the torch ops
+take per layer at decode. The same rounding points as the reference ops (normalize in
 fp32; weight, each RoPE product and the sum in the activations' dtype), so the reference and this
 path differ only by the order of the fp32 sum of squares. Tested under Triton's
 interpreter on CPU and compiled on the GPU; on by default in bf16 on CUDA (`qk_prologue: auto`, docs/PERF.md).
@@ -24,18 +24,30 @@ def _kernel(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def norm_rope(x, w, cos, sin, out, slots, eps, sx_t, sx_h, so_t, so_h, sc_t, H,
-                  D: tl.constexpr, BH: tl.constexpr, TO_SLOTS: tl.constexpr):
+    # the ints the two branches below assign to one name: never specialized (a 1 would be a constexpr)
+    @triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_t", "sk_h", "skc_t", "skc_h", "HQ", "HK", "QP"])
+    def qkv_prologue(q, k, v, qw, kw, cos, sin, kc, vc, slots, eps, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+                     skc_t, skc_h, svc_t, svc_h, sc_t, HQ, HK, QP,
+                     D: tl.constexpr, BH: tl.constexpr):
+        # One launch a layer: programs [0, QP) take BH of q's heads (in place), the rest BH of k's,
+        # written to the cache at the token's slot with v's same heads (at decode, 3 launches had
+        # been 5.4 µs of a 1-row layer's ~80 on the H200, two of them launch latency: docs/PERF.md)
         t = tl.program_id(0)
-        heads = tl.program_id(1) * BH + tl.arange(0, BH)
+        j = tl.program_id(1)
         half = tl.arange(0, D // 2)
+        if j < QP:
+            slot = t.to(tl.int64)
+            src, w, dst = q + t * sq_t, qw, q + t * sq_t
+            s_h, d_h, heads, H = sq_h, sq_h, j * BH + tl.arange(0, BH), HQ
+        else:
+            slot = tl.load(slots + t).to(tl.int64)
+            src, w, dst = k + t * sk_t, kw, kc + slot * skc_t
+            s_h, d_h, heads, H = sk_h, skc_h, (j - QP) * BH + tl.arange(0, BH), HK
         live = (heads < H)[:, None]
-        src = x + t * sx_t + heads[:, None] * sx_h + half[None, :]
-        a = tl.load(src, mask=live, other=0.0).to(tl.float32)
-        b = tl.load(src + D // 2, mask=live, other=0.0).to(tl.float32)
+        a = tl.load(src + heads[:, None] * s_h + half[None, :], mask=live, other=0.0).to(tl.float32)
+        b = tl.load(src + heads[:, None] * s_h + D // 2 + half[None, :], mask=live, other=0.0).to(tl.float32)
         r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
-        dt = out.dtype.element_ty
+        dt = q.dtype.element_ty
         # weight * normalized, in the activations' dtype (as the reference's `weight * xf.to(dtype)`)
         wa = tl.load(w + half).to(tl.float32)[None, :]
         wb = tl.load(w + D // 2 + half).to(tl.float32)[None, :]
@@ -48,33 +60,34 @@ def _kernel(interpret: bool):
         # x * cos + rotate_half(x) * sin, each product and the sum rounded like the reference's
         lo = ((a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)).to(dt)
         hi = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
-        row = tl.load(slots + t) if TO_SLOTS else t
-        dst = out + row * so_t + heads[:, None] * so_h + half[None, :]
-        tl.store(dst, lo, mask=live)
-        tl.store(dst + D // 2, hi, mask=live)
+        out = dst + heads[:, None] * d_h + half[None, :]
+        tl.store(out, lo, mask=live)
+        tl.store(out + D // 2, hi, mask=live)
+        if j >= QP:   # v: copied to its cache at the same slot, in the cache's dtype
+            full = tl.arange(0, D)
+            vals = tl.load(v + t * sv_t + heads[:, None] * sv_h + full[None, :], mask=live, other=0.0)
+            tl.store(vc + slot * svc_t + heads[:, None] * svc_h + full[None, :],
+                     vals.to(vc.dtype.element_ty), mask=live)
 
-    return norm_rope
-
-
-def _norm_rope(x, w, cos, sin, out, slots, eps: float) -> None:
-    import triton
-    t, heads, d = x.shape
-    if t == 0:
-        return
-    to_slots = slots is not None
-    bh = min(triton.next_power_of_2(heads), HEADS_PER_PROGRAM)
-    _kernel(triton_interpreting())[(t, triton.cdiv(heads, bh))](
-        x, w, cos, sin, out, slots if to_slots else x, eps, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0), heads, D=d, BH=bh, TO_SLOTS=to_slots)
+    return qkv_prologue
 
 
 def qk_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slot_mapping):
     """q normalized and rotated in place (returned); k normalized, rotated and written to k_cache at
     slot_mapping; v copied to v_cache. Same result as the torch ops in Attention.project."""
+    import triton
     if k_cache.dtype != k.dtype:
         raise ValueError(f"the fused prologue rounds in the activations' dtype: KV cache {k_cache.dtype} "
                          f"!= activations {k.dtype}")
-    _norm_rope(q, q_weight, cos, sin, q, None, eps)
-    _norm_rope(k, k_weight, cos, sin, k_cache, slot_mapping, eps)
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    t, heads, d = q.shape
+    if t == 0:
+        return q
+    kv_heads = k.shape[1]
+    bh = min(triton.next_power_of_2(max(heads, kv_heads)), HEADS_PER_PROGRAM)
+    q_programs = triton.cdiv(heads, bh)
+    _kernel(triton_interpreting())[(t, q_programs + triton.cdiv(kv_heads, bh))](
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, slot_mapping, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
+        heads, kv_heads, q_programs, D=d, BH=bh)
     return q

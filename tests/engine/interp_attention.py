@@ -35,17 +35,30 @@ def paged(ctx, block_size, h, kvh, d, dtype, seed):
     return q, k, v, bt, lens, ref
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 16, "auto"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 16, 32, "auto"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_decode_attention_matches_the_reference(splits, dtype, tol):
     """Lengths below one tile, at block edges, and longer than a split's slice; 3 splits of a
-    130-token row leave slices of 64, 64 and 2; 16 splits leave most slices of short rows empty."""
+    130-token row leave slices of 64, 64 and 2; 16 splits leave most slices of short rows empty; 32
+    is past the merge's one-compile width (a second compile, same result)."""
     ctx = [1, 15, 16, 17, 130, 300]
     q, k, v, bt, lens, ref = paged(ctx, 16, 8, 2, 32, dtype, seed=len(ctx))
     out = decode_attention(q, k, v, bt, lens, 16, 32 ** -0.5, kv_splits=splits)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all() and out[-1].abs().max() == 0   # the padding row: zeros
     assert rel(out[:-1], ref) < tol
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_writes_into_the_rows_it_is_given(splits):
+    """`out`: the decode rows of a layer's output (PagedAttention's o[:nd]), written in place; the
+    rows past them (a step's prefill rows) are left as they were."""
+    q, k, v, bt, lens, ref = paged([40, 130], 16, 4, 2, 16, torch.float32, seed=5)
+    o = torch.full((q.shape[0] + 2, 4, 16), 7.0)
+    got = decode_attention(q, k, v, bt, lens, 16, 0.25, kv_splits=splits, out=o[:q.shape[0]])
+    assert got.data_ptr() == o.data_ptr()
+    assert torch.equal(o[:q.shape[0]], decode_attention(q, k, v, bt, lens, 16, 0.25, kv_splits=splits))
+    assert (o[q.shape[0]:] == 7.0).all()
 
 
 def test_splits_agree_with_one_pass_in_fp32():

@@ -58,6 +58,22 @@ def test_rows_with_no_local_expert_are_zero_and_empty_slots_are_skipped():
     assert rel(out, ref) < 1e-6 and torch.equal(out[1], torch.zeros(96))
 
 
+@pytest.mark.parametrize("t,k,total,num_local,offset", [
+    (1, 8, 128, 128, 0),     # one decode row: the engine's default for it
+    (2, 8, 16, 8, 4),        # EP: ids below and above this rank's 8 experts; experts shared by pairs
+    (9, 4, 8, 8, 0),         # past DIRECT_MAX_PAIRS (forced): most experts read by several blocks
+])
+def test_each_pair_its_own_block_gives_the_laid_out_result(t, k, total, num_local, offset):
+    """`direct` (no layout: block b is pair b) against the laid-out launch, bit for bit in fp32: each
+    row of a tile is computed alone, so which rows share a tile moves nothing."""
+    x, ids, w, gu, dn = _case(t, k, total, 96, 80, num_local, torch.float32, seed=t + k)
+    ids[0, -1] = -1                                               # an empty slot from an all-to-all
+    direct = experts_fused(x, ids, w, gu, dn, offset, block_n=32, block_k=32, direct=True)
+    assert torch.equal(direct, experts_fused(x, ids, w, gu, dn, offset, block_n=32, block_k=32, direct=False))
+    ref = ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), offset)
+    assert rel(direct, ref) < 1e-6
+
+
 def test_align_places_each_owned_pair_once_in_its_experts_blocks():
     ids = torch.tensor([[3, 0], [3, 9], [1, 3], [0, 3]])          # expert 9 is another rank's
     sorted_ids, block_expert, blocks = align(ids, num_local=4, expert_offset=0)

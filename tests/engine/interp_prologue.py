@@ -20,14 +20,14 @@ def _reference(q, k, v, qw, kw, eps, cos, sin, k_cache, v_cache, slots):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 8, 2), (7, 8, 2), (5, 20, 4)])
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 8, 2), (7, 8, 2), (5, 20, 4), (3, 4, 1)])
 def test_fused_prologue_matches_the_torch_ops(dtype, tokens, heads, kv_heads):
-    """20 heads: two programs of 16 per token, the second one's last 12 masked."""
+    """20 heads: two programs of 16 per token, the second one's last 12 masked. q, k and v are views
+    of one projection's output, as Attention.project hands them over (row stride past their width)."""
     g = torch.Generator().manual_seed(tokens)
     d, nslots, eps = 64, 40, 1e-6
-    q = torch.randn(tokens, heads, d, generator=g).to(dtype)
-    k = torch.randn(tokens, kv_heads, d, generator=g).to(dtype)
-    v = torch.randn(tokens, kv_heads, d, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q, k, v = (part.view(tokens, -1, d) for part in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
     qw, kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     cos, sin = ops.rope_cos_sin(torch.randint(0, 4000, (tokens,), generator=g), inv, dtype)
@@ -44,7 +44,7 @@ def test_fused_prologue_matches_the_torch_ops(dtype, tokens, heads, kv_heads):
     assert torch.equal(caches[3], caches[1])
     untouched = torch.ones(nslots, dtype=torch.bool)
     untouched[slots] = False
-    assert not caches[2][untouched].any()              # nothing written outside the slots given
+    assert not caches[2][untouched].any() and not caches[3][untouched].any()   # nothing outside the slots given
 
 
 def test_a_kv_cache_of_another_dtype_is_refused():

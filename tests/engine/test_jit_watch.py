@@ -14,7 +14,8 @@ from pdrollout.engine.runtime import jit_watch
 
 def _regime(tokens: int, top_k: int, weight_bytes: int) -> tuple:
     pairs = tokens * top_k
-    layout = "fused" if pairs <= fused_moe.ALIGN_KERNEL_MAX_PAIRS else "spread"
+    layout = "direct" if pairs <= fused_moe.DIRECT_MAX_PAIRS else \
+        "fused" if pairs <= fused_moe.ALIGN_KERNEL_MAX_PAIRS else "spread"
     return tuple(sorted(fused_tiles(pairs, weight_bytes).items())), layout
 
 
@@ -58,10 +59,11 @@ def test_the_prefill_warm_up_runs_each_regime_a_fused_step_can_reach(tiny_model)
                                  control=ControlSettings(prefill_budget_tokens=1000)))
     steps, exchange = [], engine._exchange
     engine._exchange = lambda plan: (steps.append(sum(r.length for r in plan.replicas[0].prefill)), exchange(plan))[1]
-    assert engine.warm_prefill() == 8
-    # the tiny model routes top-2: 513 tokens are the first pairs laid out by three launches; 1,024
-    # are 2,048 pairs (the 32-row tiles), past the budget of 1,000 but within it plus 64 D rows;
-    # 2,048 and 4,096 (64- and 128-row tiles) are not; last the continuation
-    assert fused_regime_tokens(2) == (1, 513, 1024, 2048, 4096)
-    assert steps == [1, 37, 256, 513, 999, 1000, 1024, 128]
+    assert engine.warm_prefill() == 9
+    # the tiny model routes top-2: 9 tokens are the first pairs laid out (up to 8 each pair is its
+    # own block); 513 the first laid out by three launches; 1,024 are 2,048 pairs (the 32-row
+    # tiles), past the budget of 1,000 but within it plus 64 D rows; 2,048 and 4,096 (64- and
+    # 128-row tiles) are not; last the continuation
+    assert fused_regime_tokens(2) == (1, 9, 513, 1024, 2048, 4096)
+    assert steps == [1, 9, 37, 256, 513, 999, 1000, 1024, 128]
     assert engine.stats()["kv_blocks_used"] == 0
