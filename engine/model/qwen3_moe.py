@@ -130,7 +130,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self._qkv_weight()
         if qkv is not None:
-            q, k, v = F.linear(x, qkv).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+            q, k, v = self.backends.dense(x, qkv).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
                                               self.kv_heads * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -140,6 +140,12 @@ class Attention(nn.Module):
         # q/k norm, RoPE, the KV write (backends.py: the torch ops, or one fused kernel per operand)
         return self.backends.attention.prologue(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
                                                 k_cache, v_cache, slot_mapping)
+
+    def out(self, o) -> torch.Tensor:
+        """o_proj: the backends' dense projection when it is a plain bias-free linear (FP8 keeps its own)."""
+        if type(self.o_proj) is nn.Linear and self.o_proj.bias is None:
+            return self.backends.dense(o, self.o_proj.weight)
+        return self.o_proj(o)
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
         """The attention of q over the paged cache: [t, heads × head_dim], before o_proj. Reads the
@@ -253,7 +259,8 @@ class MoEBlock(nn.Module):
         return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
     def forward(self, x, batch, collectives: Collectives):
-        weights, ids = self.backends.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, x.dtype)
+        weights, ids = self.backends.route(self.backends.dense(x, self.gate.weight), self.top_k, self.norm_topk_prob,
+                                           x.dtype)
         if batch.routes is not None:
             batch.routes.append(ids)
         return collectives.experts(self, x, ids, weights, batch.phase)
@@ -380,7 +387,7 @@ class Qwen3MoeModel(nn.Module):
         # each residual add and the norm after it are one call (backends.add_norm may fuse them)
         norm = self.backends.residual_norm
         ln = layer.post_attention_layernorm
-        x, h = norm(x, col.attn_reduce(layer.self_attn.o_proj(o), batch.phase), ln.weight, ln.eps)
+        x, h = norm(x, col.attn_reduce(layer.self_attn.out(o), batch.phase), ln.weight, ln.eps)
         h = layer.mlp(h, batch, col)
         if i + 1 < len(layers):
             ln = layers[i + 1].input_layernorm

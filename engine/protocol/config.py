@@ -205,7 +205,7 @@ class EngineConfig(BaseModel):
     # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (measured on the H200:
     # backends.fused_tiles)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
-    # q/k norm + RoPE + KV write: torch ops, one Triton kernel per operand (model/prologue.py), or auto:
+    # q/k norm + RoPE + KV write: torch ops, one Triton launch a layer (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
     # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (the
@@ -218,6 +218,9 @@ class EngineConfig(BaseModel):
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
     # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
+    # bias-free projections (q/k/v, o_proj, the router) of up to 16 rows: cuBLAS (torch) or one Triton
+    # launch over the weight's columns (model/skinny.py); auto: torch until the launch is timed on the GPU
+    dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
     # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
     # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and

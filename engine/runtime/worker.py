@@ -80,7 +80,7 @@ class Worker:
             resolve_dtype(config.dtype, self.cfg)
         self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
                                       config.add_norm, config.decode_kv_splits, config.router,
-                                      config.prefill_attention, config.prefill_kv_splits)
+                                      config.prefill_attention, config.prefill_kv_splits, config.dense_kernel)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
         # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). One rank's D

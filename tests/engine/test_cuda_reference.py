@@ -54,6 +54,20 @@ def test_cuda_fused_kernels_and_solo_overlap_match_transformers(tiny_model, kern
         assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {kernels} kernels, solo_overlap, prompt {i}")
 
 
+@pytest.mark.parametrize("mode", ["normal", "pd"])
+def test_cuda_skinny_dense_projections_match_transformers(tiny_model, mode):
+    """`dense_kernel: skinny` (model/skinny.py: q/k/v, o_proj and the router of up to 16 rows in one
+    Triton launch; fp32: IEEE dots) in every decode graph and small P forward, inside the margin rule."""
+    e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="float32", mode=mode, block_size=4,
+                            num_blocks=512, max_running=8, dense_kernel="skinny",
+                            control=ControlSettings(prefill_budget_tokens=24)))
+    assert e.worker.backends.linear is not None and "SkinnyDense" in e.worker.backends.name
+    out, _ = run_all(e, PROMPTS, max_new_tokens=12, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        ref, margins = hf_greedy(tiny_model, p, 12)
+        assert_matches_reference(out[f"r{i}"], ref, margins, f"cuda {mode} skinny dense, prompt {i}")
+
+
 @pytest.mark.parametrize("mode", ["mixed", "pd"])
 def test_cuda_served_steps_compile_no_kernel_after_the_warm_up(tiny_model, mode):
     """bf16 on the fused kernels (`auto`), the prefill warm-up on by default: prompts of many lengths
