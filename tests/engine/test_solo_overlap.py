@@ -103,8 +103,9 @@ def test_prefill_warmup_runs_every_size_and_changes_no_output(tiny_model, capfd)
     cfg = EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=256, prefill_warmup=True,
                        mixed_chunk_tokens=20, control=ControlSettings(prefill_budget_tokens=64))
     engine = Engine(cfg)
-    # 1, 37, the budget, then a continuation over the cached context that fits (896 of 1,024 slots)
-    assert "prefill warm-up: 4 steps up to 64 tokens" in capfd.readouterr().err
+    # 1, 9 (the tiny model's top-2: the first pairs laid out), 37, the budget, then a continuation over
+    # the cached context that fits (896 of 1,024 slots)
+    assert "prefill warm-up: 5 steps up to 64 tokens" in capfd.readouterr().err
     assert engine.warm_prefill((3, 70)) == 2
     assert engine.stats()["kv_blocks_used"] == 0 and engine.step_id == 1
     out = run_all(engine, PROMPTS, max_new=6, ignore_eos=True)
