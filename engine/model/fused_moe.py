@@ -82,9 +82,9 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
 # Up to here one program lays out the pairs; past it align_spread's three launches, faster from
 # 1,536 pairs on the H200 (16.5 against 21.1 µs; at 1,024 pairs 14.2 against 14.9: moe_kernels.py)
 ALIGN_KERNEL_MAX_PAIRS = 1024
-# Up to here each pair is a block of its own and no layout is made (`direct`): an expert two pairs
-# share is read twice, which at 2 tokens × top-8 (16 pairs, ~0.5 shared) costs less than the layout's
-# launch (5 µs of a 1-row layer's ~80 on the H200: docs/PERF.md); at 4 tokens it would not.
+# Up to here each pair is a block of its own, no layout made (`direct`): a shared expert is read twice
+# (~1.5 µs each), the layout's launch is ~6 µs on the H200 (docs/PERF.md); 2 rows share ~0.5 at top-8,
+# 4 rows ~3 under uniform routing (still faster there), more under a skewed router: kept at 2 rows.
 DIRECT_MAX_PAIRS = 16
 
 
