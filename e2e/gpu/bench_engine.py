@@ -16,32 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from hbm import copy_bw  # noqa: E402  (the copy rate all floors here are taken against)
+
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
-
-
-def copy_bw() -> float:
-    """Device-to-device copy rate, bytes read + written per second (the decode floor's ceiling)."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
-    del x, y
-    torch.cuda.empty_cache()
-    return bw
 
 
 def measure_ceilings():

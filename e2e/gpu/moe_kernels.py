@@ -25,6 +25,9 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hbm import copy_bw  # noqa: E402  (the copy rate every floor here is taken against)
+
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.fused_moe import experts_fused  # noqa: E402
 
@@ -89,12 +92,6 @@ def sweep_configs(run, ref, flops: float, configs: list[dict], time: bool = True
             entry = {"config": cfg, "error": str(exc).splitlines()[0][:120]}
         out.append(entry)
     return sorted(out, key=lambda r: r.get("us", 0) if r.get("rel_err", 1) < 2e-2 else float("inf"))
-
-
-def copy_bw(dev) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / timed(lambda: b.copy_(a), 20)
 
 
 def peaks(dev) -> dict:

@@ -100,7 +100,7 @@ def copy_bw() -> float:
     if DEVICE != "cuda":
         return 1e11   # a dry run: any figure
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_engine import copy_bw as measured
+    from hbm import copy_bw as measured
     return measured()
 
 
