@@ -219,7 +219,8 @@ class EngineConfig(BaseModel):
     # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
     # bias-free projections (q/k/v, o_proj, the router) of up to 16 rows: cuBLAS (torch) or one Triton
-    # launch over the weight's columns (model/skinny.py); auto: torch until the launch is timed on the GPU
+    # launch over the weight's columns (model/skinny.py); auto: torch, which the launch did not beat on
+    # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/PERF.md, twentieth session)
     dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
     # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
