@@ -29,6 +29,8 @@ flushed between runs, as a rollout server serves one rollout after another; it s
 --blocks N (with --reuse-server): the seeds are cut into N blocks, each with servers of its own, and
 the (variant, mode) order is reversed in every other block (normal, mixed, pd, then pd, mixed,
 normal): whatever drifts over a call (clocks, heat) falls on every mode alike, not on the last one.
+--topology NPROC/ADP/EP: each engine on NPROC GPUs (`pdrollout serve --nproc --adp --ep`), e.g. 2/2/2 for
+EP2/ADP2 on two GPUs; --gpus is then cut into groups of NPROC, one engine per group at a time.
     DEVICE=cpu ... --preset tiny                         # dry run on CPU
     ... --reuse-server --py-spy 15 --variant spy:pd:{}   # each run's server sampled by py-spy (native
                                                          # frames) into its pyspy.txt; the figures of a
@@ -107,6 +109,33 @@ def device() -> str:
     return "cpu" if os.environ.get("DEVICE") == "cpu" else "cuda"
 
 
+def parse_topology(text: str) -> tuple[int, int, int]:
+    """NPROC/ADP/EP as `pdrollout serve` takes them (it checks how they fit together)."""
+    try:
+        nproc, adp, ep = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--topology takes NPROC/ADP/EP, e.g. 2/2/2; got {text!r}") from None
+    if min(nproc, adp, ep) < 1:
+        raise ValueError(f"--topology: NPROC, ADP and EP are >= 1; got {text!r}")
+    return nproc, adp, ep
+
+
+def topology_args(topology: tuple[int, int, int]) -> list[str]:
+    nproc, adp, ep = topology
+    return [] if nproc == 1 else ["--nproc", str(nproc), "--adp", str(adp), "--ep", str(ep)]
+
+
+def gpu_groups(gpus: str, nproc: int) -> list[str | None]:
+    """One CUDA_VISIBLE_DEVICES value per engine that may run at once: --gpus cut into groups of
+    NPROC (none given: the engine sees every GPU, one at a time)."""
+    if not gpus:
+        return [None]
+    ids = gpus.split(",")
+    if len(ids) % nproc:
+        raise ValueError(f"--gpus {gpus} does not cut into engines of {nproc} GPUs")
+    return [",".join(ids[i:i + nproc]) for i in range(0, len(ids), nproc)]
+
+
 def gpu_env(gpu: str | None) -> dict:
     env = dict(os.environ)
     if gpu is not None:
@@ -156,6 +185,7 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None, pid: 
     else:
         cmd += ["--model", model_dir(args, job["variant"]), "--device", device(), "--serve-arg=--engine-config",
                 f"--serve-arg={json.dumps(engine_config(job['variant']))}"]
+        cmd += [f"--serve-arg={a}" for a in topology_args(args.topology)]
         if args.step_logs:   # the server's per-step log (plan sizes, epochs, wall time) beside the results
             cmd += ["--serve-arg=--step-log", f"--serve-arg={out / 'steps'}"]
     env = gpu_env(gpu)
@@ -203,7 +233,7 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     # Named by the seeds the server runs, in order: a later call on other seeds (--skip-existing)
     # writes logs of its own beside these instead of over them (step_costs.py reads the seeds back)
     tag = f"{mode}-s" + "-".join(str(j["seed"]) for j in jobs)
-    extra = ("--engine-config", json.dumps(engine_config(variant)))
+    extra = ("--engine-config", json.dumps(engine_config(variant)), *topology_args(args.topology))
     if args.step_logs:
         extra += ("--step-log", str(Path(args.out) / variant["name"] / f"steps-{tag}"))
     log_path = Path(args.out) / variant["name"] / f"server-{tag}.log"
@@ -279,7 +309,7 @@ def run_all(args, variants: list[dict]) -> None:
             except Exception as e:   # a server that never came up: said, and the other GPUs go on
                 log(f"gpu {gpu}: {type(e).__name__}: {str(e)[:2000]}")
 
-    gpus = args.gpus.split(",") if args.gpus else [None]
+    gpus = gpu_groups(args.gpus, args.topology[0])
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for th in threads:
         th.start()
@@ -370,7 +400,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--pressures", default="P1")
     ap.add_argument("--variant", action="append", default=[], help="NAME[@PRESSURES]:MODES:ENGINE_CONFIG_JSON")
-    ap.add_argument("--gpus", default="", help="comma list; one job per GPU at a time")
+    ap.add_argument("--gpus", default="", help="comma list; one job per GPU (per NPROC GPUs) at a time")
+    ap.add_argument("--topology", default="1/1/1", help="NPROC/ADP/EP of each engine (2/2/2: EP2/ADP2 on two GPUs)")
     ap.add_argument("--preset", default="gpu")
     ap.add_argument("--model-preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
@@ -399,6 +430,11 @@ def main() -> int:
             ap.error("--blocks orders the servers of --reuse-server (without it every run has its own)")
         if not args.py_spy and not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):
             ap.error("the first variant is the baseline: it must run normal and mixed")
+        try:
+            args.topology = parse_topology(args.topology)
+            gpu_groups(args.gpus, args.topology[0])
+        except ValueError as e:
+            ap.error(str(e))
         args.seeds = [int(s) for s in args.seeds.split(",")]
         args.pressures = args.pressures.split(",")
         for weights, mtp in sorted({(v["weights"], v["mtp_layers"]) for v in variants}):
@@ -408,7 +444,9 @@ def main() -> int:
         meta = {"command": " ".join(sys.argv), "commit": os.environ.get("COMMIT", "unknown"),
                 "machine": os.environ.get("MACHINE", "unknown"), "seeds": args.seeds,
                 "pressures": args.pressures, "preset": args.preset, "model_preset": args.model_preset,
-                "nproc": 1, "topology": "one GPU per engine (EP1/ADP1); jobs spread over GPUs " + (args.gpus or "-"),
+                "nproc": args.topology[0],
+                "topology": (f"{args.topology[0]} GPU(s) per engine (EP{args.topology[2]}/ADP{args.topology[1]}); "
+                             "engines spread over GPUs " + (args.gpus or "-")),
                 "engine_config": BASE_CONFIG, "variants": variants,
                 "servers": "one per (variant, mode), cache flushed between runs" if args.reuse_server
                            else "a fresh one per run",

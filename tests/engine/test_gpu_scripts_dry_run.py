@@ -67,6 +67,26 @@ def test_bench_seeds_reuses_one_server_per_mode_and_flushes_its_cache_between_ru
     assert rows["base/mixed"]["mean_decode_step_ms"]["median"] > 0 and rows["base/mixed"]["decode_step_vs_normal"]
 
 
+def test_bench_seeds_runs_each_engine_on_its_topology(tmp_path):
+    """--topology 2/2/2: every server is one engine of two ranks (EP2/ADP2), reused across both
+    modes' runs, and the table's meta says so; a topology that does not parse, or GPUs that do not
+    cut into engines, are refused before anything runs."""
+    out = tmp_path / "x2"
+    log = _bench_seeds(out, "--reuse-server", "--step-logs", "--topology", "2/2/2")
+    assert log.count("server up") == 2 and log.count(": rc 0 in") == 2, log
+    meta = json.loads((out / "summary.json").read_text())["meta"]
+    assert meta["nproc"] == 2 and "EP2/ADP2" in meta["topology"]
+    for mode in ("normal", "mixed"):   # each rank of the engine wrote its step log
+        logs = sorted(p.name for p in (out / "base").glob(f"steps-{mode}-s0/rank*.jsonl"))
+        assert logs == ["rank0.jsonl", "rank1.jsonl"], logs
+        assert json.loads((out / "base" / "P1-s0" / mode / "results.json").read_text())["modes"][mode]["completed"] > 0
+    for bad, says in ((("--topology", "2x2"), "NPROC/ADP/EP"), (("--topology", "2/1/2", "--gpus", "0,1,2"), "engines of 2")):
+        r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"), *bad],
+                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert not (tmp_path / "bad" / "meta.json").exists()
+
+
 def test_bench_seeds_runs_an_fp8_variant_on_block_fp8_weights(tmp_path):
     """"weights": "fp8" is the model's, not an engine field: the variant's server loads a config
     with quantization_config, and its results say so beside the baseline's."""
