@@ -89,7 +89,7 @@ case "$part" in
     timeout --signal=INT "$(left)" python3 "$here/profile_decode.py" --prefill --out "$dir/profile_prefill.txt" > "$dir/profile_prefill.log" 2>&1
     tail -n 5 "$dir"/profile_*.log ;;
   spread)
-    sampler=""""
+    sampler=""
     if command -v nvidia-smi > /dev/null; then
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv,nounits -lms 500 > "$dir/clocks.csv" 2>&1 &
