@@ -4,6 +4,7 @@ Field names follow `sglang.bench_serving` where they cover the same quantity; ou
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -43,8 +44,15 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.pop("output_ids")
+        # the ids themselves would bloat the records; their digest says whether two runs of one
+        # trace generated the same tokens (greedy on near-flat logits can flip with a row's batch)
+        d["output_digest"] = output_digest(d.pop("output_ids"))
         return d
+
+
+def output_digest(ids: list[int]) -> str:
+    """A short digest of a request's output ids (sha1 of their int32 bytes, 12 hex)."""
+    return hashlib.sha1(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()[:12]
 
 
 def _pct(xs: list[float], q: float) -> float | None:

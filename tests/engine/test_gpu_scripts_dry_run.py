@@ -344,6 +344,47 @@ def test_fused_step_dry_run_times_d_steps_fused_steps_and_p_alone(tmp_path):
     assert all(row["fused_ms"] > 0 and row["p_alone_ms"] > 0 for row in d["rows"]), d["rows"]
 
 
+def test_routing_check_dry_run_counts_experts_and_compares_greedy_tokens(tmp_path):
+    """Routing reported for the decode steps and the random prompt tokens, counted per layer; on the
+    CPU (fp32, no graphs) the three runs of the same prompts generate the same tokens."""
+    out = tmp_path / "rc.json"
+    _dry_run("gpu/routing_check.py", str(out))
+    d = json.loads(out.read_text())
+    routing = d["routing"]
+    experts, top_k = 8, 2    # the tiny preset
+    for name, rows in (("all", 6), ("subset", 3)):
+        r = routing[name]
+        assert r["rows"] == rows and r["uniform"] == pytest.approx(experts * (1 - (1 - top_k / experts) ** rows))
+        for key in ("decode_distinct", "random_prompt_distinct"):
+            assert top_k <= r[key]["min"] <= r[key]["max"] <= min(experts, rows * top_k), (name, key, r[key])
+    assert 1 <= routing["tokens"]["distinct_across_rows_per_step"]["max"] <= 6
+    assert d["batch"]["graphed_vs_routed"] == {"rows": 6, "equal": 6, "first_difference": {"median": 8, "min": 8, "max": 8}}
+    assert d["batch"]["subset_alone_vs_graphed"]["equal"] == 3 and d["replay"] is None
+
+
+def _records(path, digests: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"session_id": s, "turn": t, "output_digest": h}) + "\n"
+                            for (s, t), h in digests.items()))
+
+
+def test_same_tokens_finds_each_sessions_first_differing_turn(tmp_path):
+    a = {("s0", 0): "x", ("s0", 1): "y", ("s0", 2): "z", ("s1", 0): "p", ("s1", 1): "q"}
+    b = {**a, ("s0", 1): "Y", ("s0", 2): "Z"}         # s0 differs from its second turn on
+    _records(tmp_path / "a" / "records-mixed.jsonl", a)
+    _records(tmp_path / "b" / "records-mixed.jsonl", b)
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/same_tokens.py"), str(tmp_path / "a"), str(tmp_path / "b"),
+                        "--json", str(tmp_path / "same.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads((tmp_path / "same.json").read_text())
+    assert (c["equal"], c["requests"], c["first_turns_equal"], c["sessions_all_equal"]) == (3, 5, 2, 1)
+    assert c["median_first_differing_turn"] == 1.5     # s0 at turn 1, s1 never (its 2 turns)
+    _records(tmp_path / "c" / "records-pd.jsonl", {k: None for k in a})
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/same_tokens.py"), str(tmp_path / "a"), str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "output_digest" in r.stderr
+
+
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     """A step log's steps by kind (D, P+D fused, the step starting an epoch, D beside it) and P size."""
     import gzip

@@ -39,6 +39,15 @@ def test_summary_from_records():
     assert s["stalls"] is None and s["mean_decode_wait_ms"] is None  # no server metrics given
 
 
+def test_a_records_json_carries_its_outputs_digest_not_its_ids():
+    a, b = rec("a", 0, 1.0, 1.1, 2.0), rec("a", 0, 1.0, 1.1, 2.0)
+    a.output_ids, b.output_ids = [5, 6, 7], [5, 6, 7]
+    ja, jb = a.to_json(), b.to_json()
+    assert "output_ids" not in ja and len(ja["output_digest"]) == 12 and ja == jb
+    b.output_ids = [5, 6, 8]
+    assert b.to_json()["output_digest"] != ja["output_digest"]
+
+
 def test_empty_run_is_an_error():
     with pytest.raises(BenchError, match="no completed requests"):
         summarize([])
