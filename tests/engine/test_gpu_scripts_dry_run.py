@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -383,6 +384,31 @@ def test_same_tokens_finds_each_sessions_first_differing_turn(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/same_tokens.py"), str(tmp_path / "a"), str(tmp_path / "c")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "output_digest" in r.stderr
+
+
+def test_drift_dry_run_times_both_stretches(tmp_path):
+    out = tmp_path / "drift.json"
+    _dry_run("gpu/drift.py", str(out))
+    d = json.loads(out.read_text())
+    assert set(d["stretch_median_ms"]) == {"hot", "again"} and d["replay_ms"]["median"] > 0
+    assert d["seconds"] and all(r["ms"] is None or r["ms"] > 0 for r in d["seconds"])
+
+
+def test_drift_reads_nvidia_smis_rows_and_leaves_unreported_fields_empty(tmp_path):
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        import drift
+    finally:
+        sys.path.pop(0)
+    f = tmp_path / "smi.csv"
+    f.write_text("2026/12/04 11:50:01.250, 45, 61, 512.30, 1980, 3201, 0x0000000000000000\n"
+                 "2026/12/04 11:50:01.350, 46, [N/A], 530.00, 1965, 3201, 0x0000000000000004\n"
+                 "garbage line\n")
+    t0 = time.mktime(time.strptime("2026/12/04 11:50:01", "%Y/%m/%d %H:%M:%S"))
+    rows = drift.read_samples(f, t0)
+    assert len(rows) == 2 and rows[0]["t"] == pytest.approx(0.25) and rows[1]["t"] == pytest.approx(0.35)
+    assert rows[0]["temperature.memory"] == 61 and rows[1]["temperature.memory"] is None
+    assert rows[1]["clocks_throttle_reasons.active"] == 4 and rows[1]["power.draw"] == 530.0
 
 
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
