@@ -411,6 +411,16 @@ def test_drift_reads_nvidia_smis_rows_and_leaves_unreported_fields_empty(tmp_pat
     assert rows[1]["clocks_throttle_reasons.active"] == 4 and rows[1]["power.draw"] == 530.0
 
 
+def test_kv_scatter_dry_run_builds_consecutive_and_scattered_tables(tmp_path):
+    out = tmp_path / "kv.json"
+    _dry_run("gpu/kv_scatter.py", str(out))
+    d = json.loads(out.read_text())
+    blocks = -(-d["meta"]["ctx"] // d["meta"]["block_size"])
+    assert [r["rows"] for r in d["rows"]] == [1, 2]
+    for r in d["rows"]:   # every row's blocks distinct, in both placements
+        assert r["distinct_blocks"] == {"consecutive": r["rows"] * blocks, "random": r["rows"] * blocks}, r
+
+
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     """A step log's steps by kind (D, P+D fused, the step starting an epoch, D beside it) and P size."""
     import gzip
