@@ -419,6 +419,15 @@ def test_kv_scatter_dry_run_builds_consecutive_and_scattered_tables(tmp_path):
     assert [r["rows"] for r in d["rows"]] == [1, 2]
     for r in d["rows"]:   # every row's blocks distinct, in both placements
         assert r["distinct_blocks"] == {"consecutive": r["rows"] * blocks, "random": r["rows"] * blocks}, r
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        import kv_scatter
+    finally:
+        sys.path.pop(0)
+    g = __import__("torch").Generator().manual_seed(1)
+    a, b = (kv_scatter.tables(3, 4, 30, p, g) for p in ("consecutive", "random"))
+    assert a.flatten().tolist() == list(range(12)) and set(b.flatten().tolist()) <= set(range(12, 30))
+    assert len(set(b.flatten().tolist())) == 12
 
 
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
