@@ -4,6 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zlib
+
+
+def rows_digest(rows) -> str:
+    """8 hex of the rows' request ids, order aside (equal sets: equal digests)."""
+    return format(zlib.crc32("\n".join(sorted(r.rid for r in rows)).encode()), "08x")
 
 
 class StepLogError(RuntimeError):
@@ -50,6 +56,10 @@ class StepLog:
         self.write({"step": plan.step, "rank": self.rank, "control": plan.control,
                     "ordering": report.ordering, "rounds": report.rounds,
                     "decode_rows": work.decode_rows, "prefill_tokens": work.prefill_tokens,
+                    # which rows, and the keys they attend: two runs of equal row counts can still
+                    # differ in both (a closed loop's timing decides who shares a step)
+                    "decode_ctx_tokens": sum(r.start + r.length for r in work.decode),
+                    "decode_set": rows_digest(work.decode),
                     "p_any": plan.p_any,   # P on any replica: this rank's D waits on it too
                     # a P epoch spanning steps: continued here / still going / finished here
                     "p_flight": plan.p_flight, "p_pending": report.p_pending, "p_done": report.p_done,
