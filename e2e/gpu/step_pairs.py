@@ -4,8 +4,9 @@ times part?
 Identical servers (same code, config, seed; same greedy tokens: same_tokens.py) end a P1 run up to a
 few per cent apart, though a D graph replayed alone runs at one speed across processes and minutes
 (drift.py). This lines two runs' steps up in order and says, per run: how many steps carry the same
-rows (`decode_set`) and attend the same keys (`decode_ctx_tokens`), and the D-only steps' GPU time
-(`d_gpu_s`) B against A over the steps that match and over those that do not.
+rows (`decode_set`: request ids, so only within one run's naming) and attend the same keys
+(`decode_ctx_tokens`), and the D-only steps' GPU time (`d_gpu_s`) B against A over the steps that
+attend the same keys and over those that do not; the walls of the steps that carry P and of D's.
 Usage: python3 e2e/gpu/step_pairs.py A B [--json OUT]   (step-log directories or files; gzip read)
 """
 from __future__ import annotations
@@ -29,8 +30,9 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     d = [(x, y) for x, y in shape if d_only(x) and d_only(y) and x["decode_rows"]
          and x.get("d_gpu_s") is not None and y.get("d_gpu_s") is not None]
     logged = "decode_set" in a[0] and "decode_set" in b[0]   # logs before the twenty-first session lack it
-    same = [(x, y) for x, y in d if logged and (x["decode_set"], x["decode_ctx_tokens"]) ==
-            (y["decode_set"], y["decode_ctx_tokens"])]
+    # matched by the keys attended: decode_set digests request ids, and the bench names its
+    # requests after a rollout id of each run's own, so sets never match across two runs of it
+    same = [(x, y) for x, y in d if logged and x["decode_ctx_tokens"] == y["decode_ctx_tokens"]]
     other = [p for p in d if p not in same]
     return {"steps_a": len(a), "steps_b": len(b), "same_shape": len(shape),
             "same_rows": sum(x["decode_set"] == y["decode_set"] for x, y in shape if x["decode_rows"]) if logged else None,

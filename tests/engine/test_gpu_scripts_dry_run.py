@@ -436,7 +436,9 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
                 "d_gpu_s": gpu if rows and not p else None, "decode_set": rset, "decode_ctx_tokens": ctx}
     burst = [step(1, 0, 9000, None)]   # a run opens with its burst of first turns
     a = burst + [step(2, 4, 0, 0.010), step(3, 4, 0, 0.010), step(4, 2, 0, 0.005)]
-    b = burst + [step(2, 4, 0, 0.011), step(3, 4, 0, 0.012, rset="t", ctx=150), step(4, 2, 0, 0.005, wall=0.02)]
+    # step 3 attends other keys; step 4 other request ids (another run's naming) over the same keys
+    b = burst + [step(2, 4, 0, 0.011), step(3, 4, 0, 0.012, rset="t", ctx=150),
+                 step(4, 2, 0, 0.005, rset="u", wall=0.02)]
     for name, steps in (("a", a), ("b", b)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
@@ -444,7 +446,7 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
                         "--json", str(tmp_path / "pairs.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (c,) = json.loads((tmp_path / "pairs.json").read_text())
-    assert (c["steps_a"], c["same_shape"], c["same_rows"], c["same_ctx"], c["d_timed"], c["d_same"]) == (4, 4, 2, 2, 3, 2)
+    assert (c["steps_a"], c["same_shape"], c["same_rows"], c["same_ctx"], c["d_timed"], c["d_same"]) == (4, 4, 1, 2, 3, 2)
     assert c["d_gpu_b_over_a_same"] == pytest.approx(0.016 / 0.015)
     assert c["d_gpu_b_over_a_other"] == pytest.approx(1.2) and c["d_ctx_b_over_a_other"] == pytest.approx(1.5)
     assert c["d_wall_b_over_a"] == pytest.approx(0.04 / 0.03) and c["p_wall_b_over_a"] == pytest.approx(1.0)
