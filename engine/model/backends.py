@@ -213,8 +213,8 @@ class Backends:
             return self.linear(x, weight)
         return torch.nn.functional.linear(x, weight)
 
-    def route(self, router_logits, top_k: int, norm_topk_prob: bool, dtype: torch.dtype):
-        return (self.router or ops.route)(router_logits, top_k, norm_topk_prob, dtype)
+    def route(self, router_logits, top_k: int, norm_topk_prob: bool, dtype: torch.dtype, live=None):
+        return (self.router or ops.route)(router_logits, top_k, norm_topk_prob, dtype, live)
 
     @property
     def name(self) -> str:

@@ -55,12 +55,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype):
-    """Softmax over experts in fp32, top-k, optional renormalization (Qwen3-MoE routing)."""
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
+          live: torch.Tensor | None = None):
+    """Softmax over experts in fp32, top-k, optional renormalization (Qwen3-MoE routing). `live`: one
+    count per row (a decode graph's seq_lens); a row at 0 is padding: ids -1 (no expert), weights 0."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if live is not None:
+        keep = (live > 0)[:, None]
+        weights, ids = torch.where(keep, weights, 0.0), torch.where(keep, ids, -1)
     return weights.to(dtype), ids
 
 

@@ -208,6 +208,11 @@ class Router(nn.Module):
         self.weight = _param(num_experts, hidden)
 
 
+# A decode graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B
+# of e2e/gpu/bench_engine.py --padding-routes route)
+SKIP_PADDING_ROUTES = True
+
+
 class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends):
         super().__init__()
@@ -258,9 +263,18 @@ class MoEBlock(nn.Module):
             return fp8.experts_forward(rows, local_ids[:, None], ones, self.experts)
         return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
+    def _padding(self, x, batch) -> torch.Tensor | None:
+        """The decode graph's seq_lens, whose padding rows (count 0: token 0 in every one, all routed
+        alike) would read up to top-k experts the real rows need not; routed to none they are
+        skipped. One rank's experts only (EP1): an all-to-all's senders take ids of real experts."""
+        if not SKIP_PADDING_ROUTES or batch.phase is not Phase.DECODE or batch.seq_lens is None \
+                or self.num_local != self.gate.weight.shape[0] or batch.seq_lens.shape[0] != x.shape[0]:
+            return None
+        return batch.seq_lens
+
     def forward(self, x, batch, collectives: Collectives):
         weights, ids = self.backends.route(self.backends.dense(x, self.gate.weight), self.top_k, self.norm_topk_prob,
-                                           x.dtype)
+                                           x.dtype, self._padding(x, batch))
         if batch.routes is not None:
             batch.routes.append(ids)
         return collectives.experts(self, x, ids, weights, batch.phase)

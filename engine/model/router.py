@@ -22,8 +22,8 @@ def _kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def route(logits, out_w, out_ids, sl, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
-              K_PAD: tl.constexpr, NORM: tl.constexpr):
+    def route(logits, out_w, out_ids, sl, live, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+              K_PAD: tl.constexpr, NORM: tl.constexpr, LIVE: tl.constexpr):
         row = tl.program_id(0)
         e = tl.arange(0, E_PAD)
         emask = e < E
@@ -42,6 +42,10 @@ def _kernel(interpret: bool):
             left = tl.where(e == pick, -1.0, left)
         if NORM:
             w = w / tl.sum(w, 0)
+        if LIVE:   # a padding row (count 0): no expert, so the experts' kernels skip its pairs
+            dead = tl.load(live + row) == 0
+            w = tl.where(dead, 0.0, w)
+            ids = tl.where(dead, -1, ids)
         kmask = kk < K
         tl.store(out_w + row * K + kk, w.to(out_w.dtype.element_ty), mask=kmask)
         tl.store(out_ids + row * K + kk, ids, mask=kmask)
@@ -49,8 +53,9 @@ def _kernel(interpret: bool):
     return route
 
 
-def fused_route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype):
-    """Same function as ops.route: (weights [T, k] in `dtype`, expert ids [T, k] int64)."""
+def fused_route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
+                live: torch.Tensor | None = None):
+    """Same function as ops.route: (weights [T, k] in `dtype`, expert ids [T, k] int64); `live` as there."""
     import triton
     t, e = router_logits.shape
     weights = torch.empty(t, top_k, dtype=dtype, device=router_logits.device)
@@ -58,6 +63,7 @@ def fused_route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, d
     if t:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         _kernel(triton_interpreting())[(t,)](
-            logits, weights, ids, logits.stride(0), E=e, E_PAD=triton.next_power_of_2(e), K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), NORM=norm_topk_prob)
+            logits, weights, ids, logits.stride(0), ids if live is None else live, E=e,
+            E_PAD=triton.next_power_of_2(e), K=top_k, K_PAD=triton.next_power_of_2(top_k), NORM=norm_topk_prob,
+            LIVE=live is not None)
     return weights, ids

@@ -57,3 +57,16 @@ def test_a_model_through_the_fused_router_picks_the_same_experts():
     routes = tuple(torch.stack(r) for r in routes)
     assert routes[0].numel() > 0 and torch.equal(routes[0], routes[1])
     assert ((logits[1] - logits[0]).norm() / logits[0].norm()).item() < 1e-5
+
+
+def test_padding_rows_route_to_no_expert():
+    """`live` (a decode graph's seq_lens): rows at 0 get ids -1 and weights 0; the others as without it."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 16, generator=g)
+    live = torch.tensor([3, 0, 5, 0], dtype=torch.int32)
+    w, ids = fused_route(logits, 2, True, torch.float32, live)
+    free_w, free_ids = fused_route(logits, 2, True, torch.float32)
+    ref_w, ref_ids = ops.route(logits, 2, True, torch.float32, live)
+    assert ids[[1, 3]].eq(-1).all() and w[[1, 3]].eq(0).all()
+    assert torch.equal(ids[[0, 2]], free_ids[[0, 2]]) and torch.equal(w[[0, 2]], free_w[[0, 2]])
+    assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)

@@ -452,6 +452,13 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
     assert c["d_wall_b_over_a"] == pytest.approx(0.04 / 0.03) and c["p_wall_b_over_a"] == pytest.approx(1.0)
 
 
+def test_padding_routes_dry_run(tmp_path):
+    out = tmp_path / "pr.json"
+    _dry_run("gpu/padding_routes.py", str(out), "--rows", "1,3")
+    d = json.loads(out.read_text())
+    assert [r["rows"] for r in d["rows"]] == [1, 3] and d["meta"]["batch"] == 32
+
+
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     """A step log's steps by kind (D, P+D fused, the step starting an epoch, D beside it) and P size."""
     import gzip

@@ -1,0 +1,96 @@
+"""A decode graph's padding rows routed to no expert, against routed as token 0 (the old way).
+
+A step of r rows replays the graph of the next bucket (1, 2, 4, 8, 16, 32, 48, 64); its padding rows
+carry token 0 at position 0 and, routed like real rows, all pick token 0's top-k experts, some of
+which the real rows do not need: more expert weights read. `qwen3_moe.SKIP_PADDING_ROUTES` routes
+them to none. This builds one engine with 32 rows decoding at `ctx`, keeps the inputs of a real
+32-row step, and replays the bucket of r rows with rows r.. made padding, under each setting in
+turn (the graphs recaptured between), A B A B; the real rows' logits must be equal under both.
+
+    python3 e2e/gpu/padding_routes.py OUT.json [--rows 3,5,9,17,26] [--ctx 2048] [--reps 50] [--rounds 2]
+    DEVICE=cpu python3 e2e/gpu/padding_routes.py OUT.json     # the CPU: no graphs, a dry run of the rest
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from fused_step import build   # this script's directory is on sys.path when it runs
+from pdrollout.engine.model import qwen3_moe
+
+BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+
+
+def replay(e, state: dict, rows: int, reps: int) -> tuple[float, torch.Tensor]:
+    """ms a replay of the bucket of `rows` real rows (the saved step's first rows; the rest padding
+    as graph_inputs leaves it), and the real rows' logits."""
+    gr = e.worker.graphs
+    b = gr.bucket(rows)
+    for name in BUFFERS:
+        getattr(gr, name).copy_(state[name])
+    gr.input_ids[rows:b].zero_()
+    gr.positions[rows:b].zero_()
+    gr.seq_lens[rows:b].zero_()
+    gr.slot_mapping[rows:b].fill_(gr.null_slot)
+    graph, logits, _ = gr.graphs[b]
+    graph.replay()
+    out = logits[:rows].clone()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="3,5,9,17,26")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    cpu = os.environ.get("DEVICE") == "cpu"
+    rows_list = [int(x) for x in a.rows.split(",")]
+    e, _ = build(cpu, 4 if cpu else 32, 64 if cpu else a.ctx, steps=16)
+    for _ in range(3):
+        e.step()
+    res = {"meta": {"commit": os.environ.get("COMMIT", ""), "machine": os.environ.get("MACHINE", ""),
+                    "gpu": "cpu" if cpu else torch.cuda.get_device_name(), "nproc": 1, "topology": "EP1/ADP1",
+                    "ctx": a.ctx, "reps": a.reps, "rounds": a.rounds, "batch": 32}, "rows": []}
+    gr = e.worker.graphs
+    if gr is None:   # the CPU: nothing to replay
+        res["rows"] = [{"rows": r} for r in rows_list]
+    else:
+        state = {name: getattr(gr, name).clone() for name in BUFFERS}
+        ms = {r: {"skip": [], "route": []} for r in rows_list}
+        logits = {r: {} for r in rows_list}
+        for _ in range(a.rounds):
+            for mode in ("skip", "route"):
+                qwen3_moe.SKIP_PADDING_ROUTES = mode == "skip"
+                e.worker.recapture()
+                for r in rows_list:
+                    t, logits[r][mode] = replay(e, state, r, a.reps)
+                    ms[r][mode].append(t)
+        qwen3_moe.SKIP_PADDING_ROUTES = True
+        for r in rows_list:
+            skip, route = statistics.median(ms[r]["skip"]), statistics.median(ms[r]["route"])
+            res["rows"].append({"rows": r, "bucket": gr.bucket(r), "skip_ms": skip, "route_ms": route,
+                                "skip_over_route": skip / route, "each_ms": ms[r],
+                                # the real rows' logits under both (fp32 accumulation: a row's own math)
+                                "same_logits": bool(torch.equal(logits[r]["skip"], logits[r]["route"]))})
+    e.shutdown()
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    for row in res["rows"]:
+        print(json.dumps({k: v for k, v in row.items() if k != "each_ms"}))
+
+
+if __name__ == "__main__":
+    main()

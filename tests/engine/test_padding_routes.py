@@ -1,0 +1,49 @@
+"""A decode graph's padding rows (seq_len 0) route to no expert: they would otherwise all route as
+token 0 and read up to top-k experts the real rows need not (qwen3_moe.MoEBlock._padding)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_preset
+from pdrollout.engine.model import qwen3_moe
+from pdrollout.engine.model.backends import REFERENCE
+from pdrollout.engine.model.checkpoint import random_model
+from pdrollout.engine.model.qwen3_moe import Collectives, ForwardBatch
+from pdrollout.engine.protocol.config import ModelConfig
+from pdrollout.engine.protocol.plan import Phase
+
+
+def _moe(block, x, lens, phase=Phase.DECODE):
+    """The block over rows `x` of a decode batch with seq_lens `lens`; (output, the ids it routed)."""
+    b = x.shape[0]
+    routes: list = []
+    batch = ForwardBatch(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                         [], torch.arange(b), phase=phase, num_decode=b, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         routes=routes)
+    return block(x, batch, Collectives()), routes[0]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_padding_rows_leave_the_real_rows_as_they_were_and_route_to_no_expert(skip, monkeypatch):
+    monkeypatch.setattr(qwen3_moe, "SKIP_PADDING_ROUTES", skip)
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    block = random_model(cfg, torch.device("cpu"), torch.float32, seed=1, backends=REFERENCE).model.layers[0].mlp
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    alone, ids_alone = _moe(block, x[:2], [7, 3])
+    padded, ids = _moe(block, x, [7, 3, 0, 0, 0])
+    assert torch.equal(ids[:2], ids_alone) and ids_alone.ge(0).all()
+    if skip:   # no expert, no output; the real rows' expert GEMMs are the very same as alone
+        assert ids[2:].eq(-1).all() and padded[2:].eq(0).all() and torch.equal(padded[:2], alone)
+    else:      # padding rows share the real rows' experts' GEMMs: equal up to their rounding
+        assert ids[2:].ge(0).all() and padded[2:].abs().sum() > 0
+        assert torch.allclose(padded[:2], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_only_decode_batches_mask_their_padding():
+    """A P-carrying batch's seq_lens (if any) are not a decode graph's: every row routes."""
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    block = random_model(cfg, torch.device("cpu"), torch.float32, seed=1, backends=REFERENCE).model.layers[0].mlp
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    _, ids = _moe(block, x, [4, 0, 0], phase=Phase.MIXED)
+    assert ids.ge(0).all()
