@@ -7,7 +7,12 @@ them to none. This builds one engine with 32 rows decoding at `ctx`, keeps the i
 32-row step, and replays the bucket of r rows with rows r.. made padding, under each setting in
 turn (the graphs recaptured between), A B A B; the real rows' logits must be equal under both.
 
+P's piecewise graphs pad a forward's tokens up to their bucket too (16, 32, 48, 64, 96, 128, 192, ...),
+the padding rows holding the last forward's tokens: `--p-shapes SEGSxNEWxCTX,...` times P forwards
+through the pieces under both settings (`bench_engine.p_batch`: segments of NEW tokens over CTX cached).
+
     python3 e2e/gpu/padding_routes.py OUT.json [--rows 3,5,9,17,26] [--ctx 2048] [--reps 50] [--rounds 2]
+        [--p-shapes 1x40x2048,4x40x1792,1x130x2048,1x545x2048]
     DEVICE=cpu python3 e2e/gpu/padding_routes.py OUT.json     # the CPU: no graphs, a dry run of the rest
 """
 from __future__ import annotations
@@ -16,11 +21,13 @@ import argparse
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
-from fused_step import build   # this script's directory is on sys.path when it runs
+from bench_engine import p_batch   # this script's directory is on sys.path when it runs
+from fused_step import build
 from pdrollout.engine.model import qwen3_moe
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
@@ -49,6 +56,19 @@ def replay(e, state: dict, rows: int, reps: int) -> tuple[float, torch.Tensor]:
     return start.elapsed_time(end) / reps, out
 
 
+def p_forward_ms(e, batch, reps: int) -> tuple[float, torch.Tensor]:
+    """Median wall of a P forward through the pieces (issued and complete), and its logits."""
+    walls = []
+    for _ in range(reps + 2):
+        batch.prefill_plan = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = e.worker.p_graphs.forward(batch)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(walls[2:]), out.clone()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -56,9 +76,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--p-shapes", default="", help="SEGSxNEWxCTX,...: P forwards through the pieces")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
-    rows_list = [int(x) for x in a.rows.split(",")]
+    rows_list = [int(x) for x in a.rows.split(",") if x]
+    shapes = [tuple(int(v) for v in x.split("x")) for x in a.p_shapes.split(",") if x]
     e, _ = build(cpu, 4 if cpu else 32, 64 if cpu else a.ctx, steps=16)
     for _ in range(3):
         e.step()
@@ -72,6 +94,10 @@ def main() -> None:
         state = {name: getattr(gr, name).clone() for name in BUFFERS}
         ms = {r: {"skip": [], "route": []} for r in rows_list}
         logits = {r: {} for r in rows_list}
+        g = torch.Generator().manual_seed(1)
+        batches = {s: p_batch(e.worker, *s, g) for s in shapes}
+        p_ms = {s: {"skip": [], "route": []} for s in shapes}
+        p_logits = {s: {} for s in shapes}
         for _ in range(a.rounds):
             for mode in ("skip", "route"):
                 qwen3_moe.SKIP_PADDING_ROUTES = mode == "skip"
@@ -79,7 +105,18 @@ def main() -> None:
                 for r in rows_list:
                     t, logits[r][mode] = replay(e, state, r, a.reps)
                     ms[r][mode].append(t)
+                for sh in shapes:
+                    t, p_logits[sh][mode] = p_forward_ms(e, batches[sh], max(5, a.reps // 5))
+                    p_ms[sh][mode].append(t)
         qwen3_moe.SKIP_PADDING_ROUTES = True
+        res["p_forwards"] = []
+        for sh in shapes:
+            tokens = batches[sh].input_ids.shape[0]
+            skip, route = statistics.median(p_ms[sh]["skip"]), statistics.median(p_ms[sh]["route"])
+            res["p_forwards"].append({"shape": "x".join(map(str, sh)), "tokens": tokens,
+                                      "bucket": e.worker.p_graphs.bucket(tokens), "skip_ms": skip, "route_ms": route,
+                                      "skip_over_route": skip / route, "each_ms": p_ms[sh],
+                                      "same_logits": bool(torch.equal(p_logits[sh]["skip"], p_logits[sh]["route"]))})
         for r in rows_list:
             skip, route = statistics.median(ms[r]["skip"]), statistics.median(ms[r]["route"])
             res["rows"].append({"rows": r, "bucket": gr.bucket(r), "skip_ms": skip, "route_ms": route,
@@ -88,7 +125,7 @@ def main() -> None:
                                 "same_logits": bool(torch.equal(logits[r]["skip"], logits[r]["route"]))})
     e.shutdown()
     Path(a.out).write_text(json.dumps(res, indent=1))
-    for row in res["rows"]:
+    for row in res["rows"] + res.get("p_forwards", []):
         print(json.dumps({k: v for k, v in row.items() if k != "each_ms"}))
 
 

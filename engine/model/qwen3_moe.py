@@ -47,6 +47,8 @@ class ForwardBatch:
     want_hidden: bool = False    # keep every row's final hidden state in `hidden` (the MTP proposer's input)
     hidden: torch.Tensor | None = None
     prefill_plan: object = None  # the attention backend's metadata of the prefill segments (built once a step)
+    # int32 [T]: 0 marks a graph's padding row (routed to no expert, MoEBlock._padding); None: all real
+    live: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -208,8 +210,8 @@ class Router(nn.Module):
         self.weight = _param(num_experts, hidden)
 
 
-# A decode graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B
-# of e2e/gpu/bench_engine.py --padding-routes route)
+# A graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B of
+# e2e/gpu/padding_routes.py)
 SKIP_PADDING_ROUTES = True
 
 
@@ -264,13 +266,14 @@ class MoEBlock(nn.Module):
         return self.backends.experts.routed(rows, local_ids, *self._expert_tensors(rows.dtype))
 
     def _padding(self, x, batch) -> torch.Tensor | None:
-        """The decode graph's seq_lens, whose padding rows (count 0: token 0 in every one, all routed
-        alike) would read up to top-k experts the real rows need not; routed to none they are
-        skipped. One rank's experts only (EP1): an all-to-all's senders take ids of real experts."""
-        if not SKIP_PADDING_ROUTES or batch.phase is not Phase.DECODE or batch.seq_lens is None \
-                or self.num_local != self.gate.weight.shape[0] or batch.seq_lens.shape[0] != x.shape[0]:
+        """A graph's live rows (`batch.live`): its padding rows (a decode graph's token 0 in every
+        one, all routed alike; P's pieces' stale tokens) would read experts the real rows need not;
+        routed to none they are skipped. One rank's experts only (EP1): an all-to-all's senders
+        take ids of real experts."""
+        if not SKIP_PADDING_ROUTES or batch.live is None or self.num_local != self.gate.weight.shape[0] \
+                or batch.live.shape[0] != x.shape[0]:
             return None
-        return batch.seq_lens
+        return batch.live
 
     def forward(self, x, batch, collectives: Collectives):
         weights, ids = self.backends.route(self.backends.dense(x, self.gate.weight), self.top_k, self.norm_topk_prob,

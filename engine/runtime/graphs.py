@@ -89,7 +89,8 @@ class DecodeGraphs:
     def _batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [], self.rows[:b],
                             phase=Phase.DECODE, num_decode=b, block_tables=self.block_tables[:b],
-                            seq_lens=self.seq_lens[:b], block_size=self.block_size, want_hidden=self.keep_hidden)
+                            seq_lens=self.seq_lens[:b], block_size=self.block_size, want_hidden=self.keep_hidden,
+                            live=self.seq_lens[:b])   # padding rows: length 0
 
     def capture(self) -> None:
         """Every bucket, largest first (later graphs reuse its memory pool); on several ranks this
