@@ -56,9 +56,10 @@ def replay(e, state: dict, rows: int, reps: int) -> tuple[float, torch.Tensor]:
     return start.elapsed_time(end) / reps, out
 
 
-def p_forward_ms(e, batch, reps: int) -> tuple[float, torch.Tensor]:
-    """Median wall of a P forward through the pieces (issued and complete), and its logits."""
-    walls = []
+def p_forward_ms(e, batch, reps: int) -> tuple[float, torch.Tensor, bool]:
+    """Median wall of a P forward through the pieces (issued and complete), its logits, and whether
+    every repeat gave the same logits."""
+    walls, outs = [], []
     for _ in range(reps + 2):
         batch.prefill_plan = None
         torch.cuda.synchronize()
@@ -66,7 +67,8 @@ def p_forward_ms(e, batch, reps: int) -> tuple[float, torch.Tensor]:
         out = e.worker.p_graphs.forward(batch)
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(walls[2:]), out.clone()
+        outs.append(out.clone())
+    return statistics.median(walls[2:]), outs[-1], all(torch.equal(o, outs[0]) for o in outs)
 
 
 def main() -> None:
@@ -98,6 +100,7 @@ def main() -> None:
         batches = {s: p_batch(e.worker, *s, g) for s in shapes}
         p_ms = {s: {"skip": [], "route": []} for s in shapes}
         p_logits = {s: {} for s in shapes}
+        p_repeat = {s: {} for s in shapes}   # mode -> every repeat of the forward gave equal logits
         for _ in range(a.rounds):
             for mode in ("skip", "route"):
                 qwen3_moe.SKIP_PADDING_ROUTES = mode == "skip"
@@ -106,8 +109,9 @@ def main() -> None:
                     t, logits[r][mode] = replay(e, state, r, a.reps)
                     ms[r][mode].append(t)
                 for sh in shapes:
-                    t, p_logits[sh][mode] = p_forward_ms(e, batches[sh], max(5, a.reps // 5))
+                    t, p_logits[sh][mode], same = p_forward_ms(e, batches[sh], max(5, a.reps // 5))
                     p_ms[sh][mode].append(t)
+                    p_repeat[sh][mode] = p_repeat[sh].get(mode, True) and same
         qwen3_moe.SKIP_PADDING_ROUTES = True
         res["p_forwards"] = []
         for sh in shapes:
@@ -116,7 +120,8 @@ def main() -> None:
             res["p_forwards"].append({"shape": "x".join(map(str, sh)), "tokens": tokens,
                                       "bucket": e.worker.p_graphs.bucket(tokens), "skip_ms": skip, "route_ms": route,
                                       "skip_over_route": skip / route, "each_ms": p_ms[sh],
-                                      "same_logits": bool(torch.equal(p_logits[sh]["skip"], p_logits[sh]["route"]))})
+                                      "same_logits": bool(torch.equal(p_logits[sh]["skip"], p_logits[sh]["route"])),
+                                      "repeats_equal": p_repeat[sh]})
         for r in rows_list:
             skip, route = statistics.median(ms[r]["skip"]), statistics.median(ms[r]["route"])
             res["rows"].append({"rows": r, "bucket": gr.bucket(r), "skip_ms": skip, "route_ms": route,
