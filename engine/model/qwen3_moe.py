@@ -267,9 +267,8 @@ class MoEBlock(nn.Module):
 
     def _padding(self, x, batch) -> torch.Tensor | None:
         """A graph's live rows (`batch.live`): its padding rows (a decode graph's token 0 in every
-        one, all routed alike; P's pieces' stale tokens) would read experts the real rows need not;
-        routed to none they are skipped. One rank's experts only (EP1): an all-to-all's senders
-        take ids of real experts."""
+        one, all routed alike) would read experts the real rows need not; routed to none they are
+        skipped. One rank's experts only (EP1): an all-to-all's senders take ids of real experts."""
         if not SKIP_PADDING_ROUTES or batch.live is None or self.num_local != self.gate.weight.shape[0] \
                 or batch.live.shape[0] != x.shape[0]:
             return None

@@ -6,8 +6,12 @@ Why: a P epoch at P1 carries 160-320 new tokens, and its thread spent 50-90 ms i
 forward whose kernels take ~27 ms (docs/PERF.md); every first token in the epoch waited for that
 host time. D has had graphs from the start because its shapes are fixed; P's are not, in two ways:
 - the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
-  null slot, so padding writes no real K/V; `live` 0, so it routes to no expert), and one set of
-  pieces is captured per bucket;
+  null slot, so padding writes no real K/V), and one set of pieces is captured per bucket. The
+  padding still routes to experts (as the stale tokens do): marking it for no expert
+  (`ForwardBatch.live`, as decode graphs do) made P forwards 0.8-3.5 % faster on the H200, but the
+  real rows' logits were not bitwise those of the forward without it at three of four shapes,
+  which the per-row kernels should give (docs/PERF.md, twenty-first session): not landed until
+  explained;
 - the segments (how many, how long, how much context): only the attention reads them, so the
   attention stays eager and the graph is cut around it, as SGLang's and vLLM's piecewise graphs do.
   A layer is then one replay and one attention launch.
@@ -56,7 +60,6 @@ class PrefillGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), kv.null_slot, dtype=torch.long, device=dev)
-        self.live = torch.zeros(n, dtype=torch.int32, device=dev)   # 1: a real row; padding routes to no expert
         self.x = torch.zeros(n, model.cfg.hidden_size, dtype=dtype, device=dev)             # residual stream
         self.q = torch.zeros(n, attn.heads, attn.head_dim, dtype=dtype, device=dev)         # the next attention's queries
         self.o = torch.zeros(n, attn.heads * attn.head_dim, dtype=dtype, device=dev)        # its output (real rows)
@@ -70,7 +73,7 @@ class PrefillGraphs:
     def _stub(self, b: int) -> ForwardBatch:
         """What the MLP pieces read of a batch: its phase and no routing ids (one rank: no comm)."""
         return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [],
-                            self.positions[:0], phase=Phase.PREFILL, live=self.live[:b])
+                            self.positions[:0], phase=Phase.PREFILL)
 
     def _head(self, b: int) -> None:
         m, kv = self.model, self.kv
@@ -144,10 +147,8 @@ class PrefillGraphs:
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
         self.slot_mapping[:t].copy_(batch.slot_mapping)
-        self.live[:t].fill_(1)
-        if t < b:   # the last forward's slots: padding must not write real K/V, nor read experts
+        if t < b:   # the last forward's slots: padding must not write real K/V
             self.slot_mapping[t:b].fill_(self.kv.null_slot)
-            self.live[t:b].zero_()
         pieces = self.pieces[b]
         pieces[0]()
         for i, layer in enumerate(self.layers):

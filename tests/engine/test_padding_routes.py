@@ -1,6 +1,5 @@
-"""A graph's padding rows (`ForwardBatch.live` 0) route to no expert: a decode graph's would all
-route as token 0, P's pieces' as stale tokens, and read experts the real rows need not
-(qwen3_moe.MoEBlock._padding)."""
+"""A decode graph's padding rows (`ForwardBatch.live` 0: seq_len 0) route to no expert: they would
+all route as token 0 and read experts the real rows need not (qwen3_moe.MoEBlock._padding)."""
 from __future__ import annotations
 
 import pytest
@@ -50,41 +49,3 @@ def test_a_batch_without_live_rows_routes_every_row():
     x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     _, ids = _moe(block, x, [4, 0, 0], live=False)
     assert ids.ge(0).all()
-
-
-def test_p_pieces_route_their_padding_to_no_expert_and_keep_the_forwards_logits(monkeypatch):
-    """P's pieces (eager on the CPU, through the same buffers and padding) after a longer forward left
-    stale tokens in the bucket: those rows route to no expert; the logits are the eager forward's."""
-    from pdrollout.engine.model.backends import Backends
-    from pdrollout.engine.model.kv_cache import KVCache
-    from pdrollout.engine.model.qwen3_moe import SeqSlice
-    from pdrollout.engine.runtime.prefill_graphs import PrefillGraphs
-    seen: list = []
-
-    def spy(logits, k, norm, dtype, live=None):
-        seen.append((live if live is None else live.clone(), ops_route(logits, k, norm, dtype, live)[1]))
-        return ops_route(logits, k, norm, dtype, live)
-    from pdrollout.engine.model import ops
-    ops_route = ops.route
-    cfg = ModelConfig.from_dict(load_preset("tiny"))
-    model = random_model(cfg, torch.device("cpu"), torch.float32, seed=1,
-                         backends=Backends(REFERENCE.attention, REFERENCE.experts, router=spy))
-    kv = KVCache(cfg.num_hidden_layers, 8, 16, model.model.layers[0].self_attn.kv_heads, cfg.head_dim,
-                 torch.float32, "cpu")
-    pieces = PrefillGraphs(model, kv, 16, graphs=False)
-    pieces.capture()
-
-    def batch(n, first_slot):
-        slots = torch.arange(first_slot, first_slot + n)
-        ids = torch.tensor([(i * 37) % (cfg.vocab_size - 2) + 2 for i in range(n)])
-        return ForwardBatch(ids, torch.arange(n), slots, [SeqSlice(0, n, n, slots)], torch.tensor([n - 1]),
-                            phase=Phase.PREFILL)
-    pieces.forward(batch(13, 0))               # fills the 16-token bucket's first 13 rows
-    seen.clear()
-    got = pieces.forward(batch(5, 32))         # 5 real rows, 11 padding rows with stale tokens
-    want = model(batch(5, 64), kv)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    piece_calls = [(live, ids) for live, ids in seen if live is not None]
-    assert len(piece_calls) == cfg.num_hidden_layers
-    for live, ids in piece_calls:
-        assert live.tolist() == [1] * 5 + [0] * 11 and ids[5:].eq(-1).all() and ids[:5].ge(0).all()
