@@ -22,6 +22,9 @@ call, then summarized.
     --variant cp:pd:'{"priority": "critical-path", "control": {"p_gather_ms": 100}}'
                                                          # the client sends each turn its trajectory's
                                                          # work left as /generate's priority
+    --variant pin:mixed:'{"cpus": "0-7"}'                # (--reuse-server) the server's process tree
+                                                         # pinned to CPUs 0-7; its log line reads the
+                                                         # affinity back from the running server
 
 --reuse-server: a (variant, mode) keeps one server for every (pressure, seed), its prefix cache
 flushed between runs, as a rollout server serves one rollout after another; it saves a server start
@@ -50,6 +53,7 @@ import threading
 import time
 from pathlib import Path
 
+from pdrollout.engine.workload.servers import parse_cpus
 from pdrollout.engine.workload.trace import PRIORITY_HINTS
 
 BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 40 << 30, "max_running": 64}
@@ -60,7 +64,8 @@ MEASURES = ("makespan_s", "median_ttft_ms", "p99_ttft_ms", "mean_decode_wait_ms"
 def parse_variant(text: str) -> dict:
     """NAME[@PRESSURE,...]:MODES:ENGINE_CONFIG_JSON (@: only at those pressures); the JSON's
     "weights" ("bf16" or "fp8") picks the model's weights and "priority" the hint the client sends
-    (`pdrollout bench --priority`), the rest are EngineConfig fields."""
+    (`pdrollout bench --priority`), "cpus" ("0-7,16") the CPUs the server's process tree is pinned
+    to (--reuse-server), the rest are EngineConfig fields."""
     name, modes, extra = text.split(":", 2)
     name, _, only = name.partition("@")
     extra = json.loads(extra or "{}")
@@ -70,11 +75,17 @@ def parse_variant(text: str) -> dict:
     priority = extra.pop("priority", "none")
     if priority not in PRIORITY_HINTS:
         raise ValueError(f"variant {name}: priority must be one of {', '.join(PRIORITY_HINTS)}, got {priority!r}")
+    cpus = extra.pop("cpus", None)
+    if cpus is not None:   # refused before anything runs
+        try:
+            parse_cpus(str(cpus))
+        except ValueError as e:
+            raise ValueError(f"variant {name}: {e}") from None
     mtp = extra.pop("mtp_layers", 1 if extra.get("speculative") == "mtp" else 0)
     if not isinstance(mtp, int) or mtp < 0:
         raise ValueError(f"variant {name}: mtp_layers must be an integer >= 0, got {mtp!r}")
     return {"name": name, "modes": modes, "extra": extra, "weights": weights, "mtp_layers": mtp,
-            "priority": priority, "pressures": only.split(",") if only else None}
+            "priority": priority, "cpus": cpus, "pressures": only.split(",") if only else None}
 
 
 def model_dir(args, variant: dict) -> str:
@@ -241,8 +252,12 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     left = list(jobs)
     while left:
         t = time.time()
-        with serve(model_dir(args, variant), mode, str(log_path), device=device(), extra_args=extra, env=gpu_env(gpu)) as live:
-            log(f"gpu {gpu} {variant['name']} {mode}: server up in {time.time() - t:.0f} s")
+        cpus = parse_cpus(str(variant["cpus"])) if variant["cpus"] is not None else None
+        with serve(model_dir(args, variant), mode, str(log_path), device=device(), extra_args=extra, env=gpu_env(gpu),
+                   cpus=cpus) as live:
+            # the affinity the running server has, read back (not the one asked for)
+            on = ",".join(map(str, sorted(os.sched_getaffinity(live.proc.pid)))) if cpus else "any"
+            log(f"gpu {gpu} {variant['name']} {mode}: server up in {time.time() - t:.0f} s on cpus {on}")
             first = True
             while left and live.died() is None:
                 if not first:
@@ -423,9 +438,14 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     if not args.summarize:
-        variants = [parse_variant(v) for v in args.variant] or [parse_variant("base:normal,mixed,pd:{}")]
+        try:
+            variants = [parse_variant(v) for v in args.variant] or [parse_variant("base:normal,mixed,pd:{}")]
+        except ValueError as e:
+            ap.error(str(e))
         if args.py_spy and not args.reuse_server:
             ap.error("--py-spy needs --reuse-server (the server's process is then this script's child)")
+        if any(v["cpus"] is not None for v in variants) and not args.reuse_server:
+            ap.error('a variant\'s "cpus" pins its server: needs --reuse-server (else `pdrollout bench` starts it)')
         if args.blocks > 1 and not args.reuse_server:
             ap.error("--blocks orders the servers of --reuse-server (without it every run has its own)")
         if not args.py_spy and not {"normal", "mixed"} <= set(variants[0]["modes"].split(",")):

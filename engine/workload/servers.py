@@ -32,6 +32,37 @@ def _pdrollout() -> list[str]:
     return [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())"]
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as taskset and cpusets write it ("0-7,16"): ValueError on a malformed one, or on
+    CPUs this process may not run on (a server pinned there would fail at its first instruction)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"cpus {text!r}: not a CPU list like 0-7,16") from None
+        if first < 0 or last < first:
+            raise ValueError(f"cpus {text!r}: range {part.strip()!r} is empty or negative")
+        cpus.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"cpus {text!r}: {sorted(cpus - allowed)} not among this process's CPUs "
+                         f"({min(allowed)}-{max(allowed)}, {len(allowed)} of them)")
+    return frozenset(cpus)
+
+
+def pinned(cmd: list[str], cpus: frozenset[int] | None) -> list[str]:
+    """`cmd` run on `cpus` only: a trampoline sets its own affinity, then execs cmd, so the server,
+    its threads and its ranks inherit it from their first instruction (no external taskset, and no
+    preexec_fn in a process with threads)."""
+    if cpus is None:
+        return cmd
+    trampoline = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); " \
+                 "os.execvp(sys.argv[2], sys.argv[2:])"
+    return [sys.executable, "-c", trampoline, ",".join(map(str, sorted(cpus))), *cmd]
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
@@ -63,9 +94,11 @@ class Live:
 
 @contextlib.contextmanager
 def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
-          extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0, env: dict | None = None):
+          extra_args: tuple[str, ...] = (), startup_timeout_s: float = 600.0, env: dict | None = None,
+          cpus: frozenset[int] | None = None):
     """Start the server, wait for GET /health 200, yield it (Live); SIGTERM and wait on exit.
-    `env`: the server's environment (default: this process's), e.g. its CUDA_VISIBLE_DEVICES."""
+    `env`: the server's environment (default: this process's), e.g. its CUDA_VISIBLE_DEVICES;
+    `cpus`: the CPUs its whole process tree runs on (parse_cpus; None: wherever the OS puts it)."""
     port = free_port()
     # the bench is the server's only client: a stop (the bench done or interrupted) need not wait long
     drain = [] if "--drain-timeout" in extra_args else ["--drain-timeout", "2"]
@@ -76,7 +109,7 @@ def serve(model: str, mode: str, log_path: str, *, device: str | None = None,
     env = {**(os.environ if env is None else env), "PDROLLOUT_EXIT_WITH_PARENT": str(os.getpid())}
     with open(log_path, "ab") as log:
         # its own session: the whole tree (ranks included) can be ended by its process group
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(pinned(cmd, cpus), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + startup_timeout_s

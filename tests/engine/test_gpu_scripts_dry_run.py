@@ -703,3 +703,29 @@ def test_issue19_spread_part_runs_identical_servers_and_compares_them(tmp_path):
     with tarfile.open(out / "spread.tgz") as t:
         names = set(t.getnames())
     assert {"spread/repeats.md", "spread/d_speed.txt", "spread/summary.json"} <= names, sorted(names)
+
+
+def test_bench_seeds_pins_a_variants_server_to_its_cpus(tmp_path):
+    """"cpus" pins the server's process tree: the affinity read back from the running server is the
+    one asked for, a variant without it runs anywhere, and a CPU list that is malformed or names CPUs
+    this machine lacks is refused before anything runs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "pin"
+    log = _bench_seeds(out, "--pressures", "P2", "--layers", "1", "--reuse-server",
+                       "--variant", f'pin:mixed:{{"cpus": "{allowed[0]}"}}')
+    assert "base normal: server up in" in log and log.count("on cpus any") == 2, log
+    assert "pin mixed: server up" in log and f"on cpus {allowed[0]}\n" in log, log
+    pin = json.loads((out / "pin" / "P2-s0" / "mixed" / "results.json").read_text())["modes"]["mixed"]
+    assert pin["completed"] > 0
+    assert [v.get("cpus") for v in json.loads((out / "meta.json").read_text())["variants"]] == [None, str(allowed[0])]
+    for cpus, says in (("0-x", "not a CPU list"), ("3-1", "empty or negative"),
+                       (f"{allowed[-1] + 1}", "not among this process's CPUs")):
+        r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"), "--reuse-server",
+                            "--variant", f'bad:normal,mixed:{{"cpus": "{cpus}"}}'],
+                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+        assert r.returncode == 2 and "variant bad: cpus" in r.stderr and says in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"),
+                        "--variant", 'bad:normal,mixed:{"cpus": "0"}'],
+                       capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+    assert r.returncode == 2 and "needs --reuse-server" in r.stderr, r.stderr
+    assert not (tmp_path / "bad" / "meta.json").exists()

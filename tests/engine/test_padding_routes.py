@@ -35,11 +35,14 @@ def test_padding_rows_leave_the_real_rows_as_they_were_and_route_to_no_expert(sk
     alone, ids_alone = _moe(block, x[:2], [7, 3])
     padded, ids = _moe(block, x, [7, 3, 0, 0, 0])
     assert torch.equal(ids[:2], ids_alone) and ids_alone.ge(0).all()
-    if skip:   # no expert, no output; the real rows' expert GEMMs are the very same as alone
-        assert ids[2:].eq(-1).all() and padded[2:].eq(0).all() and torch.equal(padded[:2], alone)
-    else:      # padding rows share the real rows' experts' GEMMs: equal up to their rounding
+    if skip:   # no expert, no output
+        assert ids[2:].eq(-1).all() and padded[2:].eq(0).all()
+    else:      # padding rows share the real rows' experts' GEMMs
         assert ids[2:].ge(0).all() and padded[2:].abs().sum() > 0
-        assert torch.allclose(padded[:2], alone, rtol=1e-5, atol=1e-6)
+    # equal up to fp32 rounding, not bitwise: a CPU BLAS may pick its kernel by the rows (here the
+    # router's 5 against 2 gave other bits on one CI machine); the GPU's bitwise check of the graphs'
+    # logits is e2e/gpu/padding_routes.py's
+    assert torch.allclose(padded[:2], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_a_batch_without_live_rows_routes_every_row():
