@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fused_step import build   # this script's directory is on sys.path when it runs
+from fused_step import build, replays_ms   # this script's directory is on sys.path when it runs
 
 
 def tables(rows: int, blocks: int, pool: int, placement: str, g: torch.Generator) -> torch.Tensor:
@@ -69,14 +69,7 @@ def replay_ms(e, rows: int, ctx: int, table: torch.Tensor, reps: int) -> tuple[f
     gr.slot_mapping[rows:b].fill_(gr.null_slot)
     gr.input_ids[rows:b].zero_()
     graph, logits, _ = gr.graphs[b]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps, logits[:rows].clone()
+    return replays_ms(graph, reps), logits[:rows].clone()
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fused_step import replays_ms   # this script's directory is on sys.path when it runs
 from pdrollout.engine.protocol.config import EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
@@ -115,15 +116,7 @@ def replay_ms(e: Engine, rows: int, ids: torch.Tensor | None, reps: int) -> floa
     bucket = g.bucket(rows)
     if ids is not None:
         g.input_ids[:bucket].copy_(ids[:bucket])
-    graph = g.graphs[bucket][0]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return replays_ms(g.graphs[bucket][0], reps)
 
 
 def replays(e: Engine, rows: int, cfg: dict, g: torch.Generator, reps: int) -> dict | None:
