@@ -53,19 +53,6 @@ def build(cpu: bool, batch: int, ctx: int, steps: int) -> tuple[Engine, list[lis
     return e, prompts
 
 
-def replays_ms(graph, reps: int) -> float:
-    """Mean ms of `reps` back-to-back replays of a captured CUDA graph (CUDA events), after one
-    replay that is not timed."""
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def sync(e) -> None:
     if e.worker.cuda:
         torch.cuda.synchronize(e.worker.device)

@@ -1,7 +1,21 @@
-"""The device's copy rate: the ceiling every HBM floor in e2e/gpu is taken against."""
+"""The device's copy rate: the ceiling every HBM floor in e2e/gpu is taken against; and how the
+scripts time a captured graph's replays."""
 from __future__ import annotations
 
 import torch
+
+
+def replays_ms(graph, reps: int) -> float:
+    """Mean ms of `reps` back-to-back replays of a captured CUDA graph (CUDA events), after one
+    replay that is not timed."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def copy_bw(dev="cuda") -> float:
@@ -35,15 +49,7 @@ def captured_copy_bw(dev="cuda") -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y.copy_(x)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 20
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * reps / (start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() / (replays_ms(graph, 20) / 1e3)
 
 
 if __name__ == "__main__":   # python3 e2e/gpu/hbm.py: both rates, three times each, as JSON

@@ -26,7 +26,7 @@ if os.environ.get("DEVICE") == "cpu":
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hbm import copy_bw  # noqa: E402  (the copy rate every floor here is taken against)
+from hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate every floor here is taken against)
 
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.fused_moe import experts_fused  # noqa: E402
@@ -38,14 +38,7 @@ def timed(fn, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    return replays_ms(graph, reps) / 1e3
 
 
 def sweep(run, ref, flops: float) -> list[dict]:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from bench_engine import p_batch   # this script's directory is on sys.path when it runs
-from fused_step import build, replays_ms
+from fused_step import build
+from hbm import replays_ms
 from pdrollout.engine.model import qwen3_moe
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
