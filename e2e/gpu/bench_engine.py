@@ -69,15 +69,16 @@ def measure_ceilings():
 P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536), (4, 2048, 0))
 
 
-def p_batch(w, segs: int, new: int, ctx: int, g: torch.Generator):
+def p_batch(w, segs: int, new: int, ctx: int, g: torch.Generator, below: int = 0):
     """A P forward of `segs` segments of `new` tokens over `ctx` cached ones, on free slots at the
-    top of the cache (no request holds them). Random tokens: one token repeated routes a whole
-    segment to the same 8 experts, which makes the expert GEMMs few and large (the 8k forward ran
-    8 % faster on it than on a real batch)."""
+    top of the cache (no request holds them), `below` slots under the top: batches that must not
+    read each other's K/V as their context take apart regions (p_slots gives a batch's). Random
+    tokens: one token repeated routes a whole segment to the same 8 experts, which makes the expert
+    GEMMs few and large (the 8k forward ran 8 % faster on it than on a real batch)."""
     from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
-    dev, top = w.device, w.kv.null_slot
+    dev, top = w.device, w.kv.null_slot - below
     ids, pos, slots, seqs, t = [], [], [], [], 0
-    base = top - segs * (ctx + new)
+    base = top - p_slots(segs, new, ctx)
     for i in range(segs):
         first = base + i * (ctx + new)
         ids += torch.randint(2, w.cfg.vocab_size, (new,), generator=g).tolist()
@@ -87,6 +88,11 @@ def p_batch(w, segs: int, new: int, ctx: int, g: torch.Generator):
         t += new
     long = lambda xs: torch.tensor(list(xs), dtype=torch.long, device=dev)
     return ForwardBatch(long(ids), long(pos), long(slots), seqs, long(range(new - 1, t, new)))
+
+
+def p_slots(segs: int, new: int, ctx: int) -> int:
+    """The KV slots p_batch's forward of this shape reads and writes."""
+    return segs * (ctx + new)
 
 
 def p_runs(w, batch) -> dict:

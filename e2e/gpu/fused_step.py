@@ -35,14 +35,14 @@ from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
 
 
-def build(cpu: bool, batch: int, ctx: int, steps: int) -> tuple[Engine, list[list[int]]]:
+def build(cpu: bool, batch: int, ctx: int, steps: int, **config) -> tuple[Engine, list[list[int]]]:
     cfg = load_preset("tiny" if cpu else "qwen3-30b-a3b")
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(cfg))
     device = dict(device="cpu", dtype="float32", num_blocks=4096) if cpu else \
         dict(device="cuda", dtype="bfloat16", kv_cache_bytes=40 << 30)
     e = Engine(EngineConfig(model=str(tmp), random_weights=True, mode="mixed", max_running=batch + 1,
-                            block_size=16, **device))
+                            block_size=16, **device, **config))
     g = torch.Generator().manual_seed(0)
     prompts = []
     for i in range(batch):

@@ -210,9 +210,12 @@ class Router(nn.Module):
         self.weight = _param(num_experts, hidden)
 
 
-# A graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B of
-# e2e/gpu/padding_routes.py)
+# A decode graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B
+# of e2e/gpu/padding_routes.py)
 SKIP_PADDING_ROUTES = True
+# The same for P's piecewise graphs (runtime/prefill_graphs.py): off until its real rows' logits are
+# shown equal to the unmasked forward's (docs/PERF.md); padding_routes.py --p-shapes A/Bs it
+SKIP_P_PADDING_ROUTES = False
 
 
 class MoEBlock(nn.Module):
@@ -267,9 +270,11 @@ class MoEBlock(nn.Module):
 
     def _padding(self, x, batch) -> torch.Tensor | None:
         """A graph's live rows (`batch.live`): its padding rows (a decode graph's token 0 in every
-        one, all routed alike) would read experts the real rows need not; routed to none they are
-        skipped. One rank's experts only (EP1): an all-to-all's senders take ids of real experts."""
-        if not SKIP_PADDING_ROUTES or batch.live is None or self.num_local != self.gate.weight.shape[0] \
+        one, all routed alike; P's pieces' stale tokens) would read experts the real rows need not;
+        routed to none they are skipped. One rank's experts only (EP1): an all-to-all's senders
+        take ids of real experts."""
+        on = SKIP_PADDING_ROUTES if batch.phase is Phase.DECODE else SKIP_P_PADDING_ROUTES
+        if not on or batch.live is None or self.num_local != self.gate.weight.shape[0] \
                 or batch.live.shape[0] != x.shape[0]:
             return None
         return batch.live

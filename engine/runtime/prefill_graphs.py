@@ -8,10 +8,10 @@ host time. D has had graphs from the start because its shapes are fixed; P's are
 - the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
   null slot, so padding writes no real K/V), and one set of pieces is captured per bucket. The
   padding still routes to experts (as the stale tokens do): marking it for no expert
-  (`ForwardBatch.live`, as decode graphs do) made P forwards 0.8-3.5 % faster on the H200, but the
-  real rows' logits were not bitwise those of the forward without it at three of four shapes,
-  which the per-row kernels should give (docs/PERF.md, twenty-first session): not landed until
-  explained;
+  (`ForwardBatch.live`, as decode graphs do; `qwen3_moe.SKIP_P_PADDING_ROUTES`) made P forwards
+  0.8-3.5 % faster on the H200, but the real rows' logits were not bitwise those of the forward
+  without it at three of four shapes, which the per-row kernels should give (docs/PERF.md,
+  twenty-first session): off until explained;
 - the segments (how many, how long, how much context): only the attention reads them, so the
   attention stays eager and the graph is cut around it, as SGLang's and vLLM's piecewise graphs do.
   A layer is then one replay and one attention launch.
@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..model import qwen3_moe
 from ..model.qwen3_moe import ForwardBatch
 from ..protocol.plan import Phase
 
@@ -60,6 +61,7 @@ class PrefillGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), kv.null_slot, dtype=torch.long, device=dev)
+        self.live = torch.zeros(n, dtype=torch.int32, device=dev)   # 0: padding (qwen3_moe.SKIP_P_PADDING_ROUTES)
         self.x = torch.zeros(n, model.cfg.hidden_size, dtype=dtype, device=dev)             # residual stream
         self.q = torch.zeros(n, attn.heads, attn.head_dim, dtype=dtype, device=dev)         # the next attention's queries
         self.o = torch.zeros(n, attn.heads * attn.head_dim, dtype=dtype, device=dev)        # its output (real rows)
@@ -73,7 +75,7 @@ class PrefillGraphs:
     def _stub(self, b: int) -> ForwardBatch:
         """What the MLP pieces read of a batch: its phase and no routing ids (one rank: no comm)."""
         return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [],
-                            self.positions[:0], phase=Phase.PREFILL)
+                            self.positions[:0], phase=Phase.PREFILL, live=self.live[:b])
 
     def _head(self, b: int) -> None:
         m, kv = self.model, self.kv
@@ -149,6 +151,9 @@ class PrefillGraphs:
         self.slot_mapping[:t].copy_(batch.slot_mapping)
         if t < b:   # the last forward's slots: padding must not write real K/V
             self.slot_mapping[t:b].fill_(self.kv.null_slot)
+        if qwen3_moe.SKIP_P_PADDING_ROUTES:   # read only by pieces captured with it on
+            self.live[:t].fill_(1)
+            self.live[t:b].zero_()
         pieces = self.pieces[b]
         pieces[0]()
         for i, layer in enumerate(self.layers):

@@ -453,10 +453,21 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
 
 
 def test_padding_routes_dry_run(tmp_path):
+    """The CPU has no decode graphs, but runs P's pieces eagerly through their buffers and padding:
+    the P forwards' records (masked and not, repeats, against the eager forward) are all made."""
     out = tmp_path / "pr.json"
-    _dry_run("gpu/padding_routes.py", str(out), "--rows", "1,3")
+    _dry_run("gpu/padding_routes.py", str(out), "--rows", "1,3", "--reps", "5", "--p-shapes", "1x5x16,2x7x20")
     d = json.loads(out.read_text())
     assert [r["rows"] for r in d["rows"]] == [1, 3] and d["meta"]["batch"] == 32
+    assert [(p["shape"], p["tokens"], p["bucket"]) for p in d["p_forwards"]] == [("1x5x16", 5, 16), ("2x7x20", 14, 16)]
+    for p in d["p_forwards"]:
+        # every shape on its own slots: no forward reads another's K/V as context, so a recapture
+        # and the other shapes' forwards between two rounds leave the logits as they were
+        assert p["repeats_equal"] == p["rounds_equal"] == {"skip": True, "route": True}
+        assert len(p["each_ms"]["skip"]) == len(p["each_ms"]["route"]) == 2
+        # the real rows' logits within fp32 rounding of each other and of the eager forward's
+        assert all(v["max"] < 1e-4 and v["of"] == p["tokens"] // int(p["shape"].split("x")[1])
+                   for v in p["differ"].values())
 
 
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):

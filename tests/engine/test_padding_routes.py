@@ -52,3 +52,50 @@ def test_a_batch_without_live_rows_routes_every_row():
     x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     _, ids = _moe(block, x, [4, 0, 0], live=False)
     assert ids.ge(0).all()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_p_pieces_padding_routes_only_under_its_own_switch(skip, monkeypatch):
+    """P's pieces (eager on the CPU, through the same buffers and padding) after a longer forward
+    left stale tokens in the bucket: with SKIP_P_PADDING_ROUTES those rows route to no expert, without
+    it (the default) they route as real rows, and the decode switch alone never touches them; the
+    real rows' logits are the eager forward's either way."""
+    from pdrollout.engine.model import ops
+    from pdrollout.engine.model.backends import Backends
+    from pdrollout.engine.model.kv_cache import KVCache
+    from pdrollout.engine.model.qwen3_moe import SeqSlice
+    from pdrollout.engine.runtime.prefill_graphs import PrefillGraphs
+    monkeypatch.setattr(qwen3_moe, "SKIP_P_PADDING_ROUTES", skip)
+    monkeypatch.setattr(qwen3_moe, "SKIP_PADDING_ROUTES", True)
+    seen: list = []
+
+    def spy(logits, k, norm, dtype, live=None):
+        w, ids = ops.route(logits, k, norm, dtype, live)
+        seen.append((live if live is None else live.clone(), ids))
+        return w, ids
+    cfg = ModelConfig.from_dict(load_preset("tiny"))
+    model = random_model(cfg, torch.device("cpu"), torch.float32, seed=1,
+                         backends=Backends(REFERENCE.attention, REFERENCE.experts, router=spy))
+    kv = KVCache(cfg.num_hidden_layers, 8, 16, model.model.layers[0].self_attn.kv_heads, cfg.head_dim,
+                 torch.float32, "cpu")
+    pieces = PrefillGraphs(model, kv, 16, graphs=False)
+    pieces.capture()
+
+    def batch(n, first_slot):
+        slots = torch.arange(first_slot, first_slot + n)
+        ids = torch.tensor([(i * 37) % (cfg.vocab_size - 2) + 2 for i in range(n)])
+        return ForwardBatch(ids, torch.arange(n), slots, [SeqSlice(0, n, n, slots)], torch.tensor([n - 1]),
+                            phase=Phase.PREFILL)
+    pieces.forward(batch(13, 0))               # fills the 16-token bucket's first 13 rows
+    seen.clear()
+    got = pieces.forward(batch(5, 32))         # 5 real rows, 11 padding rows with stale tokens
+    want = model(batch(5, 64), kv)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    piece_calls = seen[:cfg.num_hidden_layers]
+    assert len(piece_calls) == cfg.num_hidden_layers and all(ids.shape[0] == 16 for _, ids in piece_calls)
+    for live, ids in piece_calls:
+        assert ids[:5].ge(0).all()
+        if skip:
+            assert live.tolist() == [1] * 5 + [0] * 11 and ids[5:].eq(-1).all()
+        else:
+            assert live is None and ids[5:].ge(0).all()
