@@ -213,9 +213,9 @@ class Router(nn.Module):
 # A decode graph's padding rows route to no expert (MoEBlock._padding); False: as real rows (the A/B
 # of e2e/gpu/padding_routes.py)
 SKIP_PADDING_ROUTES = True
-# The same for P's piecewise graphs (runtime/prefill_graphs.py): off until its real rows' logits are
-# shown equal to the unmasked forward's (docs/PERF.md); padding_routes.py --p-shapes A/Bs it
-SKIP_P_PADDING_ROUTES = False
+# The same for P's piecewise graphs' padding (runtime/prefill_graphs.py: stale tokens); apart from
+# decode's so that e2e/gpu/padding_routes.py --p-shapes can A/B it
+SKIP_P_PADDING_ROUTES = True
 
 
 class MoEBlock(nn.Module):
