@@ -6,12 +6,10 @@ Why: a P epoch at P1 carries 160-320 new tokens, and its thread spent 50-90 ms i
 forward whose kernels take ~27 ms (docs/PERF.md); every first token in the epoch waited for that
 host time. D has had graphs from the start because its shapes are fixed; P's are not, in two ways:
 - the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
-  null slot, so padding writes no real K/V), and one set of pieces is captured per bucket. The
-  padding still routes to experts (as the stale tokens do): marking it for no expert
-  (`ForwardBatch.live`, as decode graphs do; `qwen3_moe.SKIP_P_PADDING_ROUTES`) made P forwards
-  0.8-3.5 % faster on the H200, but the real rows' logits were not bitwise those of the forward
-  without it at three of four shapes, which the per-row kernels should give (docs/PERF.md,
-  twenty-first session): off until explained;
+  null slot, so padding writes no real K/V; `live` 0, so its stale tokens route to no expert, as a
+  decode graph's padding does: P forwards 1.6-4.3 % faster on the H200, the real rows' logits
+  bitwise those of routed padding and of the eager forward; `qwen3_moe.SKIP_P_PADDING_ROUTES`), and
+  one set of pieces is captured per bucket;
 - the segments (how many, how long, how much context): only the attention reads them, so the
   attention stays eager and the graph is cut around it, as SGLang's and vLLM's piecewise graphs do.
   A layer is then one replay and one attention launch.
