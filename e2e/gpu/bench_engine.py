@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -274,7 +275,9 @@ def main():
     chunk_s = sorted(prefill_times[i] for i in full)[len(full) // 2] if full else float("nan")
     attn_flops = 4 * a.chunk * a.ctx / 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     chunk_flops = 2 * active * a.chunk + attn_flops
-    res = {"gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
+    res = {"meta": {"commit": os.environ.get("COMMIT", ""), "machine": os.environ.get("MACHINE", ""),
+                    "nproc": 1, "topology": "EP1/ADP1", "batch": a.batch, "ctx": a.ctx, "chunk": a.chunk},
+           "gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "kv_splits": a.kv_splits, "router": a.router, "dense_kernel": a.dense_kernel, "align": a.align, "qkv": a.qkv, "prefill_attention": a.prefill_attention,
