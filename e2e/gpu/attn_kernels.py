@@ -89,11 +89,6 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
             whole = plan_tiles(seqs, dev, splits=1)
             row["whole_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=whole), 20) * 1e6
         row["default_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan), 20) * 1e6
-        # the walk in one loop deciding the mask per block (TILES' bands off): the same bits, its time
-        one = dict(bands=False)
-        row["one_loop_us"] = timed(lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=one), 20) * 1e6
-        row["one_loop_equal"] = bool(torch.equal(paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=one),
-                                                 paged_prefill_attention(q, k, v, seqs, scale, plan=plan)))
         row["sdpa_tflops"], row["default_tflops"] = flops / row["sdpa_us"] / 1e6, flops / row["default_us"] / 1e6
         if all(s.q_len == s.ctx_len for s in seqs):
             row["fresh"] = fresh_backends(q, k, v, seqs, scale, ref, flops)
@@ -174,8 +169,7 @@ def main() -> int:
         print(f"{r['shape']:5} {r['segments']:5} {r['tokens']:7} {r.get('sdpa_us', 0):8.0f} {r.get('default_us', 0):11.0f}  "
               f"{r.get('sdpa_tflops', 0):6.0f} / {r.get('default_tflops', 0):4.0f} / {r.get('best_tflops', 0):4.0f}  "
               f"{r.get('best_config')}" + (f"  splits {r['splits']}: whole walks {r['whole_us']:.0f} us"
-                                            if r.get("whole_us") else "")
-              + (f"  one loop {r['one_loop_us']:.0f} us, same bits {r['one_loop_equal']}" if "one_loop_us" in r else ""))
+                                            if r.get("whole_us") else ""))
         for name, f in r.get("fresh", {}).items():
             print(f"  fresh {name:32} " + (f"{f['us']:6.0f} us {f['tflops']:4.0f} TFLOP/s err {f['rel_err']:.1e}"
                                            if "us" in f else f["error"]))

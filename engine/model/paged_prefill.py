@@ -28,10 +28,8 @@ from .kernels import triton_interpreting
 
 # The launch's tile shape and pipelining, swept by e2e/gpu/attn_kernels.py on the H200: 128 × 128 with
 # 8 warps was within 1.3 % of the best of 36 at both the 8k chunk (309 TFLOP/s) and a P1 epoch's 32
-# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md). `bands`: the walk in two
-# loops, the key blocks every row of the tile sees whole (no mask, no branch) and then the causal
-# band; False: one loop deciding per block (attn_kernels.py times both)
-TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=2, bands=True)
+# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md)
+TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 LOG2E = 1.4426950408889634
 
 
@@ -45,7 +43,7 @@ def _kernel():
     def attend(q_ptr, k_ptr, v_ptr, o_ptr, slots_ptr, tiles_ptr, scale2,
                sq_t, sq_h, sk_s, sk_h, so_t, so_h, part_ptr, ml_ptr, splits, T, H,
                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               PRECISION: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr, BANDS: tl.constexpr):
+               PRECISION: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr):
         # heads vary fastest: the GROUP query heads of one KV head run side by side (its K/V tiles
         # stay in L2), and the longest tiles (plan_tiles' order) start first
         h = tl.program_id(0)
@@ -76,43 +74,26 @@ def _kernel():
             stretch = tl.cdiv(tl.cdiv(end, splits), BN) * BN
             lo = sp * stretch
             hi = tl.minimum(end, lo + stretch)
-        # [lo, mid): whole blocks before the tile's first row, seen by every row (the stretches are
-        # whole blocks, so none of these passes `hi`); [mid, hi): the diagonal and the context's end
-        mid = lo
-        if BANDS:
-            mid = lo + tl.maximum(tl.minimum(pos0 + 1, hi) - lo, 0) // BN * BN
-        for band in tl.static_range(2):
-            if band == 0:
-                first, last = lo, mid
-            else:
-                first, last = mid, hi
-            for start in range(first, last, BN):
-                kpos = start + tl.arange(0, BN)
-                if band == 0:
-                    slot = tl.load(slots_ptr + slot0 + kpos)
-                    k = tl.load(k_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :])
-                    v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :])
-                else:
-                    kmask = kpos < hi
-                    slot = tl.load(slots_ptr + slot0 + kpos, mask=kmask, other=0)
-                    k = tl.load(k_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kmask[:, None], other=0.0)
-                    v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kmask[:, None], other=0.0)
-                if F32:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale2
-                if band == 1:   # bottom-right causal, and the context's end
-                    if BANDS:
-                        s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
-                    elif start + BN > pos0 + 1:   # one loop: the blocks before the first row whole
-                        s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                # a stretch past a row's position masks all of its keys: keep exp2 off -inf - -inf
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_use)
-                p = tl.exp2(s - m_use[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-                m = m_new
+        for start in range(lo, hi, BN):
+            kpos = start + tl.arange(0, BN)
+            kmask = kpos < hi
+            slot = tl.load(slots_ptr + slot0 + kpos, mask=kmask, other=0)
+            k = tl.load(k_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kmask[:, None], other=0.0)
+            if F32:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale2
+            if start + BN > pos0 + 1:   # the diagonal (bottom-right causal) and the context's end;
+                # the blocks before the tile's first row are seen whole by every row
+                s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # a stretch past a row's position masks all of its keys: keep exp2 off -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m = m_new
         if SPLIT:   # this stretch's softmax state, unnormalized: merge() weighs the stretches
             at = (sp * T + row0 + r).to(tl.int64) * H + h   # part: [splits, T, H, D]; ml: [.., 2]
             tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=rmask[:, None])
@@ -235,7 +216,6 @@ def paged_prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None, p
         part, ml, splits, t, h,
         GROUP=h // k_cache.shape[1], D=d, BM=cfg["block_m"], BN=cfg["block_n"],
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else "tf32", F32=interpret, SPLIT=splits > 1,
-        BANDS=cfg["bands"],
         **({} if interpret else dict(warps, num_stages=cfg["num_stages"])))
     if splits > 1:
         _merge_kernel()[(h, tile_rows.shape[0])](part, ml, out, tile_rows, splits, t, h, out.stride(0), out.stride(1),

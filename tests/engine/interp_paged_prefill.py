@@ -85,21 +85,6 @@ def test_other_tile_shapes_match_the_reference(tiles):
     assert torch.equal(paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan, tiles=tiles), out)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_the_banded_walk_equals_the_one_loop_walk(splits):
-    """TILES' `bands` (whole key blocks first, unmasked; then the causal band) against one loop
-    deciding per block: the same blocks in the same order, so the same bits; with the walks split
-    along the context too (a stretch may end before, inside or after a tile's band)."""
-    q, k, v, seqs = segments(SHAPES + [(9, 200), (40, 170)], 16, 4, 2, 32, torch.float32, seed=5)
-    tiles = dict(block_m=16, block_n=16)
-    plan = plan_tiles(seqs, q.device, 16, splits=splits)
-    banded = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan, tiles={**tiles, "bands": True})
-    one_loop = paged_prefill_attention(q, k, v, seqs, 32 ** -0.5, plan=plan, tiles={**tiles, "bands": False})
-    assert torch.equal(banded, one_loop)
-    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, 32 ** -0.5)
-    assert rel(banded, ref) < 1e-5
-
-
 def test_a_model_through_the_paged_prefill_equals_the_reference(monkeypatch):
     """Every layer's prefill attention through the kernel (PagedAttention, `prefill_attention:
     triton`): the reference's fp32 logits, with one tile plan for all the layers."""
