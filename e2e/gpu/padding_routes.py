@@ -111,6 +111,7 @@ def main() -> None:
         for sh in shapes:
             batches[sh].prefill_plan = None
             eager[sh] = e.worker.model(batches[sh], e.worker.kv).float().clone()
+    defaults = qwen3_moe.SKIP_PADDING_ROUTES, qwen3_moe.SKIP_P_PADDING_ROUTES
     for _ in range(a.rounds):
         for mode in ("skip", "route"):
             qwen3_moe.SKIP_PADDING_ROUTES = qwen3_moe.SKIP_P_PADDING_ROUTES = mode == "skip"
@@ -123,7 +124,7 @@ def main() -> None:
                 p_ms[sh][mode].append(t)
                 p_repeat[sh][mode] = p_repeat[sh].get(mode, True) and same
                 p_rounds[sh].setdefault(mode, []).append(out.float())
-    qwen3_moe.SKIP_PADDING_ROUTES, qwen3_moe.SKIP_P_PADDING_ROUTES = True, False
+    qwen3_moe.SKIP_PADDING_ROUTES, qwen3_moe.SKIP_P_PADDING_ROUTES = defaults
     res["p_forwards"] = []
     for sh in shapes:
         tokens = batches[sh].input_ids.shape[0]

@@ -33,7 +33,6 @@ from typing import Callable
 
 import torch
 
-from ..model import qwen3_moe
 from ..model.qwen3_moe import ForwardBatch
 from ..protocol.plan import Phase
 
@@ -149,9 +148,8 @@ class PrefillGraphs:
         self.slot_mapping[:t].copy_(batch.slot_mapping)
         if t < b:   # the last forward's slots: padding must not write real K/V
             self.slot_mapping[t:b].fill_(self.kv.null_slot)
-        if qwen3_moe.SKIP_P_PADDING_ROUTES:   # read only by pieces captured with it on
-            self.live[:t].fill_(1)
-            self.live[t:b].zero_()
+        self.live[:t].fill_(1)   # read by pieces captured with SKIP_P_PADDING_ROUTES on
+        self.live[t:b].zero_()
         pieces = self.pieces[b]
         pieces[0]()
         for i, layer in enumerate(self.layers):
