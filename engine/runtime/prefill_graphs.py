@@ -70,7 +70,8 @@ class PrefillGraphs:
 
     # ---- the pieces ---------------------------------------------------------------------------
     def _stub(self, b: int) -> ForwardBatch:
-        """What the MLP pieces read of a batch: its phase and no routing ids (one rank: no comm)."""
+        """What the MLP pieces read of a batch: its phase, its live rows (padding: 0) and no routing
+        ids (one rank: no comm)."""
         return ForwardBatch(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [],
                             self.positions[:0], phase=Phase.PREFILL, live=self.live[:b])
 

@@ -57,8 +57,8 @@ def test_a_batch_without_live_rows_routes_every_row():
 @pytest.mark.parametrize("skip", [True, False])
 def test_p_pieces_padding_routes_only_under_its_own_switch(skip, monkeypatch):
     """P's pieces (eager on the CPU, through the same buffers and padding) after a longer forward
-    left stale tokens in the bucket: with SKIP_P_PADDING_ROUTES those rows route to no expert, without
-    it (the default) they route as real rows, and the decode switch alone never touches them; the
+    left stale tokens in the bucket: with SKIP_P_PADDING_ROUTES (the default) those rows route to no
+    expert, without it they route as real rows, and the decode switch alone never touches them; the
     real rows' logits are the eager forward's either way."""
     from pdrollout.engine.model import ops
     from pdrollout.engine.model.backends import Backends
