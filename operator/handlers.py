@@ -17,6 +17,7 @@ from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
 INVALID_SPEC = ConditionType.INVALID_SPEC.value
+REFUSED = "refused"   # memo key: (generation, the InvalidSpec condition) reconcile wrote for it
 
 
 @dataclass(frozen=True)
@@ -163,15 +164,16 @@ def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logge
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile(spec, name, namespace, body, meta, status, patch, logger, retry, **_) -> None:
+def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, retry, **_) -> None:
     try:
-        _reconcile(spec, name, namespace, body, meta, status, patch, logger)
+        _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger)
     except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
         delay = kube.forbidden_delay(retry)
         raise kopf.TemporaryError(f"{e}; retry {retry + 1} in {delay:.0f} s", delay=delay) from None
 
 
-def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None:
+def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -> None:
+    memo.pop(REFUSED, None)   # this generation is judged afresh
     s = _spec(spec)
     objs = builders.desired_objects(name, namespace, s, rollout_token(namespace, name, meta["uid"]),
                                     operator_namespace())
@@ -183,11 +185,10 @@ def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None
         except kube.Refused as e:
             # Retrying cannot help; say why where users look, and wait for a spec change (an update).
             message = f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {e.message}"
-            patch.status["conditions"] = conditions + [{
-                "type": INVALID_SPEC, "status": "True", "reason": "ObjectRefused", "message": message[:1000],
-                "lastTransitionTime": _iso(_now())}]
-            patch.status["phase"] = Phase.FAILED.value
-            patch.status["observedGeneration"] = meta.get("generation")
+            refused = {"type": INVALID_SPEC, "status": "True", "reason": "ObjectRefused", "message": message[:1000],
+                       "lastTransitionTime": _iso(_now())}
+            memo[REFUSED] = (meta.get("generation"), refused)   # the timer re-asserts it (see observe)
+            _patch_refused(patch, conditions, refused, meta)
             kopf.warn(body, reason=INVALID_SPEC, message=message)
             logger.error(message)
             return
@@ -200,6 +201,12 @@ def _reconcile(spec, name, namespace, body, meta, status, patch, logger) -> None
     patch.status["observedGeneration"] = meta.get("generation")
     if not (status or {}).get("phase"):
         patch.status["phase"] = Phase.STARTING.value
+
+
+def _patch_refused(patch, conditions: list[dict], refused: dict, meta) -> None:
+    patch.status["conditions"] = conditions + [refused]
+    patch.status["phase"] = Phase.FAILED.value
+    patch.status["observedGeneration"] = meta.get("generation")
 
 
 def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, namespace: str, body, patch,
@@ -280,7 +287,18 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         return
     s = _spec(spec)
     status = dict(status or {})
-    if any(c.get("type") == INVALID_SPEC and c.get("status") == "True" for c in status.get("conditions") or []):
+    conditions = status.get("conditions") or []
+    said = any(c.get("type") == INVALID_SPEC and c.get("status") == "True" for c in conditions)
+    generation, refused = memo.get(REFUSED) or (None, None)
+    if refused is not None and generation == meta.get("generation"):
+        # kopf runs timers beside the change handlers: a tick that read status before reconcile's
+        # refusal landed writes its conditions list after it and drops InvalidSpec. This process's
+        # memo still knows; say it again (one tick later) rather than lose it until the next spec change.
+        if not said:
+            logger.warning(f"re-asserting InvalidSpec: {refused['message']}")
+            _patch_refused(patch, [c for c in conditions if c.get("type") != INVALID_SPEC], refused, meta)
+        return
+    if said:
         return  # nothing runs until the spec changes (reconcile clears the condition)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(

@@ -391,15 +391,35 @@ def test_two_replicas_one_leader_and_failover(cluster, installed, operator, name
 
 def test_gang_without_its_crd_is_invalid_spec(cluster, operator, namespace, wait):
     """spec.gang on a cluster without scheduler-plugins' PodGroup CRD: InvalidSpec naming what is missing,
-    not a rollout stuck in Starting with pods no scheduler will take."""
+    not a rollout stuck in Starting with pods no scheduler will take. kopf runs the status timer beside
+    reconcile; here one tick reads status before the refusal lands and writes after it (its conditions
+    list replaces the whole list), and InvalidSpec must come back and stay."""
     cluster.kubectl("delete", "crd", "podgroups.scheduling.x-k8s.io", "--ignore-not-found", "--wait=true")
-    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
-    doc["metadata"]["name"] = name = "gang-no-crd"
-    doc["spec"]["gang"] = {"schedulerName": "nobody"}
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
-    pdr = wait("InvalidSpec", when(lambda: rollout(cluster, namespace, name),
-                                   lambda r: cond(r, "InvalidSpec").get("status") == "True"), timeout=60)
+    operator.kill(signal.SIGTERM)
+    seen = operator.log.stat().st_size
+    try:
+        # Six applies of 0.5 s: the refusal lands ~3 s in. The first tick (1 s in) lists pods for 8 s.
+        operator.start(ROOT / "tests/slow_operator.py", PDROLLOUT_TEST_APPLY_PAUSE_S="0.5",
+                       PDROLLOUT_TEST_LIST_PAUSE_S="8")
+        doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
+        doc["metadata"]["name"] = name = "gang-no-crd"
+        doc["spec"]["gang"] = {"schedulerName": "nobody"}
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+        invalid = when(lambda: rollout(cluster, namespace, name),
+                       lambda r: cond(r, "InvalidSpec").get("status") == "True")
+        wait("InvalidSpec", invalid, timeout=60)
+        wait("the stale tick's write and the re-assertion", lambda: "re-asserting InvalidSpec" in
+             operator.log.read_bytes()[seen:].decode(errors="replace"), timeout=60)
+        held_since = time.monotonic()
+        while time.monotonic() - held_since < 4:      # four more ticks: it stays
+            pdr = invalid()
+            assert pdr, f"InvalidSpec lost again: {rollout(cluster, namespace, name).get('status')}"
+            time.sleep(0.5)
+    finally:
+        operator.kill(signal.SIGKILL)
+        operator.start()
     assert "PodGroup is not served by this cluster" in cond(pdr, "InvalidSpec")["message"]
+    assert pdr["status"]["phase"] == "Failed"
     assert cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode != 0
 
 
