@@ -10,7 +10,8 @@ batch to pick a kernel. The batch builder asks the attention backend which metad
                                  metadata: graph-capturable); prefill segments all in one Triton
                                  launch from the paged cache (bf16), or SDPA per segment over its
                                  gathered context (`prefill_attention: sdpa`; fp32), or per step:
-                                 SDPA when every segment is a long fresh prompt (`hybrid`)
+                                 SDPA on cuDNN when every segment is a long fresh prompt
+                                 (`hybrid`: lengths bucketed, a bounded set of cuDNN plans)
   experts    ReferenceExperts    one expert at a time (CPU)
              GroupedExperts      two grouped GEMMs (bf16 on SM90+; fixed shapes: graph-capturable)
              FusedExperts        two Triton kernels, SiLU·up and the routing weight fused in, blocks of
@@ -80,15 +81,19 @@ class PagedAttention:
                 paged_prefill.paged_prefill_attention(q, k_cache, v_cache, segments, scale, out=o,
                                                       plan=batch.prefill_plan)
                 return o
+            if q.device.type != "cuda" or q.dtype in (torch.bfloat16, torch.float16):   # cuDNN's dtypes
+                kernels.fresh_prefill_attention(q, k_cache, v_cache, segments, scale, out=o)
+                return o
         if segments:
             kernels.prefill_attention(q, k_cache, v_cache, segments, scale, out=o)
         return o
 
 
 SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segments
-# Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA (cuDNN on the H200):
-# 4 fresh 2,048-token segments took 394 µs a layer there against the paged launch's 444
-# (e2e/gpu/attn_kernels.py; docs/PERF.md); continuations and short segments stay on the launch.
+# Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA on cuDNN with their
+# lengths bucketed (kernels.fresh_prefill_attention): 4 fresh 2,048-token segments took 366 µs a
+# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md);
+# continuations and short segments stay on the launch.
 SDPA_FRESH_MIN_TOKENS = 2048
 
 

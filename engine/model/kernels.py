@@ -5,6 +5,8 @@
   along the context (flash-decoding: `kv_splits` programs per (row, KV head), each a slice of the
   context, merged by their log-sum-exp), so a batch of few rows still fills the GPU;
 * `prefill_attention`: SDPA per sequence over the gathered context with a bottom-right causal mask;
+* `fresh_prefill_attention`: fresh prompts only, on SDPA's cuDNN backend, lengths rounded up to a
+  bucket and batched per length (a bounded set of cuDNN plans);
 * `experts_grouped`: routed experts through two `torch._grouped_mm` calls (fixed shapes: graph-safe).
 Triton is imported lazily: CPU-only installs never need it.
 """
@@ -188,6 +190,81 @@ def prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None):
                                                scale=scale, enable_gqa=True)
         out[s.q_start:s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+# Fresh segments are padded up to a multiple of this many tokens: cuDNN builds an execution plan
+# per new shape (~45 ms on the H200, docs/PERF.md), so rounding bounds the plans a process builds.
+FRESH_BUCKET = 512
+
+
+def fresh_groups(seqs, bucket: int = FRESH_BUCKET) -> dict[int, list]:
+    """Segments by their length rounded up to `bucket`: one SDPA call (a batch) per group."""
+    groups: dict[int, list] = {}
+    for s in seqs:
+        groups.setdefault(-(-s.q_len // bucket) * bucket, []).append(s)
+    return groups
+
+
+def _cudnn(device: torch.device):
+    """SDPA's cuDNN backend for this call only (the worker leaves it off for every other SDPA)."""
+    import contextlib
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
+def _batched(x, cache_or_q, group, length: int, rows):
+    """The group's rows as one (segments, length, heads, dim) tensor: a view when the segments lie
+    back to back at full length, else zero padded (never stale cache slots: 0 x NaN would leak
+    through the masked keys' probabilities)."""
+    n = len(group)
+    starts = [s.q_start for s in group]
+    if x is not None and all(s.q_len == length for s in group) and \
+            starts == list(range(starts[0], starts[0] + n * length, length)):
+        return x[starts[0]:starts[0] + n * length].view(n, length, *x.shape[1:])
+    out = cache_or_q.new_zeros(n, length, *cache_or_q.shape[1:])
+    for i, s in enumerate(group):
+        if rows is None:
+            out[i, :s.q_len] = cache_or_q[s.q_start:s.q_start + s.q_len]
+        else:
+            torch.index_select(cache_or_q, 0, rows[i], out=out[i, :s.q_len])
+    return out
+
+
+def fresh_prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None, bucket: int = FRESH_BUCKET):
+    """Fresh prompts only (every segment's q_len == ctx_len): causal SDPA on cuDNN, one call per
+    group of segments whose lengths round up to the same multiple of `bucket`. Padded keys come
+    after every real query, so causal masking hides them from the real rows."""
+    assert all(s.q_len == s.ctx_len for s in seqs), "fresh prompts only"
+    out = torch.empty_like(q) if out is None else out
+    for length, group in fresh_groups(seqs, bucket).items():
+        n = len(group)
+        qb = _batched(q, q, group, length, None)
+        slots = [s.slots for s in group]
+        if all(s.q_len == length for s in group):   # one gather for the whole group
+            cat = torch.cat(slots) if n > 1 else slots[0]
+            kb = k_cache.index_select(0, cat).view(n, length, *k_cache.shape[1:])
+            vb = v_cache.index_select(0, cat).view(n, length, *v_cache.shape[1:])
+        else:
+            kb = _batched(None, k_cache, group, length, slots)
+            vb = _batched(None, v_cache, group, length, slots)
+        with _cudnn(q.device):
+            o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                               is_causal=True, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2)   # (segments, length, heads, dim)
+        for i, s in enumerate(group):
+            out[s.q_start:s.q_start + s.q_len] = o[i, :s.q_len]
+    return out
+
+
+def fresh_shapes(max_tokens: int, min_tokens: int, bucket: int = FRESH_BUCKET) -> list[tuple[int, int]]:
+    """Every (segments, padded length) `fresh_prefill_attention` can run for a step of at most
+    `max_tokens` fresh tokens in segments of at least `min_tokens`: what a warm-up builds."""
+    first = -(-min_tokens // bucket) * bucket
+    # n segments in one group: the shortest holds at most max_tokens // n, and all round up alike
+    return [(n, length) for n in range(1, max_tokens // min_tokens + 1)
+            for length in range(first, -(-(max_tokens // n) // bucket) * bucket + 1, bucket)]
 
 
 def _sorted_rows(topk_ids, num_local: int, expert_offset: int):

@@ -226,10 +226,10 @@ class EngineConfig(BaseModel):
     # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
     # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and
     # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md).
-    # hybrid (opt-in): SDPA for a step whose segments are all fresh prompts of >= 2,048 tokens
-    # (cuDNN beat the launch there by 11 % as a kernel), the launch otherwise; in the engine it made
-    # the 8k chunk slower (149 against 133 ms, docs/PERF.md): the worker turns SDPA's cuDNN backend
-    # off (a plan per new shape), so SDPA runs flash there, 684 µs a layer against the launch's 444
+    # hybrid (opt-in): a step whose segments are all fresh prompts of >= 2,048 tokens runs SDPA on
+    # cuDNN (366 against the launch's 444 µs a layer on 4 x 2,048 as kernels, docs/PERF.md), lengths
+    # rounded up to 512 and batched per length so cuDNN builds a bounded set of plans (~45 ms each;
+    # several ranks build them all at start); any other step runs the launch
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # the paged launch's walks split along the context into n stretches, merged by a second launch;
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one

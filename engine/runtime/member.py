@@ -24,7 +24,7 @@ from .pd_step import TurnstileStep
 from .rendezvous import make_rendezvous
 from .stall_dump import dump_threads
 from .streams import StreamDevice, make_streams
-from .warmup import warm_kernels, warm_nccl
+from .warmup import warm_fresh_attention, warm_kernels, warm_nccl
 from .watchdog import Watchdog
 
 
@@ -82,6 +82,9 @@ class GroupMember:
             rows = max(p_rows, d_tokens)
             slots = comm.ep * comm.cap if comm.fixed_slots else 0
             warm_kernels(w.model, w.streams["d"], rows, topo.ep, slots, w.device, w.rank)
+            if config.prefill_attention == "hybrid":
+                with torch.cuda.stream(w.streams["d"]):
+                    warm_fresh_attention(w.model, p_rows, w.device, w.rank)
         if config.mode == "pd":
             self.pd.warm_paths()
         if cuda and config.cuda_graphs and comm.fixed_slots and not w.eager_d:   # mtp: D runs eagerly

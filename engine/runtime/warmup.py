@@ -5,7 +5,8 @@ driver at a *first use*: cuBLASLt setting a new kernel's attributes (cuKernelSet
 first cuDNN handle loading its modules (cuModuleLoadData). Both wait for a context-wide
 synchronization, i.e. for every kernel on the GPU, including a collective spinning for a peer. So
 every GEMM shape a path can issue runs once at start, for the M values cuBLASLt picks kernels by,
-and cuDNN attention stays off in the ranks' processes.
+and cuDNN attention stays off in the ranks' processes, except for the bounded set of fresh-prompt
+shapes `prefill_attention: hybrid` runs on it, all run once at start (warm_fresh_attention).
 """
 from __future__ import annotations
 
@@ -72,6 +73,32 @@ def warm_kernels(model, stream, rows: int, ep: int, routed_slots: int, device: t
     torch.cuda.synchronize(device)
     print(f"[rank {rank}] kernel warm-up: {n} GEMMs, M up to {rows} ({rows * ep} for experts), "
           f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+
+
+def warm_fresh_attention(model, rows: int, device: torch.device, rank: int) -> int:
+    """`prefill_attention: hybrid`: every shape `fresh_prefill_attention` can run for a forward of
+    up to `rows` tokens, once now: cuDNN's first handle (its modules load with a context-wide wait)
+    and each shape's plan (~45 ms) are built before P and D overlap. Returns the shapes run."""
+    from ..model.backends import SDPA_FRESH_MIN_TOKENS
+    from ..model.kernels import fresh_prefill_attention, fresh_shapes
+    from ..model.qwen3_moe import SeqSlice
+    attn = next((m for m in model.modules() if hasattr(m, "kv_heads") and hasattr(m, "head_dim")), None)
+    if attn is None or rows < SDPA_FRESH_MIN_TOKENS:
+        return 0
+    t0 = time.monotonic()
+    dtype = next(model.parameters()).dtype
+    shapes = fresh_shapes(rows, SDPA_FRESH_MIN_TOKENS)
+    for n, length in shapes:
+        q = torch.zeros(n * length, attn.heads, attn.head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(n * length, attn.kv_heads, attn.head_dim, dtype=dtype, device=device)
+        seqs = [SeqSlice(i * length, length, length, torch.arange(i * length, (i + 1) * length, device=device))
+                for i in range(n)]
+        fresh_prefill_attention(q, kv, kv, seqs, attn.head_dim ** -0.5)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    print(f"[rank {rank}] fresh attention warm-up: {len(shapes)} cuDNN shapes up to {rows} tokens, "
+          f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+    return len(shapes)
 
 
 def warm_nccl(pgs, device: torch.device) -> None:

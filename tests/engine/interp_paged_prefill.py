@@ -120,8 +120,8 @@ def test_prefill_kv_splits_reaches_the_launch_and_a_split_model_equals_the_refer
 
 def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
     """`prefill_attention: hybrid`: a step whose segments are all fresh prompts of at least
-    SDPA_FRESH_MIN_TOKENS runs SDPA (no tile plan), any other step the paged launch; both equal the
-    reference."""
+    SDPA_FRESH_MIN_TOKENS runs the fresh-prompt SDPA path (no tile plan), any other step the paged
+    launch; both equal the reference."""
     from conftest import tiny_prompt_forward
     from pdrollout.engine.model import backends, kernels, paged_prefill
     from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
@@ -136,8 +136,8 @@ def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
         monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", bound)
         ran = []
         monkeypatch.setattr(paged_prefill, "plan_tiles", lambda *a, **k: ran.append("triton") or plan_tiles(*a, **k))
-        sdpa = kernels.prefill_attention
-        monkeypatch.setattr(kernels, "prefill_attention", lambda *a, **k: ran.append("sdpa") or sdpa(*a, **k))
+        sdpa = kernels.fresh_prefill_attention   # cuDNN on the GPU; SDPA's CPU backend here
+        monkeypatch.setattr(kernels, "fresh_prefill_attention", lambda *a, **k: ran.append("sdpa") or sdpa(*a, **k))
         got = tiny_prompt_forward(Backends(PagedAttention("torch", prefill="hybrid"), REFERENCE.experts))
         assert rel(got, ref) < 1e-5
         assert set(ran) == {path}, (bound, ran)

@@ -106,6 +106,29 @@ def test_prefill_attention_matches_reference(kernel):
         assert rel(out[rows], ref[rows]) < 2e-2
 
 
+def test_fresh_prefill_attention_on_cudnn_matches_reference_and_the_launch():
+    """`prefill_attention: hybrid`'s path: cuDNN SDPA over fresh prompts bucketed and batched (back to
+    back at a bucket's length: views; others padded), with NaN in every cache slot no prompt holds
+    (the padding must not read them). Equal to the reference and to the paged launch at bf16."""
+    from pdrollout.engine.model.kernels import fresh_groups, fresh_prefill_attention
+    from pdrollout.engine.model.paged_prefill import paged_prefill_attention
+    h, d = 32, 128
+    shapes = [(2048, 2048), (2048, 2048), (2100, 2100), (2500, 2500), (777, 777)]
+    q, k, v, seqs = _prefill_segments(shapes, h, d, seed=3)
+    used = torch.zeros(k.shape[0], dtype=torch.bool, device=cuda)
+    for s in seqs:
+        used[s.slots] = True
+    k[~used], v[~used] = float("nan"), float("nan")
+    assert sorted((n, len(g)) for n, g in fresh_groups(seqs).items()) == [(1024, 1), (2048, 2), (2560, 2)]
+    out = fresh_prefill_attention(q, k, v, seqs, d ** -0.5)
+    ref = ops.paged_attention(q.double(), k.double(), v.double(), seqs, d ** -0.5)
+    launch = paged_prefill_attention(q, k, v, seqs, d ** -0.5)
+    assert torch.isfinite(out).all()
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        assert rel(out[rows], ref[rows]) < 2e-2 and rel(out[rows], launch[rows]) < 2e-2, s.q_len
+
+
 def test_paged_prefill_splits_a_lone_continuation_along_its_context():
     """One continuation of 128 tokens over 4k cached (the fused step's P at P1): one tile per head
     leaves most SMs idle, so the walk is split and merged; the reference's output either way."""
