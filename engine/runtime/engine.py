@@ -243,6 +243,10 @@ class Engine(EngineOps):
                              "(runtime/warmup.py): leave it unset")
         if warm or (warm is None and self.topo.world == 1 and self.worker.cuda):
             self.warm_prefill()
+            if self.config.prefill_attention == "hybrid" and self.worker.cuda:   # shapes the steps above did not run
+                from .warmup import warm_fresh_attention
+                warm_fresh_attention(self.worker.model, max(self.control.prefill_budget_tokens,
+                                                            self.config.mixed_chunk_tokens), self.worker.device, 0)
         self.step_id = 1
         for s in self.schedulers:
             s.step_id = 1
