@@ -86,7 +86,8 @@ def warm_fresh_attention(model, rows: int, device: torch.device, rank: int) -> i
     if attn is None or rows < SDPA_FRESH_MIN_TOKENS:
         return 0
     t0 = time.monotonic()
-    dtype = next(model.parameters()).dtype
+    # the activations' dtype (FP8 checkpoints keep e4m3 weights; their activations are not)
+    dtype = next(p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16, torch.float32))
     shapes = fresh_shapes(rows, SDPA_FRESH_MIN_TOKENS)
     for n, length in shapes:
         q = torch.zeros(n * length, attn.heads, attn.head_dim, dtype=dtype, device=device)
