@@ -214,21 +214,33 @@ def _cudnn(device: torch.device):
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
-def _batched(x, cache_or_q, group, length: int, rows):
-    """The group's rows as one (segments, length, heads, dim) tensor: a view when the segments lie
-    back to back at full length, else zero padded (never stale cache slots: 0 x NaN would leak
-    through the masked keys' probabilities)."""
+def _full_and_adjacent(group, length: int) -> bool:
+    return all(s.q_len == length and s.q_start == group[0].q_start + i * length for i, s in enumerate(group))
+
+
+def _group_queries(q, group, length: int):
+    """The group's queries as (segments, length, heads, dim): a view when they lie back to back at
+    full length, else a zero-padded copy."""
     n = len(group)
-    starts = [s.q_start for s in group]
-    if x is not None and all(s.q_len == length for s in group) and \
-            starts == list(range(starts[0], starts[0] + n * length, length)):
-        return x[starts[0]:starts[0] + n * length].view(n, length, *x.shape[1:])
-    out = cache_or_q.new_zeros(n, length, *cache_or_q.shape[1:])
+    if _full_and_adjacent(group, length):
+        return q[group[0].q_start:group[0].q_start + n * length].view(n, length, *q.shape[1:])
+    out = q.new_zeros(n, length, *q.shape[1:])
     for i, s in enumerate(group):
-        if rows is None:
-            out[i, :s.q_len] = cache_or_q[s.q_start:s.q_start + s.q_len]
-        else:
-            torch.index_select(cache_or_q, 0, rows[i], out=out[i, :s.q_len])
+        out[i, :s.q_len] = q[s.q_start:s.q_start + s.q_len]
+    return out
+
+
+def _group_context(cache, group, length: int):
+    """The group's K or V out of the cache as (segments, length, kv heads, dim): one gather when
+    every segment is at full length, else zero padded (never stale cache slots: 0 x NaN would
+    leak through the masked keys' probabilities)."""
+    n = len(group)
+    if all(s.q_len == length for s in group):
+        slots = torch.cat([s.slots for s in group]) if n > 1 else group[0].slots
+        return cache.index_select(0, slots).view(n, length, *cache.shape[1:])
+    out = cache.new_zeros(n, length, *cache.shape[1:])
+    for i, s in enumerate(group):
+        torch.index_select(cache, 0, s.slots, out=out[i, :s.q_len])
     return out
 
 
@@ -239,16 +251,8 @@ def fresh_prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None, b
     assert all(s.q_len == s.ctx_len for s in seqs), "fresh prompts only"
     out = torch.empty_like(q) if out is None else out
     for length, group in fresh_groups(seqs, bucket).items():
-        n = len(group)
-        qb = _batched(q, q, group, length, None)
-        slots = [s.slots for s in group]
-        if all(s.q_len == length for s in group):   # one gather for the whole group
-            cat = torch.cat(slots) if n > 1 else slots[0]
-            kb = k_cache.index_select(0, cat).view(n, length, *k_cache.shape[1:])
-            vb = v_cache.index_select(0, cat).view(n, length, *v_cache.shape[1:])
-        else:
-            kb = _batched(None, k_cache, group, length, slots)
-            vb = _batched(None, v_cache, group, length, slots)
+        qb = _group_queries(q, group, length)
+        kb, vb = _group_context(k_cache, group, length), _group_context(v_cache, group, length)
         with _cudnn(q.device):
             o = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
                                                is_causal=True, scale=scale, enable_gqa=True)

@@ -243,10 +243,6 @@ class Engine(EngineOps):
                              "(runtime/warmup.py): leave it unset")
         if warm or (warm is None and self.topo.world == 1 and self.worker.cuda):
             self.warm_prefill()
-            if self.config.prefill_attention == "hybrid" and self.worker.cuda:   # shapes the steps above did not run
-                from .warmup import warm_fresh_attention
-                warm_fresh_attention(self.worker.model, max(self.control.prefill_budget_tokens,
-                                                            self.config.mixed_chunk_tokens), self.worker.device, 0)
         self.step_id = 1
         for s in self.schedulers:
             s.step_id = 1
@@ -258,7 +254,9 @@ class Engine(EngineOps):
         like prompts (≤ WARM_ROW tokens), write only KV blocks no request holds yet, sample nothing;
         on one rank only (several ranks warm their GEMMs in member.py). By default a last step is one
         continuation of WARM_CONT_TOKENS over a cached context (what a fused step carries at P1: few
-        tiles, so the attention's walks split along the context). Returns the steps run."""
+        tiles, so the attention's walks split along the context). Under `prefill_attention: hybrid` on
+        CUDA, then every fresh-prompt cuDNN shape up to the budget (warmup.warm_fresh_attention).
+        Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
         continuation = totals is None
         if totals is None:   # a fused step carries up to the budget of P and max_running D rows
@@ -292,6 +290,9 @@ class Engine(EngineOps):
                 n += 1
         print(f"prefill warm-up: {n} steps up to {max(totals)} tokens, {time.monotonic() - t0:.2f} s",
               file=sys.stderr, flush=True)
+        if self.config.prefill_attention == "hybrid" and self.worker.cuda:   # shapes the steps did not run
+            from .warmup import warm_fresh_attention
+            warm_fresh_attention(self.worker.model, budget, self.worker.device, 0)
         return n
 
     def drain(self) -> None:

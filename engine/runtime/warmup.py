@@ -82,12 +82,11 @@ def warm_fresh_attention(model, rows: int, device: torch.device, rank: int) -> i
     from ..model.backends import SDPA_FRESH_MIN_TOKENS
     from ..model.kernels import fresh_prefill_attention, fresh_shapes
     from ..model.qwen3_moe import SeqSlice
-    attn = next((m for m in model.modules() if hasattr(m, "kv_heads") and hasattr(m, "head_dim")), None)
-    if attn is None or rows < SDPA_FRESH_MIN_TOKENS:
+    if rows < SDPA_FRESH_MIN_TOKENS:
         return 0
     t0 = time.monotonic()
-    # the activations' dtype (FP8 checkpoints keep e4m3 weights; their activations are not)
-    dtype = next(p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    attn = model.model.layers[0].self_attn
+    dtype = model.model.embed_tokens.weight.dtype   # the activations' (FP8 checkpoints: not the weights')
     shapes = fresh_shapes(rows, SDPA_FRESH_MIN_TOKENS)
     for n, length in shapes:
         q = torch.zeros(n * length, attn.heads, attn.head_dim, dtype=dtype, device=device)
