@@ -281,6 +281,7 @@ def main():
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
            "kv_splits": a.kv_splits, "router": a.router, "dense_kernel": a.dense_kernel, "align": a.align, "qkv": a.qkv, "prefill_attention": a.prefill_attention,
+           "prefill_kernel": e.worker.backends.attention.prefill,   # what auto resolved to
            "mode": a.mode, "priority_stream": a.priority_stream, "temperature": a.temperature,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,
            "engine_build_s": build_s, "decode_step_ms": step_s * 1e3, "decode_replay_ms": replay_s * 1e3,

@@ -43,6 +43,7 @@ def torch_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v
 
 class ReferenceAttention:
     needs_block_tables = False
+    prefill = "reference"   # ops.paged_attention per sequence, P and D alike
     prologue = staticmethod(torch_prologue)
 
     def __call__(self, q, k_cache, v_cache, batch, scale: float):
@@ -245,9 +246,10 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
     bf16 = dtype == torch.bfloat16
     prologue, add_norm, router = (("fused" if bf16 else "torch") if k == "auto" else k
                                   for k in (prologue, add_norm, router))
-    if prefill == "auto":
-        prefill = "triton" if bf16 else "sdpa"
-    backends = _cuda_backends(device, dtype, experts, PagedAttention(prologue, kv_splits, prefill, prefill_splits))
+    prefill = prefill_kernel(prefill, dtype, torch.cuda.get_device_capability(device),
+                             torch.backends.cudnn.is_available())
+    attention = PagedAttention(prologue, kv_splits, prefill, prefill_splits)
+    backends = _cuda_backends(device, dtype, experts, attention)
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = replace(backends, add_norm=fused_add_norm)
@@ -258,6 +260,19 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
         from .skinny import linear_rows
         backends = replace(backends, linear=linear_rows)
     return backends
+
+
+def prefill_kernel(setting: str, dtype: torch.dtype, capability: tuple[int, int] = (9, 0),
+                   cudnn: bool = True) -> str:
+    """EngineConfig.prefill_attention on CUDA. auto in bf16: `hybrid` where it was measured (SM90+ with
+    cuDNN: the paged launch, and cuDNN for steps of long fresh prompts; the 8k chunk 0.959x the launch
+    alone on the H200, docs/PERF.md), else the launch (`triton`); other dtypes: SDPA per segment (the
+    launch is bf16 only; fp32 stays on the exact path)."""
+    if setting != "auto":
+        return setting
+    if dtype != torch.bfloat16:
+        return "sdpa"
+    return "hybrid" if capability >= (9, 0) and cudnn else "triton"
 
 
 def _cuda_backends(device: torch.device, dtype: torch.dtype, experts: str, attention: PagedAttention) -> Backends:

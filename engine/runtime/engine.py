@@ -254,8 +254,8 @@ class Engine(EngineOps):
         like prompts (≤ WARM_ROW tokens), write only KV blocks no request holds yet, sample nothing;
         on one rank only (several ranks warm their GEMMs in member.py). By default a last step is one
         continuation of WARM_CONT_TOKENS over a cached context (what a fused step carries at P1: few
-        tiles, so the attention's walks split along the context). Under `prefill_attention: hybrid` on
-        CUDA, then every fresh-prompt cuDNN shape up to the budget (warmup.warm_fresh_attention).
+        tiles, so the attention's walks split along the context). Under `prefill_attention: hybrid` (auto
+        in bf16 on CUDA), then every fresh-prompt cuDNN shape up to the budget (warmup.warm_fresh_attention).
         Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
         continuation = totals is None
@@ -290,7 +290,7 @@ class Engine(EngineOps):
                 n += 1
         print(f"prefill warm-up: {n} steps up to {max(totals)} tokens, {time.monotonic() - t0:.2f} s",
               file=sys.stderr, flush=True)
-        if self.config.prefill_attention == "hybrid" and self.worker.cuda:   # shapes the steps did not run
+        if self.worker.backends.attention.prefill == "hybrid":   # CUDA; shapes the steps did not run
             from .warmup import warm_fresh_attention
             warm_fresh_attention(self.worker.model, budget, self.worker.device, 0)
         return n

@@ -82,7 +82,7 @@ class GroupMember:
             rows = max(p_rows, d_tokens)
             slots = comm.ep * comm.cap if comm.fixed_slots else 0
             warm_kernels(w.model, w.streams["d"], rows, topo.ep, slots, w.device, w.rank)
-            if config.prefill_attention == "hybrid":
+            if w.backends.attention.prefill == "hybrid":   # auto in bf16
                 with torch.cuda.stream(w.streams["d"]):
                     warm_fresh_attention(w.model, p_rows, w.device, w.rank)
         if config.mode == "pd":

@@ -91,6 +91,47 @@ def test_cuda_served_steps_compile_no_kernel_after_the_warm_up(tiny_model, mode)
     assert [(r.step, r.prefill_tokens, r.decode_rows) for r in served if r.jit_compiles] == []
 
 
+@pytest.mark.parametrize("mode", ["normal", "pd"])
+def test_cuda_long_fresh_prompts_run_on_cudnn_by_default_in_bf16(tiny_model, mode, monkeypatch):
+    """bf16's default prefill attention is `hybrid`: a served step of long fresh prompts runs cuDNN SDPA
+    (kernels.fresh_prefill_attention; its shapes warmed at start) and the tokens agree with the paged
+    launch's (`triton`) in the same dtype: equal, or apart only after a near-tie, where the chosen
+    tokens' logprobs are within bf16 noise of each other."""
+    from pdrollout.engine.model import kernels
+    real, calls = kernels.fresh_prefill_attention, []
+    monkeypatch.setattr(kernels, "fresh_prefill_attention",
+                        lambda q, k, v, seqs, *a, **kw: calls.append(len(seqs)) or real(q, k, v, seqs, *a, **kw))
+    prompts = [[(j * 7 + n) % 500 + 2 for j in range(n)] for n in (2048, 2300, 3000)]
+    runs = {}
+    for setting in ("auto", "triton"):
+        e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16", mode=mode, block_size=16,
+                                num_blocks=2048, max_running=8, mixed_chunk_tokens=8192, prefill_attention=setting,
+                                control=ControlSettings(prefill_budget_tokens=8192)))
+        assert e.worker.backends.attention.prefill == {"auto": "hybrid", "triton": "triton"}[setting]
+        warmed, calls[:] = len(calls), []
+        for i, p in enumerate(prompts):
+            e.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
+                     return_logprob=True)
+        toks, lps = {}, {}
+        while e.has_unfinished():
+            for o in e.step():
+                toks.setdefault(o.rid, []).extend(o.new_token_ids)
+                lps.setdefault(o.rid, []).extend(o.new_logprobs)
+        if setting == "auto":   # every fresh shape up to the budget at start, then the prompts' steps
+            assert warmed >= 16 and calls and max(calls) >= 2, (warmed, calls)
+        else:
+            assert warmed == 0 and calls == []
+        runs[setting] = toks, lps
+    (th, lh), (tt, lt) = runs["auto"], runs["triton"]
+    for rid in th:
+        assert len(th[rid]) == len(tt[rid]) == 6
+        for i, (a, b) in enumerate(zip(th[rid], tt[rid])):
+            if a != b:   # a near-tie: both tokens about as likely under the two launches
+                assert abs(lh[rid][i] - lt[rid][i]) < 0.05, (rid, i, th[rid], tt[rid], lh[rid], lt[rid])
+                break
+            assert abs(lh[rid][i] - lt[rid][i]) < 0.05, (rid, i, lh[rid], lt[rid])
+
+
 SPEC_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % 24 for i in range(11)] * 2, [3, 1, 4, 1, 5, 9, 2, 6]]
 
 

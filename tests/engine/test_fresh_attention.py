@@ -109,3 +109,17 @@ def test_warm_up_runs_every_shape_once(monkeypatch):
     assert sorted(calls) == sorted(((n, attn.heads, length, attn.head_dim), torch.bfloat16)
                                    for n, length in fresh_shapes(1200, 300))
     assert warm_fresh_attention(model, 299, torch.device("cpu"), 0) == 0
+
+
+@pytest.mark.parametrize("setting,dtype,capability,cudnn,want", [
+    ("auto", torch.bfloat16, (9, 0), True, "hybrid"),    # the H200: launch + cuDNN for fresh prompts
+    ("auto", torch.bfloat16, (8, 0), True, "triton"),    # not measured before SM90: the launch alone
+    ("auto", torch.bfloat16, (9, 0), False, "triton"),   # no cuDNN in this torch
+    ("auto", torch.float16, (9, 0), True, "sdpa"),       # the launch is bf16 only
+    ("auto", torch.float32, (9, 0), True, "sdpa"),       # fp32: the exact path
+    ("triton", torch.bfloat16, (9, 0), True, "triton"),  # a setting is kept as given
+    ("hybrid", torch.bfloat16, (8, 0), True, "hybrid"),
+])
+def test_auto_prefill_attention(setting, dtype, capability, cudnn, want):
+    from pdrollout.engine.model.backends import prefill_kernel
+    assert prefill_kernel(setting, dtype, capability, cudnn) == want
