@@ -104,6 +104,7 @@ def test_cuda_long_fresh_prompts_run_on_cudnn_by_default_in_bf16(tiny_model, mod
     prompts = [[(j * 7 + n) % 500 + 2 for j in range(n)] for n in (2048, 2300, 3000)]
     runs = {}
     for setting in ("auto", "triton"):
+        calls.clear()
         e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16", mode=mode, block_size=16,
                                 num_blocks=2048, max_running=8, mixed_chunk_tokens=8192, prefill_attention=setting,
                                 control=ControlSettings(prefill_budget_tokens=8192)))
