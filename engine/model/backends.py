@@ -94,13 +94,19 @@ SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segme
 # Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA on cuDNN with their
 # lengths bucketed (kernels.fresh_prefill_attention): 4 fresh 2,048-token segments took 366 µs a
 # layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md);
-# continuations and short segments stay on the launch.
+# continuations and short segments stay on the launch. Steps of more fresh tokens than the cap stay
+# on the launch too: the gain was measured up to the 8k chunk, and every shape under the cap is built
+# at start (22 at 8,192 tokens, ~1 s on the H200; the gpu preset's 32,768-token budget was 174
+# shapes and 7.5-12 s of a server's start).
 SDPA_FRESH_MIN_TOKENS = 2048
+SDPA_FRESH_MAX_TOKENS = 8192
 
 
 def sdpa_wins(segments) -> bool:
-    """Every P segment a fresh prompt (no cached context) of at least SDPA_FRESH_MIN_TOKENS."""
-    return all(s.q_len == s.ctx_len and s.q_len >= SDPA_FRESH_MIN_TOKENS for s in segments)
+    """Every P segment a fresh prompt (no cached context) of at least SDPA_FRESH_MIN_TOKENS, and
+    at most SDPA_FRESH_MAX_TOKENS of them in the step."""
+    return all(s.q_len == s.ctx_len and s.q_len >= SDPA_FRESH_MIN_TOKENS for s in segments) \
+        and sum(s.q_len for s in segments) <= SDPA_FRESH_MAX_TOKENS
 
 
 class _Experts:

@@ -77,17 +77,18 @@ def warm_kernels(model, stream, rows: int, ep: int, routed_slots: int, device: t
 
 def warm_fresh_attention(model, rows: int, device: torch.device, rank: int) -> int:
     """`prefill_attention: hybrid`: every shape `fresh_prefill_attention` can run for a forward of
-    up to `rows` tokens, once now: cuDNN's first handle (its modules load with a context-wide wait)
+    up to `rows` tokens (at most SDPA_FRESH_MAX_TOKENS: larger steps run the launch), once now: cuDNN's first handle (its modules load with a context-wide wait)
     and each shape's plan (~45 ms) are built before P and D overlap. Returns the shapes run."""
-    from ..model.backends import SDPA_FRESH_MIN_TOKENS
+    from ..model import backends
     from ..model.kernels import fresh_prefill_attention, fresh_shapes
     from ..model.qwen3_moe import SeqSlice
-    if rows < SDPA_FRESH_MIN_TOKENS:
+    rows = min(rows, backends.SDPA_FRESH_MAX_TOKENS)
+    if rows < backends.SDPA_FRESH_MIN_TOKENS:
         return 0
     t0 = time.monotonic()
     attn = model.model.layers[0].self_attn
     dtype = model.model.embed_tokens.weight.dtype   # the activations' (FP8 checkpoints: not the weights')
-    shapes = fresh_shapes(rows, SDPA_FRESH_MIN_TOKENS)
+    shapes = fresh_shapes(rows, backends.SDPA_FRESH_MIN_TOKENS)
     for n, length in shapes:
         q = torch.zeros(n * length, attn.heads, attn.head_dim, dtype=dtype, device=device)
         kv = torch.zeros(n * length, attn.kv_heads, attn.head_dim, dtype=dtype, device=device)

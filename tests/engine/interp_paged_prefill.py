@@ -120,8 +120,8 @@ def test_prefill_kv_splits_reaches_the_launch_and_a_split_model_equals_the_refer
 
 def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
     """`prefill_attention: hybrid`: a step whose segments are all fresh prompts of at least
-    SDPA_FRESH_MIN_TOKENS runs the fresh-prompt SDPA path (no tile plan), any other step the paged
-    launch; both equal the reference."""
+    SDPA_FRESH_MIN_TOKENS, at most SDPA_FRESH_MAX_TOKENS in all, runs the fresh-prompt SDPA path (no
+    tile plan), any other step the paged launch; both equal the reference."""
     from conftest import tiny_prompt_forward
     from pdrollout.engine.model import backends, kernels, paged_prefill
     from pdrollout.engine.model.backends import REFERENCE, Backends, PagedAttention
@@ -129,6 +129,8 @@ def test_hybrid_sends_only_long_fresh_prompts_to_sdpa(monkeypatch):
     fresh, cont = SeqSlice(0, 9, 9, None), SeqSlice(9, 4, 20, None)
     monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", 9)
     assert backends.sdpa_wins([fresh]) and not backends.sdpa_wins([fresh, cont])
+    monkeypatch.setattr(backends, "SDPA_FRESH_MAX_TOKENS", 17)   # two such prompts: over the cap
+    assert backends.sdpa_wins([fresh]) and not backends.sdpa_wins([fresh, SeqSlice(9, 9, 9, None)])
     monkeypatch.setattr(backends, "SDPA_FRESH_MIN_TOKENS", 10)
     assert not backends.sdpa_wins([fresh])
     ref = tiny_prompt_forward(REFERENCE)

@@ -109,6 +109,11 @@ def test_warm_up_runs_every_shape_once(monkeypatch):
     assert sorted(calls) == sorted(((n, attn.heads, length, attn.head_dim), torch.bfloat16)
                                    for n, length in fresh_shapes(1200, 300))
     assert warm_fresh_attention(model, 299, torch.device("cpu"), 0) == 0
+    calls.clear()   # a budget over the cap: only the shapes under it (larger steps run the launch)
+    monkeypatch.setattr(backends, "SDPA_FRESH_MAX_TOKENS", 900)
+    assert warm_fresh_attention(model, 5000, torch.device("cpu"), 0) == len(fresh_shapes(900, 300)) == 4
+    assert sorted(calls) == sorted(((n, attn.heads, length, attn.head_dim), torch.bfloat16)
+                                   for n, length in fresh_shapes(900, 300))
 
 
 @pytest.mark.parametrize("setting,dtype,capability,cudnn,want", [
