@@ -6,9 +6,10 @@ per layer. Here one program takes block_m query rows of one segment for one quer
 segment's context through its slot list (the same slots the gather would read) up to its last
 query's position, and keeps an online softmax: causal, aligned bottom-right (a segment's queries are
 the last q_len of its ctx_len positions), GQA by index (query head h reads KV head h // group).
-The default in bf16 on CUDA (`EngineConfig.prefill_attention: auto`): timed on the H200 at P1, pd's
-P epochs of many short segments were 28 % shorter than with SDPA (docs/PERF.md); tested under
-Triton's interpreter on CPU and compiled on the GPU.
+Every step in bf16 on CUDA but those of long fresh prompts (`EngineConfig.prefill_attention: auto`,
+i.e. hybrid: those go to cuDNN): timed on the H200 at P1, pd's P epochs of many short segments were
+28 % shorter than with SDPA (docs/PERF.md); tested under Triton's interpreter on CPU and compiled on
+the GPU.
 
 A step with few tiles (one continuation of a few hundred tokens fused into D's step: one tile per
 head, 32 programs on 132 SMs) would leave most SMs idle while each program walks thousands of keys

@@ -222,14 +222,14 @@ class EngineConfig(BaseModel):
     # launch over the weight's columns (model/skinny.py); auto: torch, which the launch did not beat on
     # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/PERF.md, twentieth session)
     dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
-    # prefill attention on CUDA: SDPA per segment over its gathered context, or every segment of a
-    # step in one Triton launch straight from the paged cache (model/paged_prefill.py), or auto: the
-    # Triton launch in bf16 on CUDA. SDPA costs ~6 launches and a Python dispatch per segment and
-    # layer: a P epoch of 30 continuation turns spent ~130 ms of host time issuing them (docs/PERF.md).
-    # hybrid (opt-in): a step whose segments are all fresh prompts of >= 2,048 tokens runs SDPA on
-    # cuDNN (366 against the launch's 444 µs a layer on 4 x 2,048 as kernels, docs/PERF.md), lengths
-    # rounded up to 512 and batched per length so cuDNN builds a bounded set of plans (~45 ms each;
-    # several ranks build them all at start); any other step runs the launch
+    # prefill attention on CUDA: SDPA per segment over its gathered context (sdpa), or every segment
+    # of a step in one Triton launch straight from the paged cache (triton, bf16; model/paged_prefill.py).
+    # SDPA costs ~6 launches and a Python dispatch per segment and layer: a P epoch of 30 continuation
+    # turns spent ~130 ms of host time issuing them (docs/PERF.md). hybrid: a step of at most 8,192
+    # tokens whose segments are all fresh prompts of >= 2,048 runs SDPA on cuDNN (the 8k chunk 0.959x
+    # the launch on the H200, docs/PERF.md), lengths rounded up to 512 and batched per length so cuDNN
+    # builds a bounded set of plans (22, ~1 s, all at start); any other step runs the launch.
+    # auto: hybrid in bf16 on SM90+ with cuDNN, triton in bf16 before SM90, sdpa in other dtypes
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # the paged launch's walks split along the context into n stretches, merged by a second launch;
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one

@@ -255,7 +255,8 @@ class Engine(EngineOps):
         on one rank only (several ranks warm their GEMMs in member.py). By default a last step is one
         continuation of WARM_CONT_TOKENS over a cached context (what a fused step carries at P1: few
         tiles, so the attention's walks split along the context). Under `prefill_attention: hybrid` (auto
-        in bf16 on CUDA), then every fresh-prompt cuDNN shape up to the budget (warmup.warm_fresh_attention).
+        in bf16 on CUDA), then every fresh-prompt cuDNN shape up to the budget or SDPA_FRESH_MAX_TOKENS
+        (warmup.warm_fresh_attention).
         Returns the steps run."""
         budget = max(self.control.prefill_budget_tokens, self.config.mixed_chunk_tokens)
         continuation = totals is None

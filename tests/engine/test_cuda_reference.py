@@ -95,19 +95,22 @@ def test_cuda_served_steps_compile_no_kernel_after_the_warm_up(tiny_model, mode)
 def test_cuda_long_fresh_prompts_run_on_cudnn_by_default_in_bf16(tiny_model, mode, monkeypatch):
     """bf16's default prefill attention is `hybrid`: a served step of long fresh prompts runs cuDNN SDPA
     (kernels.fresh_prefill_attention; the shapes under its cap warmed at start, not the budget's) and
-    the tokens agree with the paged
-    launch's (`triton`) in the same dtype: equal, or apart only after a near-tie, where the chosen
-    tokens' logprobs are within bf16 noise of each other."""
+    the tokens agree with the paged launch's (`triton`) in the same dtype: equal, or apart only after
+    a near-tie, where the chosen tokens' logprobs are within bf16 noise of each other."""
     from pdrollout.engine.model import kernels
     from pdrollout.engine.model.backends import SDPA_FRESH_MAX_TOKENS, SDPA_FRESH_MIN_TOKENS
     from pdrollout.engine.model.kernels import fresh_shapes
+    from pdrollout.engine.runtime import warmup
     real, calls = kernels.fresh_prefill_attention, []
     monkeypatch.setattr(kernels, "fresh_prefill_attention",
                         lambda q, k, v, seqs, *a, **kw: calls.append(len(seqs)) or real(q, k, v, seqs, *a, **kw))
+    warm, built = warmup.warm_fresh_attention, []   # the shapes the start builds (the warm-up's steps run others)
+    monkeypatch.setattr(warmup, "warm_fresh_attention", lambda *a, **kw: built.append(warm(*a, **kw)) or built[-1])
     prompts = [[(j * 7 + n) % 500 + 2 for j in range(n)] for n in (2048, 2300, 3000)]
     runs = {}
     for setting in ("auto", "triton"):
         calls.clear()
+        built.clear()
         e = Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16", mode=mode, block_size=16,
                                 num_blocks=2048, max_running=8, mixed_chunk_tokens=16384, prefill_attention=setting,
                                 control=ControlSettings(prefill_budget_tokens=16384)))
@@ -121,11 +124,11 @@ def test_cuda_long_fresh_prompts_run_on_cudnn_by_default_in_bf16(tiny_model, mod
             for o in e.step():
                 toks.setdefault(o.rid, []).extend(o.new_token_ids)
                 lps.setdefault(o.rid, []).extend(o.new_logprobs)
-        if setting == "auto":   # every fresh shape up to the cap (under the budget) at start, then the prompts'
-            assert warmed == len(fresh_shapes(SDPA_FRESH_MAX_TOKENS, SDPA_FRESH_MIN_TOKENS)) == 22, warmed
-            assert calls and max(calls) >= 2, calls
+        if setting == "auto":   # every fresh shape up to the cap (not the budget) at start, then the prompts'
+            assert built == [len(fresh_shapes(SDPA_FRESH_MAX_TOKENS, SDPA_FRESH_MIN_TOKENS))] == [22], built
+            assert warmed > 22 and calls and max(calls) >= 2, (warmed, calls)   # the warm-up's steps of <= 8k too
         else:
-            assert warmed == 0 and calls == []
+            assert built == [] and warmed == 0 and calls == []
         runs[setting] = toks, lps
     (th, lh), (tt, lt) = runs["auto"], runs["triton"]
     for rid in th:
