@@ -77,8 +77,9 @@ def warm_kernels(model, stream, rows: int, ep: int, routed_slots: int, device: t
 
 def warm_fresh_attention(model, rows: int, device: torch.device, rank: int) -> int:
     """`prefill_attention: hybrid`: every shape `fresh_prefill_attention` can run for a forward of
-    up to `rows` tokens (at most SDPA_FRESH_MAX_TOKENS: larger steps run the launch), once now: cuDNN's first handle (its modules load with a context-wide wait)
-    and each shape's plan (~45 ms) are built before P and D overlap. Returns the shapes run."""
+    up to `rows` tokens (at most SDPA_FRESH_MAX_TOKENS: larger steps run the launch), once now:
+    cuDNN's first handle (its modules load with a context-wide wait) and each shape's plan (~45 ms)
+    are built before P and D overlap. Returns the shapes run."""
     from ..model import backends
     from ..model.kernels import fresh_prefill_attention, fresh_shapes
     from ..model.qwen3_moe import SeqSlice

@@ -9,7 +9,7 @@ from hf_reference import assert_matches_reference, hf_greedy
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
-from tests.engine.test_speculative import run_all
+from tests.engine.test_speculative import run_all, run_logprobs
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[7], [3, 9, 27, 81, 243, 217, 139], list(range(10, 26)), [(i * 37) % 500 + 2 for i in range(41)],
@@ -116,14 +116,7 @@ def test_cuda_long_fresh_prompts_run_on_cudnn_by_default_in_bf16(tiny_model, mod
                                 control=ControlSettings(prefill_budget_tokens=16384)))
         assert e.worker.backends.attention.prefill == {"auto": "hybrid", "triton": "triton"}[setting]
         warmed, calls[:] = len(calls), []
-        for i, p in enumerate(prompts):
-            e.submit(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True),
-                     return_logprob=True)
-        toks, lps = {}, {}
-        while e.has_unfinished():
-            for o in e.step():
-                toks.setdefault(o.rid, []).extend(o.new_token_ids)
-                lps.setdefault(o.rid, []).extend(o.new_logprobs)
+        toks, lps = run_logprobs(e, prompts, max_new_tokens=6, ignore_eos=True)
         if setting == "auto":   # every fresh shape up to the cap (not the budget) at start, then the prompts'
             assert built == [len(fresh_shapes(SDPA_FRESH_MAX_TOKENS, SDPA_FRESH_MIN_TOKENS))] == [22], built
             assert warmed > 22 and calls and max(calls) >= 2, (warmed, calls)   # the warm-up's steps of <= 8k too

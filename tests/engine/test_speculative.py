@@ -55,6 +55,19 @@ def run_all(engine: Engine, prompts, check=None, **sp) -> tuple[dict, dict]:
     return out, last
 
 
+def run_logprobs(engine: Engine, prompts, **sp) -> tuple[dict, dict]:
+    """Every prompt to the end with return_logprob: each request's tokens and their logprobs."""
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, SamplingParams(**{"temperature": 0.0, **sp}), return_logprob=True)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks.setdefault(o.rid, []).extend(o.new_token_ids)
+            lps.setdefault(o.rid, []).extend(o.new_logprobs)
+    return toks, lps
+
+
 def assert_pool_idle(engine: Engine) -> None:
     """Every block is free or only cached; no reservation lives or drains."""
     for s in engine.schedulers:
@@ -270,14 +283,7 @@ def test_logprobs_of_verified_tokens_match_without_speculation(tiny_model):
     runs = []
     for k in (0, 3):
         eng = engine_for(tiny_model, "pd", spec_k=k)
-        for i, p in enumerate(PROMPTS):
-            eng.submit(f"r{i}", p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
-                       return_logprob=True)
-        toks, lps = {}, {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                toks.setdefault(o.rid, []).extend(o.new_token_ids)
-                lps.setdefault(o.rid, []).extend(o.new_logprobs)
+        toks, lps = run_logprobs(eng, PROMPTS, max_new_tokens=10, ignore_eos=True)
         if k:
             assert sum(r.spec_accepted for r in eng.records) > 0
         runs.append((toks, lps))
