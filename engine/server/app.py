@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from aiohttp import web
@@ -40,7 +40,8 @@ class ServerSettings:
     rollout_idle_s: float = 5.0
     incremental_streaming_output: bool = False   # SGLang's default: cumulative chunks
     health_generate_timeout_s: float = 20.0
-    admin_token: Optional[str] = None   # required (Bearer) on the admin routes; None: they are open
+    # required (Bearer) on the admin routes; None: they are open. Never returned or logged (server_info.py).
+    admin_token: Optional[str] = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:

@@ -5,7 +5,6 @@ cumulative `output_ids` (and cumulative `output_token_logprobs`), unless the ser
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -17,6 +16,7 @@ from .app import Server, admin, json_response, read_json, server_of
 from .bridge import Tracked
 from .protocol import (AbortRequest, BadRequest, ContinueRequest, GenerateItem, GenerateRequest, PauseRequest,
                        generate_response, version_meta)
+from .server_info import engine_facts, public_settings, sglang_server_args
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
 
@@ -184,11 +184,13 @@ async def get_model_info(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     server = server_of(request)
     stats = await server.bridge.snapshot()
+    facts = await server.bridge.call(engine_facts)
     control = (await server.bridge.call(lambda e: e.requested_control)).model_dump()
     memory = await server.bridge.call(lambda e: {"bytes": e.memory(), "released": sorted(e.released)})
-    return json_response({**dataclasses.asdict(server.settings), "version": _version(),
+    tok = server.tokenizer.path if server.tokenizer else None
+    return json_response({**public_settings(server.settings),
+                          **sglang_server_args(server.settings, facts, tok), "version": _version(),
                           "weight_version": server.weight_version, "memory": memory,
-                          "served_model_name": server.settings.model_name,
                           "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),
                           "in_flight": server.in_flight, "uptime_s": time.time() - server.started,
                           "control": control, "internal_states": [stats]})

@@ -98,3 +98,41 @@ def test_bad_token_file_is_a_config_error(tiny_model, tmp_path, content, why):
                        capture_output=True, text=True, timeout=120)
     from pdrollout.engine.protocol.exits import EXIT_CONFIG
     assert r.returncode == EXIT_CONFIG and "--admin-token-file" in r.stderr and why in r.stderr, r.stderr
+
+
+def _route_table() -> list[tuple[str, str]]:
+    loop = asyncio.new_event_loop()
+    try:
+        app = build_app(Server(ServerSettings(model="m"), lambda: None, loop))
+        return sorted({(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
+    finally:
+        loop.close()
+
+
+def test_the_token_leaves_the_server_through_no_route(tiny_model, tmp_path):
+    """Every route of the app's own table, every method, with and without the token, with an empty and a
+    malformed body: the token is in no status line, header or body (error bodies included), nor in the
+    server's log. A dedicated server: the sweep pauses, releases and aborts."""
+    f = tmp_path / "token"
+    f.write_text(TOKEN)
+    s = ServerProcess(tiny_model, "--admin-token-file", str(f))
+    try:
+        seen = 0
+        for method, path in _route_table():
+            for method_sent in {method, "GET", "POST", "PUT", "DELETE"}:
+                for headers in ({}, auth(TOKEN), auth("wrong")):
+                    for body in ({"json": {}}, {"content": b"{not json"}):
+                        r = s.http.request(method_sent, path, headers=headers, **body)
+                        text = r.text + repr(dict(r.headers)) + r.reason_phrase
+                        assert TOKEN not in text, (method_sent, path, r.status_code, text[:300])
+                        seen += 1
+            if path in ("/pause_generation", "/release_memory_occupation"):   # undo what the sweep did
+                assert s.http.post("/continue_generation", json={}, headers=auth(TOKEN)).status_code == 200
+                assert s.http.post("/resume_memory_occupation", json={}, headers=auth(TOKEN)).status_code == 200
+        info = s.http.get("/get_server_info").json()
+        assert "admin_token" not in info and seen > 200
+        assert s.http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+                           ).status_code == 200, "the sweep left the server unable to serve"
+    finally:
+        assert s.stop() == 0, s.log
+    assert TOKEN not in s.log
