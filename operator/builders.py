@@ -159,10 +159,13 @@ def engine_config(spec: PDRolloutSpec) -> dict:
     return {**cfg, **(spec.speculative.engine_fields() if spec.speculative else {})}
 
 
-def engine_start_digest(spec: PDRolloutSpec) -> str:
-    """What an engine reads only when it starts (all of engine_config but the live controls): a
-    change must reach the pods by recreating the group, as a changed template does."""
+def engine_start_digest(name: str, namespace: str, spec: PDRolloutSpec) -> str:
+    """What an engine reads from its ConfigMap only when it starts: all of engine_config but the live
+    controls, and the mounted layout (rollout.json: nodes, EP, ADP...). A change must reach the pods by
+    recreating the group, as a changed template does; the layout left out, an EP/ADP/node-count change
+    moved the ConfigMap while the engines kept the old layout."""
     start = {k: v for k, v in engine_config(spec).items() if k != "control"}
+    start["layout"] = rollout_info(name, namespace, spec)
     return hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -330,7 +333,7 @@ def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     if spec.gang:   # the PodGroup's scheduler places the pods, all or none
         tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
         tpl["spec"]["schedulerName"] = spec.gang.scheduler_name
-    tpl["metadata"].setdefault("annotations", {})[ENGINE_CONFIG_HASH] = engine_start_digest(spec)
+    tpl["metadata"].setdefault("annotations", {})[ENGINE_CONFIG_HASH] = engine_start_digest(name, namespace, spec)
     digest = hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
     tpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH] = digest
     return tpl

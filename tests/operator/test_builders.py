@@ -331,7 +331,7 @@ def test_pod_template_overrides_merge_with_the_operators_winning():
     assert tpl["metadata"]["labels"] == plain["metadata"]["labels"]
     assert tpl["metadata"]["annotations"] == {"team": "rl", "pdrollout.io/template-hash":
                                               builders.template_hash("r", "ns", spec),
-                                              "pdrollout.io/engine-config-hash": builders.engine_start_digest(spec)}
+                                              "pdrollout.io/engine-config-hash": builders.engine_start_digest("r", "ns", spec)}
     assert pod["nodeSelector"] == {"pool": "h200"} and pod["priorityClassName"] == "rollout-high"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert pod["tolerations"] == plain["spec"]["tolerations"] + OVERRIDES["tolerations"]
