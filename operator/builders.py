@@ -8,9 +8,9 @@ import hmac
 import json
 
 from pdrollout.engine.protocol.config import EngineConfig
-from pdrollout.engine.protocol import netenv
 from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
+from pdrollout.operator import network
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -103,24 +103,8 @@ def _field(key: str, path: str) -> dict:
 
 
 def network_env(spec: PDRolloutSpec) -> dict[str, str]:
-    """NCCL/NVSHMEM settings from the engine's own arithmetic (pdrollout.engine.protocol.netenv),
-    so the operator and the DeepEP backend cannot disagree. Only what the engine reads: nothing on
-    CPU (gloo binds the pod IP itself), NCCL on CUDA, NVSHMEM and the QP split for DeepEP. IBGDA runs
-    between nodes; `ibgda: false` turns it off there too (IBRC)."""
-    if spec.device != "cuda":
-        return {}
-    net = spec.network
-    env = netenv.nccl_env(net.ib_hcas, net.socket_ifname)
-    if spec.expert_backend == "deep_ep":
-        nv = net.nvshmem
-        env.update(netenv.nvshmem_env(nv.qps_per_rank, qp_depth=nv.qp_depth, internode=spec.topology.nodes > 1,
-                                      hcas=net.ib_hcas))
-        if not nv.ibgda:
-            env["NVSHMEM_IB_ENABLE_IBGDA"] = "0"
-        split = netenv.qp_split(nv.qps_per_rank)
-        env[netenv.QP_RANGE_ENV["decode"]] = netenv.format_range(split.decode)
-        env[netenv.QP_RANGE_ENV["prefill"]] = netenv.format_range(split.prefill)
-    return env
+    """What NCCL and NVSHMEM read (operator/network.py renders spec.network)."""
+    return network.env(spec)
 
 
 def engine_env(name: str, namespace: str, spec: PDRolloutSpec) -> list[dict]:
@@ -292,8 +276,7 @@ def _resources(spec: PDRolloutSpec) -> dict:
     amounts = {"cpu": r.cpu, "memory": r.memory}
     if spec.device == "cuda":   # on CPU gpusPerNode counts processes, not devices
         amounts["nvidia.com/gpu"] = str(spec.topology.gpus_per_node)
-        if r.rdma_per_node:
-            amounts[r.rdma_resource] = str(r.rdma_per_node)
+        amounts.update(network.resources(spec))
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
@@ -329,7 +312,7 @@ def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
 def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     """The pods' template, annotated with a hash of itself: the operator tells pods of an older template
     by it (the StatefulSet uses OnDelete, so the operator decides when pods change)."""
-    tpl = _pod_template(name, namespace, spec)
+    tpl = network.apply_to_pod(_pod_template(name, namespace, spec), spec)
     if spec.gang:   # the PodGroup's scheduler places the pods, all or none
         tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
         tpl["spec"]["schedulerName"] = spec.gang.scheduler_name

@@ -12,6 +12,8 @@ from pdrollout.engine.protocol.config import SPEC_K_MAX, Activation, ControlSett
 from pdrollout.engine.protocol.layout import DEVICES, EXPERT_BACKENDS
 from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
 from pdrollout.engine.protocol.topology import Topology as RankTopology
+from pdrollout.operator import network as net
+from pdrollout.operator.network import Network
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"
@@ -23,7 +25,6 @@ RestartPolicy = Literal["RecreateGroupOnPodRestart", "None"]
 Device = Literal[DEVICES]                     # the engine's own lists
 ExpertBackend = Literal[EXPERT_BACKENDS]
 MAX_NODES = 2
-QPDepth = Literal[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 class _Model(BaseModel):
@@ -141,19 +142,6 @@ class Speculative(_Model):
                 **({"draft_model": self.draft_model} if self.draft_model else {})}
 
 
-class Nvshmem(_Model):
-    ibgda: bool = True
-    qp_depth: QPDepth = Field(default=1024, description="NVSHMEM_QP_DEPTH (a power of two).")
-    qps_per_rank: int = Field(default=8, ge=1, le=64,
-                              description="QPs per rank for each phase: D owns [0,s), P owns [s,2s).")
-
-
-class Network(_Model):
-    socket_ifname: str = Field(default="eth0", min_length=1, description="NCCL/Gloo socket interface.")
-    ib_hcas: list[str] = Field(default=[], alias="ibHCAs", description="RDMA devices, e.g. mlx5_0.")
-    nvshmem: Nvshmem = Field(default_factory=Nvshmem)
-
-
 # Kubernetes' quantity syntax (the API server's own message quotes it): checked at admission, since a
 # bad quantity in a built StatefulSet is only refused later, as an HTTP 500 on apply.
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
@@ -259,15 +247,19 @@ _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in 
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
 
 
+_RDMA_MSG = "a two-node rollout needs resources.rdmaPerNode > 0 or network.rdmaResources (RDMA devices)"
+
+
 class PDRolloutSpec(_Model):
     model_config = ConfigDict(json_schema_extra=_rules(
         ("self.device == 'cpu' || self.topology.nodes == 1 || size(self.network.ibHCAs) > 0",
          "a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)"),
-        ("self.device == 'cpu' || self.topology.nodes == 1 || self.resources.rdmaPerNode > 0",
-         "a two-node rollout needs resources.rdmaPerNode > 0"),
+        ("self.device == 'cpu' || self.topology.nodes == 1 || self.resources.rdmaPerNode > 0 || "
+         "size(self.network.rdmaResources) > 0", _RDMA_MSG),
         ("self.expertBackend != 'deep_ep' || self.device == 'cuda'", "expertBackend deep_ep needs device cuda"),
         (f"self.expertBackend != 'deep_ep' || (self.topology.nodes == 1 && "
          f"self.topology.expertParallel in {_DEEP_EP_RANKS_CEL})", _DEEP_EP_MSG),
+        *net.SPEC_RULES,
     ))
 
     image: str = Field(min_length=1)
@@ -293,13 +285,14 @@ class PDRolloutSpec(_Model):
         rdma = self.device == "cuda" and self.topology.nodes > 1
         if rdma and not self.network.ib_hcas:
             raise ValueError("a two-node rollout needs network.ibHCAs (the nodes talk over RDMA)")
-        if rdma and self.resources.rdma_per_node < 1:
-            raise ValueError("a two-node rollout needs resources.rdmaPerNode > 0")
+        if rdma and self.resources.rdma_per_node < 1 and not self.network.rdma_resources:
+            raise ValueError(_RDMA_MSG)
         if self.expert_backend == "deep_ep" and self.device != "cuda":
             raise ValueError("expertBackend deep_ep needs device cuda")
         if self.expert_backend == "deep_ep" and (self.topology.nodes != 1
                                                  or self.topology.expert_parallel not in DEEP_EP_RANKS):
             raise ValueError(_DEEP_EP_MSG)
+        net.check_spec(self)
         return self
 
 

@@ -45,6 +45,7 @@ def test_deep_ep_env_is_exact():
                    "NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_QP_DEPTH": "1024", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "32",
                    "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_MAX_TEAMS": "7",
                    "NVSHMEM_CUMEM_GRANULARITY": str(1 << 29), "NVSHMEM_DISABLE_P2P": "0",
+                   "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0",   # DeepEP's unique-id bootstrap
                    "PDROLLOUT_QP_RANGE_D": "0:16", "PDROLLOUT_QP_RANGE_P": "16:32"}
 
 
