@@ -280,6 +280,11 @@ class PDRolloutSpec(_Model):
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_issue_52(cls, data):
+        return net.drop_legacy_default(data)
+
     @model_validator(mode="after")
     def _runnable(self) -> "PDRolloutSpec":  # mirrors the CEL rules above
         rdma = self.device == "cuda" and self.topology.nodes > 1

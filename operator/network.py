@@ -177,6 +177,19 @@ class Network(_Model):
         return v
 
 
+# What the CRD before issue 52 stored in every rollout (network.nvshmem was a defaulted object): the
+# operator reads it as unset, so a torch rollout stays managed (the CRD refuses the block on its next spec
+# write, naming it) and a deep_ep one keeps IBGDA off inside its node.
+LEGACY_NVSHMEM_DEFAULT = {"ibgda": True, "qpDepth": 1024, "qpsPerRank": 8}
+
+
+def drop_legacy_default(data):
+    net = data.get("network") if isinstance(data, dict) else None
+    if isinstance(net, dict) and net.get("nvshmem") == LEGACY_NVSHMEM_DEFAULT:
+        return {**data, "network": {k: v for k, v in net.items() if k != "nvshmem"}}
+    return data
+
+
 # Cross-field rules (the spec's, since they read topology, device and resources too).
 SPEC_RULES = (
     ("!has(self.network.nvshmem) || self.expertBackend == 'deep_ep'",

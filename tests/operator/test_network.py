@@ -205,3 +205,19 @@ def test_examples_and_their_pods_pass_the_api_server(cluster, installed, namespa
         assert {k: served["spec"][k] for k in HOST_FIELDS if k in served["spec"] and k != "dnsPolicy"} == \
             {k: v for k, v in EXAMPLES[example]["pod"].items() if k != "dnsPolicy"}
         assert served["spec"]["dnsPolicy"] == EXAMPLES[example]["pod"].get("dnsPolicy", "ClusterFirst")
+
+
+def test_a_rollout_stored_before_issue_52_stays_readable():
+    """The old CRD defaulted network.nvshmem into every stored rollout: the operator must still read a
+    torch one (not a PermanentError that stops managing it) and keep IBGDA off inside a deep_ep node."""
+    legacy = dict(network.LEGACY_NVSHMEM_DEFAULT)
+    doc = load("pdrollout-2node.yaml")["spec"]
+    spec = PDRolloutSpec.model_validate({**doc, "network": {**doc["network"], "nvshmem": legacy}})
+    assert spec.network.nvshmem is None
+    assert rendered(spec)[2] == rendered(spec_of(load("pdrollout-2node.yaml")))[2]
+    one = load("pdrollout.yaml")["spec"]
+    _, _, env = rendered(PDRolloutSpec.model_validate({**one, "network": {"nvshmem": legacy}}))
+    assert env["NVSHMEM_IB_ENABLE_IBGDA"] == "0" and env["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "16"
+    # Written by hand on the torch backend, anything but that stored default is refused.
+    with pytest.raises(pydantic.ValidationError, match="network.nvshmem applies to expertBackend deep_ep only"):
+        PDRolloutSpec.model_validate({**doc, "network": {**doc["network"], "nvshmem": {**legacy, "qpsPerRank": 4}}})
