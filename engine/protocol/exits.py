@@ -9,6 +9,7 @@ stall from a lost peer from a configuration the engine cannot run:
   2  EXIT_CONFIG     bad configuration: layout, topology, flags, model files
   3  EXIT_STALL      the watchdog saw no rank progress for its bound while work was outstanding
   4  EXIT_PEER_LOST  a rank died, stopped answering, or never joined
+  5  EXIT_COMM       expert communication failed at run time (a buffer overflow, a pending dispatch)
 
 A stall ends with the ranks exiting, so their peers then see closed connections: the stall report
 wins over the lost peer it causes (`verdict`).
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import sys
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_STALL, EXIT_PEER_LOST = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_STALL, EXIT_PEER_LOST, EXIT_COMM = 0, 1, 2, 3, 4, 5
 NAMES = {EXIT_OK: "ok", EXIT_ERROR: "error", EXIT_CONFIG: "bad configuration", EXIT_STALL: "stall",
-         EXIT_PEER_LOST: "peer lost"}
+         EXIT_PEER_LOST: "peer lost", EXIT_COMM: "communication error"}
 # When several ranks of a node exit with different codes, the node reports the most telling one.
-PRIORITY = (EXIT_STALL, EXIT_PEER_LOST, EXIT_CONFIG, EXIT_ERROR)
+PRIORITY = (EXIT_STALL, EXIT_PEER_LOST, EXIT_COMM, EXIT_CONFIG, EXIT_ERROR)
+# by name: the config, topology and expert-comm errors live in modules this stdlib-only one must not import
+CONFIG_ERRORS = ("ConfigError", "TopologyError", "LayoutError", "ExpertCommConfigError")
+COMM_ERRORS = ("ExpertCommError",)   # its config subclass is matched first
 
 
 class PeerLostError(RuntimeError):
@@ -87,9 +91,11 @@ def is_connection_lost(exc: BaseException) -> bool:
 
 
 def is_config_error(exc: BaseException) -> bool:
-    # by name: the config and topology errors live in modules this stdlib-only one must not import
-    return any(t.__name__ in ("ConfigError", "TopologyError", "LayoutError", "ExpertCommError")
-               for t in type(exc).__mro__)
+    return any(t.__name__ in CONFIG_ERRORS for t in type(exc).__mro__)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    return any(t.__name__ in COMM_ERRORS for t in type(exc).__mro__)
 
 
 def exit_code(exc: BaseException | None, *, stall: bool = False, lost: bool = False) -> int:
@@ -107,6 +113,8 @@ def exit_code(exc: BaseException | None, *, stall: bool = False, lost: bool = Fa
         return EXIT_OK
     if is_config_error(exc):
         return EXIT_CONFIG
+    if is_comm_error(exc):
+        return EXIT_COMM
     if is_connection_lost(exc):
         return EXIT_PEER_LOST
     return EXIT_ERROR

@@ -38,7 +38,7 @@ import contextlib
 import os
 from typing import Any, Callable
 
-from .expert_comm import ExpertComm, ExpertCommError, Handle, PendingDispatch, Phase, PhaseState, RecvMeta, disjoint
+from .expert_comm import ExpertComm, ExpertCommConfigError, ExpertCommError, Handle, PendingDispatch, Phase, PhaseState, RecvMeta, disjoint
 from ..protocol.netenv import ALIGN, DEEP_EP_INTRANODE_RANKS, local_experts, nvshmem_env, qp_split_from_env
 
 # Compile-time switches of stock DeepEP v1.2.1, checked before any Buffer is made (a kernel
@@ -111,14 +111,14 @@ class DeepEPExpertComm(ExpertComm):
                  d_max_tokens: int | None = None, *, nodes: int = 1, apply_env: bool = True,
                  num_nvl_bytes: int | None = None, device=None, host_sync: bool = False) -> None:
         if nodes > 1:
-            raise ExpertCommError("two RDMA DeepEP Buffers in one process need the shared-runtime, "
+            raise ExpertCommConfigError("two RDMA DeepEP Buffers in one process need the shared-runtime, "
                                   "split-QP DeepEP of docs/DISTRIBUTED.md; stock deep_ep supports one node here")
         import torch
         import torch.distributed as dist
         import deep_ep  # GPU images only
         self.torch, self.deep_ep, self.dist = torch, deep_ep, dist
         if dtype not in (None, torch.bfloat16):
-            raise ExpertCommError(f"DeepEP moves bf16 rows (dtype {dtype})")
+            raise ExpertCommConfigError(f"DeepEP moves bf16 rows (dtype {dtype})")
         self.dtype = torch.bfloat16
         mine = next(g for g in ep_ranks if rank in g)
         self.ep, self.rank_in_ep = len(mine), list(mine).index(rank)
@@ -127,11 +127,11 @@ class DeepEPExpertComm(ExpertComm):
         self.ll_max = d_max_tokens or DEFAULT_LL_MAX_TOKENS
         problems = check_shapes(num_experts, self.ep, hidden, topk, self.ll_max)
         if problems:
-            raise ExpertCommError("; ".join(problems))
+            raise ExpertCommConfigError("; ".join(problems))
         try:   # the operator's split (spec.network.nvshmem.qpsPerRank), or the engine's own
             self.qps = qp_split_from_env(os.environ, self.e_local)
         except ValueError as e:
-            raise ExpertCommError(str(e)) from None
+            raise ExpertCommConfigError(str(e)) from None
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         groups = {}
         for ph in (Phase.DECODE, Phase.PREFILL):  # one communicator per phase (Buffer setup exchanges)

@@ -24,7 +24,11 @@ from ..protocol.netenv import QPSplit, local_experts, qp_split
 
 
 class ExpertCommError(RuntimeError):
-    pass
+    """Expert communication failed at run time (exit code 5, protocol/exits.py)."""
+
+
+class ExpertCommConfigError(ExpertCommError):
+    """A backend that cannot be built for this layout, dtype or environment (exit code 2)."""
 
 
 class PendingDispatchError(ExpertCommError):

@@ -24,6 +24,11 @@ def expert_rank(ctx, iters: int = 6):
 
     errs = {"P": 0.0, "D": 0.0}
     failures = []
+    raised = {}   # class name -> the exit code a rank ending with it would take (protocol/exits.py)
+
+    def seen(e):
+        from pdrollout.engine.protocol.exits import exit_code
+        raised[type(e).__name__] = exit_code(e)
 
     def p_path():  # normal path, split at the boundary, concurrently with D
         try:
@@ -33,13 +38,13 @@ def expert_rank(ctx, iters: int = 6):
                 try:
                     comm.notify(Phase.PREFILL, x, ids, w)
                     failures.append("second pending dispatch on one P buffer was accepted")
-                except PendingDispatchError:
-                    pass
+                except PendingDispatchError as e:
+                    seen(e)
                 try:
                     comm.move(pend)
                     failures.append("move without permit was accepted")
-                except PermitMissingError:
-                    pass
+                except PermitMissingError as e:
+                    seen(e)
                 comm.wait_permit(pend, lambda: None)   # the turnstile permit (boundary) goes here
                 recv, meta, h = comm.move(pend)
                 out = comm.combine(Phase.PREFILL, comm.apply_experts(recv, meta, expert), h)
@@ -71,6 +76,7 @@ def expert_rank(ctx, iters: int = 6):
         comm.dispatch(Phase.DECODE, torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]), torch.cat([w, w[:1]]))
         failures.append("LL dispatch over the D capacity was accepted")
     except ExpertCommError as e:
+        seen(e)
         if "capacity of 12 tokens" not in str(e):
             failures.append(f"unclear capacity error: {e}")
     recv, meta, h = comm.dispatch(Phase.DECODE, x, ids, w)   # and D keeps working
@@ -93,4 +99,4 @@ def expert_rank(ctx, iters: int = 6):
     p, d = comm.state(Phase.PREFILL), comm.state(Phase.DECODE)
     return {"errs": errs, "failures": failures, "disjoint": disjoint(p, d),
             "qp": (list(p.qp_range), list(d.qp_range)), "ll_index": d.ll_index,
-            "alive": t.is_alive()}
+            "alive": t.is_alive(), "raised": raised}

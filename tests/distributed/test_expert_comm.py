@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from pdrollout.engine.protocol import netenv
+from pdrollout.engine.protocol.exits import EXIT_COMM
 from ranks import EXIT_OK, run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks inherit sys.path and import the target
@@ -26,6 +27,9 @@ def test_concurrent_p_and_d_match_single_rank_reference():
         assert r["qp"] == ([2, 3], [0, 1])                      # P [s,2s), D [0,s), s = 2 local experts
         retired, freed, after = r["errs"]["cancel"]
         assert retired == ["retired"] and freed == 1 and after == ["free"]
+        # the errors these real ranks raised end a rank with the communication code, not "bad configuration"
+        assert r["raised"] == {"PendingDispatchError": EXIT_COMM, "PermitMissingError": EXIT_COMM,
+                               "ExpertCommError": EXIT_COMM}, r["raised"]
 
 
 def test_qp_split_and_env():
