@@ -130,11 +130,12 @@ def resize(worker, blocks: int) -> None:
     worker.graphs = None
     if worker.p_graphs is not None:
         worker.p_graphs.drop()
-    worker.kv.resize(blocks)
-    worker.num_blocks = blocks
-    if worker.cuda:
+    worker.kv.release()
+    if worker.cuda:   # the old graphs' pools and cache back to the device before the new cache
         gc.collect()
         torch.cuda.empty_cache()
+    worker.kv.resize(blocks)
+    worker.num_blocks = blocks
     if graphs:
         worker.recapture()
 
@@ -143,9 +144,8 @@ def size_from_free(worker) -> KVSizing:
     """On CUDA: probe, measure, resize (the module's docstring)."""
     config = worker.config
     run_probe(worker)
+    # the probe's cache is given back (resize): it counts as free
     free = torch.cuda.mem_get_info(worker.device)[0] + worker.kv.nbytes() - pending_bytes(config)
-    # the probe's own cache and the graphs over it go back before the real cache is allocated
-    worker.kv.release()
     blocks = fit_blocks(config, worker.cfg, worker.topo, worker.dtype, free)
     resize(worker, blocks)
     return KVSizing(blocks, config.block_size, worker.kv.nbytes(), config.kv_mem_fraction, free,
