@@ -148,7 +148,7 @@ SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are s
 SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md)
 DEFAULT_KV_CACHE_BYTES = 256 << 20   # kv_cache_bytes where nothing measures free memory (CPU, several ranks)
 # The rest of the measured free memory is the margin for what the start-up probe does not run:
-# sampling, NCCL buffers, cuDNN plans, allocator fragmentation (SGLang keeps ~10-12 % of the GPU back)
+# sampling, NCCL buffers, cuDNN plans, allocator fragmentation (docs/ENGINE_API.md)
 KV_MEM_FRACTION = 0.9
 
 Activation = Literal["on", "off", "auto"]
