@@ -152,8 +152,20 @@ def size_from_free(worker) -> KVSizing:
                     probe_tokens(config))
 
 
-def say(worker, sizing: KVSizing) -> None:
-    note = "" if sizing.fraction is not None or not worker.cuda or worker.config.kv_cache_bytes or \
-        worker.config.num_blocks else f" (the default {DEFAULT_KV_CACHE_BYTES >> 20} MiB: several ranks size " \
-                                      f"from kv_cache_bytes only)"
+def start_blocks(config: EngineConfig, cfg, topo, dtype: torch.dtype, device_type: str,
+                 multi: bool) -> tuple[int, bool]:
+    """The cache a worker starts on, and whether it is the probe's (sized from free memory later)."""
+    if fraction_sized(config, device_type, multi):
+        return probe_blocks(config), True
+    return kv_blocks(config, cfg, topo, dtype), False
+
+
+def settle(worker, sized: bool) -> KVSizing:
+    """Once the graphs are captured: the probe measured and the cache resized (`sized`), or the
+    given size; either way the start's log line."""
+    sizing = size_from_free(worker) if sized else given(worker)
+    config = worker.config
+    note = "" if sized or not worker.cuda or config.kv_cache_bytes or config.num_blocks else \
+        f" (the default {DEFAULT_KV_CACHE_BYTES >> 20} MiB: several ranks size from kv_cache_bytes only)"
     print(f"[rank {worker.rank}] {sizing.line()}{note}", file=sys.stderr, flush=True)
+    return sizing
