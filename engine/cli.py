@@ -36,7 +36,7 @@ def _cmd_generate(a) -> int:
     from .runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
     try:
         layout = layout_from_args(a)
-        fields = {"kv_cache_bytes": 256 << 20, **engine_overrides(a.engine_config)}
+        fields = engine_overrides(a.engine_config)
         control = fields.pop("control", {})
         if a.control:   # the flag's keys over the file's
             control = {**control, **json.loads(a.control)}
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: --engine-config's, else auto)")
-    g.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default 256, or --engine-config's)")
+    g.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: --engine-config's, else on one CUDA "
+                   "rank kv_mem_fraction of the free memory, elsewhere 256)")
     g.add_argument("--sequential", action="store_true",
                    help="run one request at a time (multi-turn files then reuse earlier turns' KV)")
     g.add_argument("--control", help="initial ControlSettings as JSON, e.g. '{\"ordering\": \"fine-grained\"}'")

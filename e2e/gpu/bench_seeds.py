@@ -56,7 +56,10 @@ from pathlib import Path
 from pdrollout.engine.workload.servers import parse_cpus
 from pdrollout.engine.workload.trace import PRIORITY_HINTS
 
-BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "kv_cache_bytes": 40 << 30, "max_running": 64}
+# no kv_cache_bytes: one GPU's engine sizes its cache from the memory it finds free (kv_mem_fraction,
+# runtime/kv_sizing.py); several ranks do not measure, so their engines get MULTI_RANK_KV_BYTES
+BASE_CONFIG = {"random_weights": True, "dtype": "bfloat16", "max_running": 64}
+MULTI_RANK_KV_BYTES = 40 << 30
 MEASURES = ("makespan_s", "median_ttft_ms", "p99_ttft_ms", "mean_decode_wait_ms", "mean_decode_step_ms",
             "mean_decode_step_beside_p_ms", "jit_compiles")
 
@@ -108,10 +111,12 @@ def write_model(path: Path, layers: int, preset: str, weights: str = "bf16", mtp
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def engine_config(variant: dict) -> dict:
-    config = {**BASE_CONFIG, **variant["extra"]}
+def engine_config(variant: dict, kv_cache_bytes: int | None = None, nproc: int = 1) -> dict:
+    """`kv_cache_bytes`: --kv-cache-bytes (None: one GPU sizes its own; several get MULTI_RANK_KV_BYTES)."""
+    if kv_cache_bytes is None and nproc > 1 and os.environ.get("DEVICE") != "cpu":
+        kv_cache_bytes = MULTI_RANK_KV_BYTES
+    config = {**BASE_CONFIG, **({"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {}), **variant["extra"]}
     if os.environ.get("DEVICE") == "cpu":
-        config = {k: v for k, v in config.items() if k != "kv_cache_bytes"}
         config["dtype"] = "float32"
     return config
 
@@ -195,7 +200,7 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None, pid: 
         cmd += ["--url", url]
     else:
         cmd += ["--model", model_dir(args, job["variant"]), "--device", device(), "--serve-arg=--engine-config",
-                f"--serve-arg={json.dumps(engine_config(job['variant']))}"]
+                f"--serve-arg={json.dumps(engine_config(job['variant'], args.kv_cache_bytes, args.topology[0]))}"]
         cmd += [f"--serve-arg={a}" for a in topology_args(args.topology)]
         if args.step_logs:   # the server's per-step log (plan sizes, epochs, wall time) beside the results
             cmd += ["--serve-arg=--step-log", f"--serve-arg={out / 'steps'}"]
@@ -244,7 +249,8 @@ def run_server_job(jobs: list[dict], gpu: str | None, args, log) -> None:
     # Named by the seeds the server runs, in order: a later call on other seeds (--skip-existing)
     # writes logs of its own beside these instead of over them (step_costs.py reads the seeds back)
     tag = f"{mode}-s" + "-".join(str(j["seed"]) for j in jobs)
-    extra = ("--engine-config", json.dumps(engine_config(variant)), *topology_args(args.topology))
+    extra = ("--engine-config", json.dumps(engine_config(variant, args.kv_cache_bytes, args.topology[0])),
+             *topology_args(args.topology))
     if args.step_logs:
         extra += ("--step-log", str(Path(args.out) / variant["name"] / f"steps-{tag}"))
     log_path = Path(args.out) / variant["name"] / f"server-{tag}.log"
@@ -421,6 +427,9 @@ def main() -> int:
     ap.add_argument("--model-preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
     ap.add_argument("--model", default="/tmp/pdrollout-bench-model")
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="every engine's KV cache (default: one GPU sizes it from its free memory, "
+                         f"several ranks {MULTI_RANK_KV_BYTES >> 30} GiB)")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--step-logs", action="store_true", help="each server writes its step log under OUT")
     ap.add_argument("--reuse-server", action="store_true",
@@ -467,7 +476,7 @@ def main() -> int:
                 "nproc": args.topology[0],
                 "topology": (f"{args.topology[0]} GPU(s) per engine (EP{args.topology[2]}/ADP{args.topology[1]}); "
                              "engines spread over GPUs " + (args.gpus or "-")),
-                "engine_config": BASE_CONFIG, "variants": variants,
+                "engine_config": engine_config({"extra": {}}, args.kv_cache_bytes, args.topology[0]), "variants": variants,
                 "servers": "one per (variant, mode), cache flushed between runs" if args.reuse_server
                            else "a fresh one per run",
                 "blocks": [{"seeds": blk, "order": "reversed" if b % 2 else "forward"}

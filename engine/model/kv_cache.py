@@ -9,6 +9,7 @@ class KVCache:
     block is never handed out: padding rows of a CUDA graph write their K/V into its first slot."""
 
     def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
+        self.block_size = block_size
         self.null_slot = num_blocks * block_size
         self.shape = ((num_blocks + 1) * block_size, kv_heads, head_dim)
         self.k = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -22,6 +23,14 @@ class KVCache:
     def resume(self) -> None:
         self.k = [torch.zeros(self.shape, dtype=t.dtype, device=t.device) for t in self.k]
         self.v = [torch.zeros(self.shape, dtype=t.dtype, device=t.device) for t in self.v]
+
+    def resize(self, num_blocks: int) -> None:
+        """Zeroed storage for `num_blocks` in place of the current (whoever holds this cache sees it;
+        graphs that read the old storage must be captured again)."""
+        self.release()
+        self.null_slot = num_blocks * self.block_size
+        self.shape = ((num_blocks + 1) * self.block_size, *self.shape[1:])
+        self.resume()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

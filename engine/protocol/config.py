@@ -146,6 +146,10 @@ def load_preset(name_or_path: str) -> dict:
 KV_SPLITS_MAX = 16   # decode attention's context splits (model/kernels.py)
 SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
 SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md)
+DEFAULT_KV_CACHE_BYTES = 256 << 20   # kv_cache_bytes where nothing measures free memory (CPU, several ranks)
+# The rest of the measured free memory is the margin for what the start-up probe does not run:
+# sampling, NCCL buffers, cuDNN plans, allocator fragmentation (docs/ENGINE_API.md)
+KV_MEM_FRACTION = 0.9
 
 Activation = Literal["on", "off", "auto"]
 Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
@@ -195,7 +199,10 @@ class EngineConfig(BaseModel):
     mode: Mode = "pd"
     block_size: int = Field(default=16, gt=0)
     num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
-    kv_cache_bytes: int = Field(default=256 << 20, gt=0)
+    # None: on one CUDA rank, kv_mem_fraction of the memory free once the weights, the graphs and the
+    # largest step hold theirs (runtime/kv_sizing.py); elsewhere DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    kv_mem_fraction: float = Field(default=KV_MEM_FRACTION, gt=0, le=1)
     max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
     max_context_len: int | None = None                   # None: the model's max_position_embeddings
     mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline

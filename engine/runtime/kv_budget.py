@@ -11,7 +11,7 @@ import torch
 
 from ..model.kv_cache import KVCache
 from ..model.loader import resolve_dtype
-from ..protocol.config import EngineConfig, ModelConfig
+from ..protocol.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from ..protocol.topology import Topology
 
 
@@ -34,18 +34,27 @@ def proposer_block_bytes(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
     return 0
 
 
-def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
+def target_block_bytes(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype) -> int:
+    """What one block costs a rank's cache: its share of the KV heads."""
+    return KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
+                                   cfg.num_key_value_heads // topo.atp, cfg.head_dim, dtype)
+
+
+def kv_blocks(config: EngineConfig, cfg: ModelConfig, topo: Topology, dtype: torch.dtype,
+              budget: int | None = None) -> int:
     """The same block count on every rank: each rank's KV budget over its share of the KV heads. A
     model proposer's caches (one per replica, on rank 0) come out of rank 0's budget, so every rank
-    sizes for them (the others leave that share unused)."""
+    sizes for them (the others leave that share unused). `budget`: bytes measured at start
+    (kv_sizing.py); None: `kv_cache_bytes`, or its default."""
     if config.num_blocks:
         return config.num_blocks
-    per = KVCache.bytes_per_block(cfg.num_hidden_layers, config.block_size,
-                                  cfg.num_key_value_heads // topo.atp, cfg.head_dim, dtype)
+    if budget is None:
+        budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    per = target_block_bytes(config, cfg, topo, dtype)
     extra = topo.adp * proposer_block_bytes(config, cfg, dtype)
-    left = config.kv_cache_bytes - extra * spare_blocks(config)
+    left = budget - extra * spare_blocks(config)
     if extra and left < per + extra:
-        raise ValueError(f"kv_cache_bytes {config.kv_cache_bytes} holds no block beside the {topo.adp} "
+        raise ValueError(f"kv_cache_bytes {budget} holds no block beside the {topo.adp} "
                          f"{config.speculative} proposer cache(s) (each needs {spare_blocks(config)} spare "
                          f"blocks of {extra // topo.adp} bytes): raise it or lower max_running")
     return max(left // (per + extra), 1)

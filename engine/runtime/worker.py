@@ -27,7 +27,7 @@ from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
 from .jit_watch import compile_watch
-from .kv_budget import kv_blocks
+from .kv_sizing import settle, start_blocks
 from .mtp import HiddenStates
 from .options import RankOptions
 from .sampler import accept_greedy, make_generator, request_seed, sample, verify
@@ -96,7 +96,7 @@ class Worker:
             self.model = load_model(config.model, device=self.device, dtype=dtype, shard=shard,
                                     backends=self.backends, mtp=mtp and not self.multi)
         self.dtype = next(self.model.parameters()).dtype
-        self.num_blocks = kv_blocks(config, self.cfg, topo, self.dtype)
+        self.num_blocks, sized = start_blocks(config, self.cfg, topo, self.dtype, self.device.type, self.multi)
         kv_heads = self.model.model.layers[0].self_attn.kv_heads
         self.kv = KVCache(self.cfg.num_hidden_layers, self.num_blocks, config.block_size, kv_heads,
                           self.cfg.head_dim, self.dtype, self.device)
@@ -121,6 +121,7 @@ class Worker:
             from .prefill_graphs import PrefillGraphs
             self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
             self.p_graphs.capture()
+        self.kv_sizing = settle(self, sized)   # the probe's cache measured and resized (kv_sizing.py), logged
         if config.switch_interval_ms:   # a busy P thread hands the GIL to D's loop sooner (e2e/gil_handoff.py)
             sys.setswitchinterval(config.switch_interval_ms / 1e3)
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D

@@ -22,7 +22,7 @@ def engine_facts(engine) -> dict:
     info, cfg = engine.model_info(), engine.config
     return {**info, "max_running": cfg.max_running, "block_size": cfg.block_size,
             "chunk_tokens": cfg.mixed_chunk_tokens, "seed": cfg.seed,
-            "kv_blocks_total": engine.stats()["kv_blocks_total"]}
+            "kv_blocks_total": engine.stats()["kv_blocks_total"], **engine.worker.kv_sizing.facts()}
 
 
 def sglang_server_args(settings, facts: dict, tokenizer_path) -> dict:
@@ -41,6 +41,9 @@ def sglang_server_args(settings, facts: dict, tokenizer_path) -> dict:
         "page_size": facts["block_size"], "chunked_prefill_size": facts["chunk_tokens"],
         "max_total_num_tokens": facts["kv_blocks_total"] * facts["block_size"],
         "random_seed": facts["seed"],
+        # this engine's own: how rank 0's KV cache was sized (kv_mem_fraction None: a size was given)
+        "kv_cache_bytes": facts["kv_cache_bytes"], "kv_mem_fraction": facts["kv_mem_fraction"],
+        "kv_free_bytes": facts["kv_free_bytes"],
         # release/resume_memory_occupation are served (by tags), and /generate returns routed experts
         "enable_memory_saver": True, "enable_return_routed_experts": True,
         "speculative_algorithm": {"ngram": "NGRAM", "draft": "STANDALONE", "mtp": "EAGLE"}.get(spec) if spec else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -740,3 +741,28 @@ def test_bench_seeds_pins_a_variants_server_to_its_cpus(tmp_path):
                        capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
     assert r.returncode == 2 and "needs --reuse-server" in r.stderr, r.stderr
     assert not (tmp_path / "bad" / "meta.json").exists()
+
+
+def test_bench_seeds_passes_no_kv_size_unless_asked(tmp_path):
+    """The P1 bench leaves one GPU's engine to size its own cache (kv_sizing.py); --kv-cache-bytes
+    still sets it, and its servers run with it (their start's log line says the bytes)."""
+    sys.path.insert(0, str(ROOT / "e2e/gpu"))
+    try:
+        from bench_seeds import MULTI_RANK_KV_BYTES, engine_config, parse_variant
+    finally:
+        sys.path.pop(0)
+    base = parse_variant("base:pd:{}")
+    assert "kv_cache_bytes" not in engine_config(base)
+    assert engine_config(base, nproc=2)["kv_cache_bytes"] == MULTI_RANK_KV_BYTES   # several ranks measure nothing
+    assert engine_config(base, 1 << 30)["kv_cache_bytes"] == 1 << 30
+    assert engine_config(parse_variant('v:pd:{"kv_cache_bytes": 5}'), 1 << 30)["kv_cache_bytes"] == 5   # the variant's wins
+    out = tmp_path / "kv"
+    _bench_seeds(out, "--pressures", "P2", "--reuse-server", "--kv-cache-bytes", str(8 << 20))
+    assert json.loads((out / "meta.json").read_text())["engine_config"]["kv_cache_bytes"] == 8 << 20
+    logs = list((out / "base").glob("server-*.log"))
+    assert logs
+    for log in logs:
+        m = re.search(r"KV cache: (\d+) blocks .*\[kv_cache_bytes=(\d+)\]", log.read_text())
+        assert m, log.read_text()[-2000:]
+        blocks, kv_bytes = int(m[1]), int(m[2])
+        assert blocks == (8 << 20) // (kv_bytes // (blocks + 1))   # the cache holds one null block beyond
