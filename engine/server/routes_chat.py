@@ -121,9 +121,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return json_response({**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
             "finish_reason": _finish(t), "matched_stop": (t.finish_reason or {}).get("matched")}],
-            "usage": _usage(t), "metadata": version_meta(t.version_spans, server.weight_version, len(t.output_ids))})
+            "usage": _usage(t), "metadata": chat_metadata(t, server.weight_version)})
     finally:
         server.release(tracked, queue)
+
+
+def chat_metadata(t: Tracked, current: str) -> dict[str, str]:
+    """OpenAI's `metadata` is a Dict[str, str] (newer `openai` clients refuse anything else): the
+    version spans joined as `version:start-end,...`."""
+    v = version_meta(t.version_spans, current, len(t.output_ids))
+    spans = ",".join(f"{s['version']}:{s['start']}-{s['end']}" for s in v["weight_versions"])
+    return {"weight_version": v["weight_version"], "weight_versions": spans}
 
 
 def _usage(t: Tracked) -> dict:
