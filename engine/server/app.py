@@ -21,6 +21,7 @@ from .bridge import EngineBridge, EngineUnavailable, Tracked
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, GenerateItem, RolloutFinishRequest, error_body, parse, validation_message
 from .rollouts import RolloutTracker
+from .stops import take_stop_strings
 
 log = logging.getLogger("pdrollout.server")
 
@@ -78,12 +79,14 @@ class Server:
         the queue that wakes the handler on every update."""
         if self.draining:
             raise EngineUnavailable("server is shutting down")
-        sampling = []
+        sampling, stops = [], []
         for i, item in enumerate(items):
+            sp, stop = take_stop_strings(item.sampling_params, self.tokenizer, _where(i, len(items)))
             try:
-                sampling.append(SamplingParams.from_dict(item.sampling_params))
+                sampling.append(SamplingParams.from_dict(sp))
             except RequestError as e:
                 raise BadRequest(_where(i, len(items)) + str(e)) from None
+            stops.append(stop)
         while not (self.unpaused.is_set() and self.admitting.is_set()):
             await self.unpaused.wait()       # SGLang: requests wait while generation is paused
             await self.admitting.wait()      # ... and while an update waits for in-flight ones
@@ -92,7 +95,8 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
         tracked = [Tracked(rid=item.rid or uuid.uuid4().hex, arrival=now, rollout_id=rollout_id,
-                           log_metrics=log_metrics, return_logprob=item.return_logprob, index=i, wake=queue)
+                           log_metrics=log_metrics, return_logprob=item.return_logprob, index=i, wake=queue,
+                           stops=stops[i], routes_from=item.routes_from)
                    for i, item in enumerate(items)]
         if len({t.rid for t in tracked}) != len(tracked):
             raise BadRequest("rid values of a batch must be distinct")

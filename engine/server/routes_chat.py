@@ -115,7 +115,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, server, t, queue, head, usage)
         await wait_finished(tracked, queue)
-        text = server.tokenizer.decode(t.output_ids)
+        text = t.text(server.tokenizer.decode)
         lps = {"content": [{"token": server.tokenizer.decode([i]), "logprob": lp}
                            for i, lp in zip(t.output_ids, t.logprobs)]} if req.logprobs else None
         return json_response({**head, "object": "chat.completion", "choices": [{
@@ -152,7 +152,7 @@ async def _stream(request, server: Server, t: Tracked, queue: asyncio.Queue, hea
             await queue.get()
             while not queue.empty():
                 queue.get_nowait()
-            text = server.tokenizer.decode(t.output_ids)   # whole text: a split multi-byte char heals
+            text = t.text(server.tokenizer.decode)   # whole text: a split multi-byte char heals
             if len(text) > len(sent) or t.finished:
                 await resp.write(chunk({"content": text[len(sent):]} if len(text) > len(sent) else {},
                                        _finish(t)))

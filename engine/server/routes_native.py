@@ -36,7 +36,7 @@ async def wait_finished(tracked: list[Tracked], queue: asyncio.Queue) -> None:
 def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
     ids = t.output_ids[since:]
     lps = t.logprobs[since:] if t.return_logprob else None
-    text = server.tokenizer.decode(ids) if server.tokenizer else ""
+    text = t.text(server.tokenizer.decode, since) if server.tokenizer else ""
     body = generate_response(rid=t.rid, output_ids=ids, logprobs=lps,
                              finish_reason=t.finish_reason if t.finished else None,
                              prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
