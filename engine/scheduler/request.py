@@ -189,6 +189,8 @@ class RequestOutput:
         if self.spec is None:
             return {}
         verify, proposed, accepted = self.spec
+        # both SGLang namings: slime and AReaL read spec_accept_token_num / spec_draft_token_num
         return {"spec_verify_ct": verify, "spec_accepted_drafts": accepted, "spec_proposed_drafts": proposed,
+                "spec_accept_token_num": accepted, "spec_draft_token_num": proposed,
                 "spec_accept_rate": accepted / proposed if proposed else 0.0,
                 "spec_accept_length": (verify + accepted) / verify if verify else 0.0}

@@ -4,7 +4,6 @@ OpenAI routes live in `routes_native` and `routes_openai`."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -17,10 +16,12 @@ from pydantic import BaseModel, ValidationError
 
 from ..protocol.config import ControlSettings
 from ..scheduler.request import RequestError, SamplingParams
+from .auth import AuthPolicy
 from .bridge import EngineBridge, EngineUnavailable, Tracked
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, GenerateItem, RolloutFinishRequest, error_body, parse, validation_message
 from .rollouts import RolloutTracker
+from .stops import take_stop_strings
 
 log = logging.getLogger("pdrollout.server")
 
@@ -42,6 +43,8 @@ class ServerSettings:
     health_generate_timeout_s: float = 20.0
     # required (Bearer) on the admin routes; None: they are open. Never returned or logged (server_info.py).
     admin_token: Optional[str] = field(default=None, repr=False)
+    api_key: Optional[str] = field(default=None, repr=False)      # SGLang's --api-key (auth.py)
+    admin_peers: tuple = ()                                        # trusted peer networks (auth.py)
 
     @property
     def model_name(self) -> str:
@@ -54,6 +57,7 @@ class Server:
     def __init__(self, settings: ServerSettings, engine_factory: Callable[[], Any],
                  loop: asyncio.AbstractEventLoop, tokenizer=None):
         self.settings = settings
+        self.auth = AuthPolicy(settings.admin_token, settings.api_key, settings.admin_peers)
         self.tokenizer = tokenizer
         self.metrics = ServerMetrics()
         self.rollouts = RolloutTracker(settings.rollout_idle_s, self._rollout_finished)
@@ -75,12 +79,14 @@ class Server:
         the queue that wakes the handler on every update."""
         if self.draining:
             raise EngineUnavailable("server is shutting down")
-        sampling = []
+        sampling, stops = [], []
         for i, item in enumerate(items):
+            sp, stop = take_stop_strings(item.sampling_params, self.tokenizer, _where(i, len(items)))
             try:
-                sampling.append(SamplingParams.from_dict(item.sampling_params))
+                sampling.append(SamplingParams.from_dict(sp))
             except RequestError as e:
                 raise BadRequest(_where(i, len(items)) + str(e)) from None
+            stops.append(stop)
         while not (self.unpaused.is_set() and self.admitting.is_set()):
             await self.unpaused.wait()       # SGLang: requests wait while generation is paused
             await self.admitting.wait()      # ... and while an update waits for in-flight ones
@@ -89,7 +95,8 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
         tracked = [Tracked(rid=item.rid or uuid.uuid4().hex, arrival=now, rollout_id=rollout_id,
-                           log_metrics=log_metrics, return_logprob=item.return_logprob, index=i, wake=queue)
+                           log_metrics=log_metrics, return_logprob=item.return_logprob, index=i, wake=queue,
+                           stops=stops[i], routes_from=item.routes_from)
                    for i, item in enumerate(items)]
         if len({t.rid for t in tracked}) != len(tracked):
             raise BadRequest("rid values of a batch must be distinct")
@@ -260,7 +267,7 @@ async def read_json(request: web.Request, model: Optional[type[BaseModel]] = Non
 
 def admin(handler):
     """Marks a route that changes the engine for everyone (controls, pause, weights, memory, aborts):
-    with an admin token configured it needs `Authorization: Bearer <token>`."""
+    who may call it is auth.py's policy (admin token, api key, trusted peers)."""
     handler.admin = True
     return handler
 
@@ -271,15 +278,14 @@ def is_admin(handler) -> bool:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    token = server_of(request).settings.admin_token
-    if token is not None and is_admin(request.match_info.handler):
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            why = "missing bearer token" if not given else "wrong bearer token"
-            resp = error_response(f"{request.method} {request.path} is an admin route: {why} "
-                                  f"(Authorization: Bearer <admin token>)", 401)
+    refused = server_of(request).auth.refusal(admin=is_admin(request.match_info.handler), path=request.path,
+                             remote=request.remote, headers=request.headers)
+    if refused is not None:
+        status, why = refused
+        resp = error_response(f"{request.method} {request.path} {why}", status)
+        if status == 401:
             resp.headers["WWW-Authenticate"] = 'Bearer realm="pdrollout-admin"'
-            return resp
+        return resp
     return await handler(request)
 
 

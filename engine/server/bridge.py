@@ -51,6 +51,17 @@ class Tracked:
     version_spans: list = field(default_factory=list)   # [version, start, end) over output_ids
     routed_experts: Optional[bytes] = None
     spec_meta: dict = field(default_factory=dict)   # speculation's meta_info keys (RequestOutput.spec_meta)
+    stops: Any = None                    # stops.StopStrings, or None
+    stop_matched: Optional[str] = None   # a stop string ended it: later tokens are dropped, the engine aborts it
+    routes_from: Optional[int] = None    # return_routed_experts: its first position
+    engine_tokens: int = 0               # tokens the engine produced (output_ids may keep fewer)
+
+    def text(self, decode, since: int = 0) -> str:
+        """The output's text from token `since`, cut at a matched stop string as its request asked."""
+        text = decode(self.output_ids[since:])
+        if self.stop_matched is not None and self.finished:
+            text = self.stops.trim(text, self.stop_matched)
+        return text
 
     def add_tokens(self, ids: list[int], version: str) -> None:
         """Appends tokens produced by the weights of `version` (a request spanning an update gets
@@ -114,6 +125,16 @@ class EngineBridge:
             self._inbox.append((fn, fut))
             self._cond.notify()
         return await fut
+
+    def fire(self, fn: Callable[[Any], Any]) -> None:
+        """Runs `fn(engine)` on the engine thread between steps; nobody waits for it."""
+        if self.state != "ready":
+            return
+        fut = self._loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # its error is nobody's
+        with self._cond:
+            self._inbox.append((fn, fut))
+            self._cond.notify()
 
     async def set_paused(self, paused: bool, then=None):
         """Pauses (or not) between two steps; `then(engine)` runs in the same command (a retract
@@ -259,7 +280,18 @@ class EngineBridge:
             if t is None or t.finished:
                 continue
             t.prompt_tokens, t.cached_tokens = o.prompt_tokens, o.cached_tokens
-            if o.new_token_ids:
+            new, new_lps = o.new_token_ids, o.new_logprobs
+            t.engine_tokens += len(new)
+            if t.stop_matched is not None:
+                new = new_lps = []            # past the stop string: the engine's abort is on its way
+            elif t.stops is not None and new:
+                hit = t.stops.first_match(t.output_ids, new)
+                if hit is not None:
+                    new, new_lps = new[:hit[0]], new_lps[:hit[0]] if new_lps else new_lps
+                    t.stop_matched = hit[1]
+                    if not o.finished:
+                        self.fire(lambda e, rid=t.rid: e.abort(rid, "stop string matched"))
+            if new:
                 if t.first_token_at is None:
                     t.first_token_at = now
                     if t.log_metrics:
@@ -267,17 +299,18 @@ class EngineBridge:
                 elif t.log_metrics and t.last_token_at is not None:
                     self._metrics.inter_token(now - t.last_token_at, len(o.new_token_ids))
                 t.last_token_at = now
-                t.add_tokens(o.new_token_ids, o.weight_version)
-                if t.return_logprob and o.new_logprobs:
-                    t.logprobs.extend(o.new_logprobs)
+                t.add_tokens(new, o.weight_version)
+                if t.return_logprob and new_lps:
+                    t.logprobs.extend(new_lps)
                 if t.log_metrics:
-                    self._metrics.generated(len(o.new_token_ids))
+                    self._metrics.generated(len(new))
             if o.routed_experts is not None:
-                t.routed_experts = o.routed_experts
+                t.routed_experts = _routes_kept(t, o.routed_experts)
             if o.spec is not None:
                 t.spec_meta = o.spec_meta()
             if o.finished:
-                self._finish(t, o.finish_reason, now)
+                stop = {"type": "stop", "matched": t.stop_matched} if t.stop_matched is not None else None
+                self._finish(t, stop or o.finish_reason, now)
             elif t.wake is not None:
                 t.wake.put_nowait(t)
 
@@ -289,6 +322,16 @@ class EngineBridge:
         self._on_finished(t)
         if t.wake is not None:
             t.wake.put_nowait(t)
+
+
+def _routes_kept(t: Tracked, routes: bytes) -> bytes:
+    """The routed experts of the positions a stop string kept: one position less per dropped token
+    (the engine reports positions [routes_from, prompt + its tokens - 1))."""
+    dropped = t.engine_tokens - len(t.output_ids)
+    positions = t.prompt_tokens + t.engine_tokens - 1 - (t.routes_from or 0)
+    if dropped <= 0 or positions <= 0:
+        return routes
+    return routes[:len(routes) - dropped * (len(routes) // positions)]
 
 
 def _settle(fut: asyncio.Future, res: Any, exc: Optional[BaseException]) -> None:

@@ -37,6 +37,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="file holding the bearer token the admin routes (PUT /control, pause/continue, "
                         f"weights, memory, flush, abort) require; default ${ADMIN_TOKEN_FILE_ENV}; "
                         "unset: those routes are open")
+    p.add_argument("--admin-api-key", default=None,
+                   help="SGLang's name: the admin token given inline (prefer --admin-token-file: a "
+                        "command line is visible to other processes); not with --admin-token-file")
+    p.add_argument("--api-key", default=None,
+                   help="SGLang's --api-key: every route but /health*, /metrics needs "
+                        "Authorization: Bearer <key> (or x-api-key); also guards the admin routes "
+                        "when no admin token is set")
+    p.add_argument("--admin-peers", default=None, metavar="CIDR[,CIDR...]",
+                   help="requests from these peer addresses are admitted to every route without a key "
+                        "(the RL trainer's pods); loopback is not trusted unless listed")
     p.add_argument("--log-level", default="info")
     from ..runtime.options import add_layout_args, add_rank_args, add_spec_args
     add_layout_args(p)
@@ -71,6 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (LayoutError, ValueError) as e:   # pydantic's ValidationError is a ValueError
         return _fail(str(e), EXIT_CONFIG)
     admin_token = None
+    if args.admin_api_key is not None and args.admin_token_file:
+        return _fail("give the admin token once: --admin-api-key or --admin-token-file "
+                     f"(${ADMIN_TOKEN_FILE_ENV}), not both", EXIT_CONFIG)
     if args.admin_token_file:
         try:
             admin_token = Path(args.admin_token_file).read_text().strip()
@@ -78,6 +91,19 @@ def run_serve(args: argparse.Namespace) -> int:
             return _fail(f"--admin-token-file: {e.strerror}: {args.admin_token_file}", EXIT_CONFIG)
         if not admin_token:
             return _fail(f"--admin-token-file {args.admin_token_file} is empty", EXIT_CONFIG)
+    if args.admin_api_key is not None:
+        admin_token = args.admin_api_key.strip()
+        if not admin_token:
+            return _fail("--admin-api-key is empty", EXIT_CONFIG)
+    if args.api_key is not None and not args.api_key.strip():
+        return _fail("--api-key is empty", EXIT_CONFIG)
+    admin_peers: tuple = ()
+    if args.admin_peers is not None:
+        from .auth import parse_peers
+        try:
+            admin_peers = parse_peers(args.admin_peers)
+        except ValueError as e:
+            return _fail(str(e), EXIT_CONFIG)
     options = None
     if layout.world > 1:
         from ..runtime.launcher import prepare, run_worker_node
@@ -93,8 +119,12 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
                               rollout_idle_s=args.rollout_idle,
                               incremental_streaming_output=args.incremental_streaming_output,
-                              admin_token=admin_token)
-    if admin_token is None:
+                              admin_token=admin_token, api_key=args.api_key and args.api_key.strip(),
+                              admin_peers=admin_peers)
+    if admin_peers:
+        logging.getLogger("pdrollout.server").info(
+            "admin peers (admitted without a key): %s", ", ".join(map(str, admin_peers)))
+    if admin_token is None and args.api_key is None and not admin_peers:
         logging.getLogger("pdrollout.server").warning(
             "no --admin-token-file: the admin routes (controls, weights, memory, pause, abort) are open")
     tokenizer = find_tokenizer(args.model, args.tokenizer)

@@ -195,12 +195,27 @@ class UpdateFromDiskRequest(_Strict):
 
 class InitGroupRequest(_Strict):
     master_address: str = Field(min_length=1)
-    master_port: StrictInt
+    master_port: Union[StrictInt, str]     # AReaL sends a string; SGLang converts it
     rank_offset: StrictInt
     world_size: StrictInt
     group_name: str = Field(default="weight_update_group", min_length=1)
     backend: str = "nccl"
+    pp_rank: StrictInt = 0                 # no pipeline stages here: only stage 0 exists
     rid: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        port = self.master_port
+        if isinstance(port, str):
+            if not port.strip().isdigit():
+                raise ValueError(f"master_port must be a port number, got {port!r}")
+            port = self.master_port = int(port.strip())
+        if not 1 <= port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {port}")
+        if self.pp_rank != 0:
+            raise ValueError(f"pp_rank={self.pp_rank} is not supported: this engine has one pipeline "
+                             "stage (pp_size 1), so only pp_rank 0")
+        return self
 
 
 class UpdateFromDistributedRequest(_Strict):

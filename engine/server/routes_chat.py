@@ -115,15 +115,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, server, t, queue, head, usage)
         await wait_finished(tracked, queue)
-        text = server.tokenizer.decode(t.output_ids)
+        text = t.text(server.tokenizer.decode)
         lps = {"content": [{"token": server.tokenizer.decode([i]), "logprob": lp}
                            for i, lp in zip(t.output_ids, t.logprobs)]} if req.logprobs else None
         return json_response({**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
             "finish_reason": _finish(t), "matched_stop": (t.finish_reason or {}).get("matched")}],
-            "usage": _usage(t), "metadata": version_meta(t.version_spans, server.weight_version, len(t.output_ids))})
+            "usage": _usage(t), "metadata": chat_metadata(t, server.weight_version)})
     finally:
         server.release(tracked, queue)
+
+
+def chat_metadata(t: Tracked, current: str) -> dict[str, str]:
+    """OpenAI's `metadata` is a Dict[str, str] (newer `openai` clients refuse anything else): the
+    version spans joined as `version:start-end,...`."""
+    v = version_meta(t.version_spans, current, len(t.output_ids))
+    spans = ",".join(f"{s['version']}:{s['start']}-{s['end']}" for s in v["weight_versions"])
+    return {"weight_version": v["weight_version"], "weight_versions": spans}
 
 
 def _usage(t: Tracked) -> dict:
@@ -144,7 +152,7 @@ async def _stream(request, server: Server, t: Tracked, queue: asyncio.Queue, hea
             await queue.get()
             while not queue.empty():
                 queue.get_nowait()
-            text = server.tokenizer.decode(t.output_ids)   # whole text: a split multi-byte char heals
+            text = t.text(server.tokenizer.decode)   # whole text: a split multi-byte char heals
             if len(text) > len(sent) or t.finished:
                 await resp.write(chunk({"content": text[len(sent):]} if len(text) > len(sent) else {},
                                        _finish(t)))

@@ -36,7 +36,7 @@ async def wait_finished(tracked: list[Tracked], queue: asyncio.Queue) -> None:
 def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
     ids = t.output_ids[since:]
     lps = t.logprobs[since:] if t.return_logprob else None
-    text = server.tokenizer.decode(ids) if server.tokenizer else ""
+    text = t.text(server.tokenizer.decode, since) if server.tokenizer else ""
     body = generate_response(rid=t.rid, output_ids=ids, logprobs=lps,
                              finish_reason=t.finish_reason if t.finished else None,
                              prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
@@ -196,6 +196,27 @@ async def get_server_info(request: web.Request) -> web.Response:
                           "control": control, "internal_states": [stats]})
 
 
+def _loads(engine) -> list[dict]:
+    """SGLang's GetLoadsReqOutput per attention-DP replica (each has its own scheduler and KV pool)."""
+    block, now = engine.config.block_size, time.time()
+    out = []
+    for rank, sched in enumerate(engine.schedulers):
+        st = sched.stats()
+        used, total = st["kv_blocks_used"] * block, st["kv_blocks_total"] * block
+        pending = sum(len(r.prompt) + len(r.output) for r in sched.waiting)   # SGLang: used + waiting seqlens
+        out.append({"dp_rank": rank, "timestamp": now, "num_running_reqs": st["num_running_reqs"],
+                    "num_waiting_reqs": st["num_queue_reqs"], "num_used_tokens": used,
+                    "num_total_tokens": used + pending, "max_total_num_tokens": total,
+                    "token_usage": round(used / total, 4) if total else 0.0,
+                    "max_running_requests": engine.config.max_running})
+    return out
+
+
+async def loads(request: web.Request) -> web.Response:
+    loads = await server_of(request).bridge.call(_loads)
+    return json_response({"timestamp": time.time(), "dp_rank_count": len(loads), "loads": loads})
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_post("/generate", generate)
@@ -206,6 +227,7 @@ def add_routes(app: web.Application) -> None:
         r.add_post(path, flush_cache)
         r.add_get(path, flush_cache)
     r.add_get("/health_generate", health_generate)
+    r.add_get("/v1/loads", loads)
     for path in ("/get_model_info", "/model_info"):      # newer SGLang names without get_
         r.add_get(path, get_model_info)
     for path in ("/get_server_info", "/server_info"):

@@ -45,7 +45,7 @@ def _logprobs(server: Server, ids: list[int], lps: list[float], offset0: int) ->
 
 def _choice(server: Server, t: Tracked, since: int, want_logprobs: bool) -> dict:
     ids = t.output_ids[since:]
-    text = server.tokenizer.decode(ids) if server.tokenizer else ""
+    text = t.text(server.tokenizer.decode, since) if server.tokenizer else ""
     fr = t.finish_reason if t.finished else None
     return {"index": t.index, "text": text,
             "logprobs": _logprobs(server, ids, t.logprobs[since:], 0) if want_logprobs else None,

@@ -146,6 +146,9 @@ def test_speculation_in_meta_info_metrics_and_model_info(start_server):
     assert meta["completion_tokens"] == 8
     assert meta["spec_verify_ct"] + meta["spec_accepted_drafts"] == 7      # the first token came from P
     assert meta["spec_proposed_drafts"] > 0                                # the prompt's suffix recurs
+    # the names slime and AReaL read (SGLang's older meta_info keys), the same counts
+    assert (meta["spec_accept_token_num"], meta["spec_draft_token_num"]) == \
+        (meta["spec_accepted_drafts"], meta["spec_proposed_drafts"])
     assert meta["spec_accept_length"] == pytest.approx(7 / meta["spec_verify_ct"])
     for name, key in (("spec_verify_total", "spec_verify_ct"), ("spec_proposed_drafts_total", "spec_proposed_drafts"),
                       ("spec_accepted_drafts_total", "spec_accepted_drafts")):
