@@ -4,9 +4,10 @@ verl do with SGLang: per bucket, `serialized_named_tensors` (base64 of torch's m
 pickle), the tensors kept alive until the answer is back.
 
     python tests/rl_tensor_trainer.py --url URL --model DIR --format flattened_bucket|direct
-        [--sharing value|cuda] [--entries N] [--version V] [--token T]
+        [--sharing value|cuda] [--sglang-reductions] [--entries N] [--version V] [--token T]
 --sharing value: CPU tensors, a plain pickle with the data inline; cuda: the tensors on the
-current CUDA device, sent as IPC handles (torch's multiprocessing pickle). --entries: how many entries (SGLang's one per TP rank; 1: one for all).
+current CUDA device, sent as IPC handles (torch's multiprocessing pickle); with --sglang-reductions
+as SGLang's patched reductions write them (the device as its UUID, SGLang's rebuild function). --entries: how many entries (SGLang's one per TP rank; 1: one for all).
 Prints one JSON line per HTTP answer, then {"done": true}."""
 from __future__ import annotations
 
@@ -32,6 +33,36 @@ def post(url: str, body: dict, token: str | None) -> dict:
         return {"status": e.code, "body": json.loads(e.read() or b"null")}
 
 
+def sglang_reductions() -> None:
+    """What SGLang's monkey_patch_torch_reductions makes of a CUDA tensor's pickle: the device slot
+    as the GPU's UUID and SGLang's rebuild function by name (sglang is not installed here, so its
+    module is a stand-in that only names the function: the server never imports it)."""
+    import sys
+    import types
+    from multiprocessing.reduction import ForkingPickler
+    from torch.multiprocessing import reductions
+    path = "sglang.srt.utils.patch_torch"
+    for i in range(path.count(".") + 1):
+        name = ".".join(path.split(".")[:i + 1])
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+    def _rebuild_cuda_tensor_modified(*args):
+        raise RuntimeError("rebuilt by the server only")
+    _rebuild_cuda_tensor_modified.__module__ = path
+    _rebuild_cuda_tensor_modified.__qualname__ = "_rebuild_cuda_tensor_modified"
+    sys.modules[path]._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
+
+    def reduce(t):
+        fn, args = reductions.reduce_tensor(t)
+        if fn is reductions.rebuild_cuda_tensor:
+            args = list(args)
+            args[6] = str(torch.cuda.get_device_properties(args[6]).uuid)
+            fn, args = _rebuild_cuda_tensor_modified, tuple(args)
+        return fn, args
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        ForkingPickler.register(cls, reduce)
+
+
 def buckets(named: list, limit: int) -> list[list]:
     out, cur, size = [], [], 0
     for name, t in named:
@@ -49,6 +80,7 @@ def main() -> None:
     a.add_argument("--model", required=True)
     a.add_argument("--format", choices=["direct", "flattened_bucket"], required=True)
     a.add_argument("--sharing", choices=["value", "cuda"], default="value")
+    a.add_argument("--sglang-reductions", action="store_true")
     a.add_argument("--entries", type=int, default=1)
     a.add_argument("--version", default=None)
     a.add_argument("--bucket-bytes", type=int, default=256 << 10)
@@ -57,6 +89,8 @@ def main() -> None:
     named = list(load_file(f"{args.model}/model.safetensors").items())
     if args.sharing == "cuda":
         named = [(n, t.cuda()) for n, t in named]
+    if args.sglang_reductions:
+        sglang_reductions()
     groups = buckets(named, args.bucket_bytes)
     for i, bucket in enumerate(groups):
         payload = flattened_bucket(bucket) if args.format == "flattened_bucket" else bucket

@@ -5,8 +5,8 @@ value (a plain pickle: the data inline). CPU shared memory is refused: a file de
 cross process trees, and a shared-memory name would tie the server to the trainer's torch_shm_manager.
 
 Unpickling runs code, so `load_entry` is a restricted unpickler: it admits only torch's tensor and
-storage rebuild functions, dtypes, `torch.Size`, `OrderedDict`, and the two SGLang record classes
-(mapped onto the look-alikes below, so SGLang need not be installed). Anything else is refused
+storage rebuild functions, dtypes, `torch.Size`, `OrderedDict`, and by name SGLang's two record
+classes and its patched CUDA rebuild (mapped onto the look-alikes below: SGLang need not be installed). Anything else is refused
 before it is called. The route is admin-only besides (docs/SERVER.md).
 
 Formats (`load_format`): None / "direct": a list of `(name, tensor)` pairs, a tensor possibly a
@@ -62,6 +62,21 @@ _ALLOWED = {("torch.multiprocessing.reductions", n) for n in _REDUCTIONS} | {
     ("torch.nn.parameter", "Parameter"), ("collections", "OrderedDict")}
 _RECORDS = {"LocalSerializedTensor": LocalSerializedTensor, "FlattenedTensorMetadata": FlattenedTensorMetadata}
 _RECORD_MODULES = ("sglang.", "pdrollout.", "engine.")
+_DEVICE_ARG = 6   # the device slot of torch's rebuild_cuda_tensor arguments
+
+
+def _rebuild_cuda_by_uuid(*args):
+    """SGLang's patched CUDA rebuild (monkey_patch_torch_reductions): the device travels as its
+    UUID, so trainer and server may number their visible GPUs differently."""
+    args = list(args)
+    if isinstance(args[_DEVICE_ARG], str):
+        found = [i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) == args[_DEVICE_ARG]]
+        if not found:
+            raise PayloadError(f"no visible CUDA device has the UUID {args[_DEVICE_ARG]} the tensor lives on")
+        args[_DEVICE_ARG] = found[0]
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    return rebuild_cuda_tensor(*args)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -71,6 +86,8 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch.multiprocessing.reductions" and name in _CPU_SHARED:
             raise PayloadError("a CPU tensor in shared memory cannot be read by the server: send CPU tensors "
                                "by value (pickle.dumps, base64) or CUDA tensors (IPC handles)")
+        if name == "_rebuild_cuda_tensor_modified" and module.startswith("sglang."):
+            return _rebuild_cuda_by_uuid
         if name in _RECORDS and module.startswith(_RECORD_MODULES):
             return _RECORDS[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
