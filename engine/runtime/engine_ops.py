@@ -12,6 +12,7 @@ from ..model.loader import CheckpointError
 from ..model.weights import checkpoint_shapes, parse_dtype
 from ..protocol.config import ConfigError, ModelConfig
 from ..protocol.plan import EngineOp, StepPlan
+from .tensor_payload import LOAD_FORMATS
 from .weight_sync import TAGS
 
 
@@ -114,6 +115,27 @@ class EngineOps:
                     shapes=[list(s) for s in shapes], group_name=group_name)
         self._weights_changed(weight_version, flush_cache)
         return f"Succeeded to update {len(names)} parameter(s) online."
+
+    def update_weights_from_tensor(self, entries: list, load_format: str | None = None,
+                                   weight_version: str | None = None, flush_cache: bool = True) -> str:
+        """SGLang's `serialized_named_tensors`: one entry per rank (rank r takes entry r, as SGLang's
+        TP rank r does) or one for all; each rank keeps its shard of the full tensors."""
+        self._need_weights("update_weights_from_tensor")
+        world = self.topo.world
+        if load_format not in LOAD_FORMATS:
+            raise OpError(f"load_format={load_format!r} is not supported (one of {LOAD_FORMATS})")
+        if len(entries) not in (1, world):
+            raise OpError(f"serialized_named_tensors has {len(entries)} entries: give one for all ranks or "
+                          f"one per rank ({world})")
+        try:   # every rank reads and checks its entry before any rank writes
+            self.run_op("tensor_stage", entries=list(entries), load_format=load_format)
+        except OpFailed:
+            self.run_op("tensor_drop")
+            raise
+        count = len(self.worker.weights._staged)
+        self.run_op("tensor_apply")
+        self._weights_changed(weight_version, flush_cache)
+        return f"Succeeded to update {count} parameter(s) from tensors."
 
     def destroy_weights_update_group(self, group_name: str) -> str:
         if group_name not in self.groups:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..model.weights import WeightMap, parse_dtype
 from ..protocol.plan import EngineOp
+from .tensor_payload import load_entry
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
@@ -68,6 +69,7 @@ class RankWeights:
         self._backup: dict[str, torch.Tensor] = {}
         self._arena: torch.Tensor | None = None   # CUDA: pinned host copy of released weights
         self._had_graphs = False
+        self._staged: list | None = None   # /update_weights_from_tensor: read and checked, not yet written
 
     def run(self, op: EngineOp) -> str | None:
         try:
@@ -105,6 +107,31 @@ class RankWeights:
             for m, ps in copies:
                 m.write(name, t, ps)
         self._synchronize()
+
+    def _tensor_stage(self, entries, load_format) -> None:
+        """Read this rank's entry (its own, or the one for all) and check every name, shape and
+        dtype; nothing is written until every rank staged (`_tensor_apply`)."""
+        i = self.w.rank if len(entries) > 1 else 0
+        named = load_entry(entries[i], load_format, self.w.rank, f"serialized_named_tensors[{i}]")
+        self.map.check({n: tuple(t.shape) for n, t in named})
+        for n, t in named:
+            parse_dtype(str(t.dtype))
+        if len({n for n, _ in named}) != len(named):
+            raise ValueError(f"serialized_named_tensors[{i}] names a tensor twice")
+        self._staged = named
+
+    def _tensor_apply(self) -> None:
+        named, self._staged = self._staged, None
+        params = self.map.params()
+        copies = [(m, m.params()) for m in self.copies]
+        for name, t in named:
+            self.map.write(name, t, params)
+            for m, ps in copies:
+                m.write(name, t, ps)
+        self._synchronize()   # the trainer may free or reuse its tensors once the answer is back
+
+    def _tensor_drop(self) -> None:
+        self._staged = None
 
     def _group_destroy(self, group_name, missing_ok: bool = False) -> None:
         g = self.groups.pop(group_name, None)

@@ -238,6 +238,21 @@ class UpdateFromDistributedRequest(_Strict):
         return self
 
 
+class UpdateFromTensorRequest(_Strict):
+    # one base64 pickle per rank, or one for all (engine/runtime/tensor_payload.py reads them)
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: Optional[str] = None
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: Optional[str] = None
+    rid: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _only("load_format", self.load_format, (None, "direct", "flattened_bucket"))
+        return self
+
+
 class DestroyGroupRequest(_Strict):
     group_name: str = "weight_update_group"
     rid: Optional[str] = None

@@ -14,7 +14,7 @@ from aiohttp import web
 from ..runtime.engine_ops import OpError, OpFailed
 from .app import admin, json_response, read_json, server_of
 from .protocol import (BadRequest, DestroyGroupRequest, InitGroupRequest, MemoryRequest, UpdateFromDiskRequest,
-                       UpdateFromDistributedRequest, UpdateWeightVersionRequest)
+                       UpdateFromDistributedRequest, UpdateFromTensorRequest, UpdateWeightVersionRequest)
 
 log = logging.getLogger("pdrollout.server")
 
@@ -61,6 +61,15 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     req = await read_json(request, UpdateFromDistributedRequest)
     return await _op(request, lambda e: e.update_weights_from_distributed(
         req.names, req.dtypes, req.shapes, req.group_name, req.weight_version, req.flush_cache),
+        abort_all=req.abort_all_requests)
+
+
+@admin
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    # admin-only above all: its entries are pickles, and a pickle runs code (tensor_payload.py)
+    req = await read_json(request, UpdateFromTensorRequest)
+    return await _op(request, lambda e: e.update_weights_from_tensor(
+        req.serialized_named_tensors, req.load_format, req.weight_version, req.flush_cache),
         abort_all=req.abort_all_requests)
 
 
@@ -119,6 +128,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_get("/get_weight_version", get_weight_version)

@@ -13,7 +13,8 @@ TOKEN = "s3cret-admin-token"
 ADMIN = {("PUT", "/control"), ("POST", "/abort_request"), ("POST", "/pause_generation"),
          ("POST", "/continue_generation"), ("POST", "/flush_cache"), ("GET", "/flush_cache"),
          ("POST", "/update_weights_from_disk"), ("POST", "/init_weights_update_group"),
-         ("POST", "/update_weights_from_distributed"), ("POST", "/destroy_weights_update_group"),
+         ("POST", "/update_weights_from_distributed"), ("POST", "/update_weights_from_tensor"),
+         ("POST", "/destroy_weights_update_group"),
          ("POST", "/update_weight_version"), ("POST", "/release_memory_occupation"),
          ("GET", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
          ("GET", "/resume_memory_occupation")}
