@@ -150,8 +150,8 @@ def run(name: str, spec: dict) -> dict:
         args += ["--sm-partition", str(spec["sms"]), "--nccl-ctas", str(spec["ctas"])]
     if spec.get("cross"):
         args.append("--cross-isolation")
-    if spec.get("d_async") and DEVICE == "cuda":
-        args.append("--d-async")
+    if DEVICE == "cuda":   # explicit both ways: the delayed ACK is on by default under fine-grained
+        args.append("--d-async" if spec.get("d_async") else "--no-d-async")
     if spec.get("skew"):
         args += ["--rank-skew-ms", str(spec["skew"])]
     tl = f"{OUT}/timelines/{name}{SUFFIX}"

@@ -89,6 +89,7 @@ class StepPlan:
     # (p_span); a step planned while one is in flight carries its epoch (p_flight) and no P rows
     p_span: bool = False
     p_flight: int | None = None
+    p_collect: bool = False                     # every rank reported its P of p_flight done: hand it back
 
     @property
     def d_any(self) -> bool:
@@ -138,6 +139,7 @@ class StepReport:
     #                                                 states rank 0's MTP proposer reads (runtime/mtp.py)
     ops: list = field(default_factory=list)         # per op: None (done) or an error message
     p_pending: bool = False                         # this step's P epoch is still in flight
+    p_ready: bool = False                           # this rank's P of the epoch in flight is done (ATP1)
     p_done: int | None = None                       # the epoch whose P finished in this step: its
     #                                                 rows' tokens are in `tokens`
     p_epoch: object = None                          # records.PEpoch: its timing (one rank, solo_overlap)

@@ -97,6 +97,7 @@ class PathContext:
     moe_index: int = 0
     enqueued: int = 0
     compute_from: object = None   # CUDA timeline: event after the path's previous collective
+    live: object = None           # D graph: int32 [rows], 0 marks a padding row (routed to no expert)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -117,12 +118,18 @@ class RankCollectives(Collectives):
         self.timeline = None       # CUDA: a GpuTimeline (--gpu-timeline)
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
         self.in_capture = False            # a D graph is being captured (graphs.py): check it stays valid
+        self._issued = {"p": 0, "d": 0}    # collectives issued per path, the expert comm's aside
         # D's compact shares need a count on the host, only for backends without fixed slots
         self.reader = None if comm.fixed_slots else HostReader(comm.device, ("decode",))
 
     # ---- per forward -------------------------------------------------------------------
     def begin(self, path: str, ctx: PathContext) -> None:
         self.ctx[path] = ctx
+
+    def collectives_issued(self, path: str) -> int:
+        """Collectives `path` issued so far, each expert all-to-all one (the step log's count)."""
+        phase = Phase.DECODE if path == "d" else Phase.PREFILL
+        return self._issued[path] + (self.comm.state(phase).issued if self.comm.counts_issued else 0)
 
     @staticmethod
     def path(phase) -> str:
@@ -133,6 +140,8 @@ class RankCollectives(Collectives):
         ctx = self.ctx[path]
         box: list = []
         key = f"{path.upper()}:{ctx.step}:{ctx.enqueued}:{name}"
+        if name not in ("dispatch", "combine") or not self.comm.counts_issued:
+            self._issued[path] += 1
         ctx.enqueued += 1
         phase = path.upper()
         registered = is_registered(phase, name)
@@ -276,8 +285,12 @@ class RankCollectives(Collectives):
         lo = min(n, self.j * m)
         valid = max(0, min(n, lo + m) - lo)
         fixed = self.comm.fixed_slots
-        ok = None   # fixed slots, ADP>1: which of this member's rows are real (padding routes nowhere)
-        if self.d > 1:
+        ok = None   # fixed slots: which of this member's rows are real (padding routes nowhere)
+        if self.a == 1:   # each replica sends its own rows: the two expert all-to-alls, nothing else
+            if fixed and ctx.live is not None:
+                ok = ctx.live[:n] > 0
+            hs, ids_m, w_m = x, ids, w
+        elif self.d > 1:
             pack = torch.zeros(m, H + 2 * k + 1, device=x.device)
             pack[:valid, :H] = x[lo:lo + valid].float()
             pack[:valid, H:H + k] = ids[lo:lo + valid].float()
@@ -301,11 +314,15 @@ class RankCollectives(Collectives):
             ids_m, w_m = gathered[mine, H:H + k].long(), gathered[mine, H + k:H + 2 * k].to(w.dtype)
         else:
             hs, ids_m, w_m = x[lo:lo + valid], ids[lo:lo + valid], w[lo:lo + valid]
-        extra = {"valid": ok} if ok is not None else {}
+        extra = {"rows": m} if fixed else {}   # every member sends slots for the step's bound
+        if ok is not None:
+            extra["valid"] = ok
         recv, meta, handle = self._run("d", "dispatch", self._ep_group(),
                                        lambda: self.comm.dispatch(Phase.DECODE, hs, ids_m, w_m, **extra))
         y_e = self._experts_of(layer, recv, meta)
         y = self._run("d", "combine", self._ep_group(), lambda: self.comm.combine(Phase.DECODE, y_e, handle))
+        if self.a == 1:
+            return y.to(x.dtype)
         if self.d > 1:
             buf = torch.zeros(self.d * m, H, dtype=y.dtype, device=y.device)
             buf[mine] = y

@@ -57,6 +57,7 @@ class TurnstileController:
         self._cv = threading.Condition()
         self.results: list[RoundResult] = []
         self.producer_wait_s = 0.0
+        self.boundaries = 0   # boundaries P published: each asks the turnstile for its permit
         self._cancelled: set[int] = set()
 
     # ---- settings (apply at the next round / epoch) --------------------------------------
@@ -83,6 +84,7 @@ class TurnstileController:
         """Publish boundary i of `epoch`; return once P may issue what follows it."""
         with self._cv:
             may = self.ts.publish(epoch, i)
+            self.boundaries += 1
             if self.watchdog is not None:
                 self.watchdog.progress(phase="P:boundary", epoch=epoch, boundary=i)
             if may:

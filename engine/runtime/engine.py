@@ -86,6 +86,7 @@ class Engine(EngineOps):
         # pd on several ranks: a P epoch that goes on under the next steps' D (pd_step.py): its
         # epoch and, per replica, the launched P rows whose results are still to come
         self._flight: tuple[int, list] | None = None
+        self._p_ready = False
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
         self.closed = False
         self._init_ops()
@@ -170,7 +171,7 @@ class Engine(EngineOps):
         step = next((x.plan.step for x in launched if x is not None), self.step_id - 1)
         multiplexing = any(x is not None and x.plan.multiplexing for x in launched)
         plan = StepPlan(step, self.control.model_dump(), works, new, drop, multiplexing,
-                        p_flight=self._flight[0] if p_busy else None)
+                        p_flight=self._flight[0] if p_busy else None, p_collect=p_busy and self._p_ready)
         plan = dataclasses.replace(plan, p_span=self._spans(plan))
         t0 = time.monotonic()
         mine, reports = self._exchange(plan)
@@ -216,6 +217,8 @@ class Engine(EngineOps):
             self._flight = None
         if mine.p_pending:
             self._flight = (plan.step, parts)
+        # ATP1: every rank's P of the epoch is done, the next step collects it (uncrossed.py)
+        self._p_ready = self._flight is not None and all(r.p_ready for r in reports)
         compiled = [k for r in reports for k in r.jit_compiles]
         if compiled:   # past warm-up a compile is a stall of this step: say which kernels (jit_watch.py)
             print(f"step {plan.step}: {len(compiled)} Triton compile(s) mid-run ({', '.join(sorted(set(compiled)))}); "

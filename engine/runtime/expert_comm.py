@@ -70,6 +70,7 @@ class PhaseState:
     events: list = field(default_factory=list)
     status: list[str] = field(default_factory=list)   # per buffer: free | pending | moved | retired
     ll_index: int = 0             # D only: double-buffer index
+    issued: int = 0               # collectives this phase issued (the step log's count)
 
     def claim(self) -> int:
         """A free P buffer for a new dispatch: at most one pending dispatch per buffer."""
@@ -137,6 +138,7 @@ class ExpertComm:
     # D's dispatch takes a row-validity mask and returns fixed [ep * cap] slots (layout "slots"):
     # the D iteration needs no host read (TorchExpertComm); DeepEP's LL layout is [E_local, cap].
     fixed_slots = False
+    counts_issued = False   # PhaseState.issued counts each collective the backend issues
 
     def dispatch(self, phase: Phase, hidden, topk_ids, topk_weights):  # -> (recv_hidden, RecvMeta, Handle)
         raise NotImplementedError
@@ -163,6 +165,7 @@ class TorchExpertComm(ExpertComm):
     """torch.distributed backend: all_to_all_single over one EP group per phase (gloo or NCCL).
     Collective: every member must call the same methods in the same order per phase."""
     fixed_slots = True
+    counts_issued = True
 
     def __init__(self, ep_ranks: list[list[int]], rank: int, num_experts: int, hidden: int,
                  max_tokens: int, topk: int, dtype=None, p_buffers: int = 1, p_capacity_rows: int | None = None,
@@ -193,14 +196,15 @@ class TorchExpertComm(ExpertComm):
             buffers=[{"recv": z(cap_p, hidden), "back": z(max_tokens * topk, hidden)} for _ in range(p_buffers)],
             counters=[z(2, self.ep, dt=torch.int64) for _ in range(p_buffers)],
             workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers)
-        # LL slots per peer: worst case every pair goes to one peer. D sends whole buffers, so it is
-        # sized by the decode batch (d_max_tokens), not by P's segment.
+        # LL slots per peer: worst case every pair goes to one peer; at most d_max_tokens rows a
+        # dispatch. A dispatch uses the first rows * topk slots of each peer (`rows`: the step's
+        # rank-shared bound, a graph's bucket), packed contiguously: [ep (+1 spare), slots, H + 1], the
+        # last column the slot's local expert id in the bits of an integer of the rows' width.
         cap = (d_max_tokens or max_tokens) * topk
         self._d = PhaseState(
             Phase.DECODE, groups[Phase.DECODE], self.qps.decode, "d-expert",
-            buffers=[{"send": z(self.ep + 1, cap, hidden), "recv": z(self.ep, cap, hidden),   # +1: spare row
-                      "send_meta": z(self.ep + 1, cap + 1, dt=torch.int64),
-                      "recv_meta": z(self.ep, cap + 1, dt=torch.int64)} for _ in range(2)],
+            buffers=[{"send": z((self.ep + 1) * cap * (hidden + 1)), "recv": z(self.ep * cap * (hidden + 1)),
+                      "back": z((self.ep + 1) * cap * hidden)} for _ in range(2)],
             counters=[z(self.ep, dt=torch.int64) for _ in range(2)],
             workspace=z(cap, dt=torch.int64), status=["free", "free"])
         self._lock = threading.Lock()
@@ -240,6 +244,7 @@ class TorchExpertComm(ExpertComm):
         cnt = st.counters[b]
         cnt[0].copy_(send_counts)
         work = self.dist.all_to_all_single(cnt[1], cnt[0], group=st.group, async_op=True)
+        st.issued += 1
         state = {"hidden": hidden, "order": order, "flat": flat, "token_of": token_of,
                  "weights": topk_weights.reshape(-1)[order], "send_counts": send_counts}   # host list in move
         return PendingDispatch(b, hidden.shape[0], work, state)
@@ -268,6 +273,7 @@ class TorchExpertComm(ExpertComm):
         self.dist.all_to_all_single(ids, s["flat"][s["order"]] % self.e_local, recv_counts, s["send_counts"],
                                     group=st.group)
         st.status[pending.buffer] = "moved"
+        st.issued += 2
         s["recv_counts"] = recv_counts
         return recv, RecvMeta("rows", ids, recv_counts, Phase.PREFILL), \
             Handle(Phase.PREFILL, pending.buffer, pending.tokens, s)
@@ -287,47 +293,58 @@ class TorchExpertComm(ExpertComm):
         return st.free_retired()
 
     # ---- D: low-latency path ---------------------------------------------------------
-    def _dispatch_ll(self, hidden, topk_ids, topk_weights, valid=None):
-        """One fixed-shape exchange with no host read: the receive side keeps the [ep, cap] slot
-        layout (empty slots carry expert id -1), so D's whole iteration can be enqueued without
-        waiting for the GPU. `valid` ([T] bool): rows that are padding route to the spare row
-        `ep` of the send buffer, which is never sent."""
-        torch, st = self.torch, self._d
-        # The slots per peer hold every pair of cap // topk tokens (all could route to one peer):
+    def _packed(self, flat, peers: int, slots: int, width: int):   # contiguous for any slot count
+        return flat[:peers * slots * width].view(peers, slots, width)
+
+    def _ids(self, packed):
+        """The id column of a packed buffer, as integers of the rows' width (-1 = empty slot)."""
+        int_of = {2: self.torch.int16, 4: self.torch.int32, 8: self.torch.int64}[packed.element_size()]
+        return packed[..., self.hidden:].view(int_of)
+
+    def _dispatch_ll(self, hidden, topk_ids, topk_weights, valid=None, rows=None):
+        """One fixed-shape exchange with no host read: the rows and their expert ids packed in one
+        all-to-all; the receive side keeps the [ep, slots] layout (empty slots carry expert id -1), so
+        D's whole iteration can be enqueued without waiting for the GPU. `valid` ([T] bool): rows that
+        are padding route to the spare row `ep` of the send buffer, which is never sent. `rows`: the
+        rank-shared bound on any member's rows this step (every member sends the same shape)."""
+        torch, st, H = self.torch, self._d, self.hidden
+        rows = self.cap // self.topk if rows is None else rows
+        # The slots per peer hold every pair of `rows` tokens (all could route to one peer):
         # checked on the shape, without reading the counts back before the exchange.
-        if hidden.shape[0] * self.topk > self.cap:
-            raise ExpertCommError(f"LL dispatch of {hidden.shape[0]} tokens exceeds the D buffers' "
-                                  f"capacity of {self.cap // self.topk} tokens")
+        if max(rows, hidden.shape[0]) * self.topk > self.cap or hidden.shape[0] > rows:
+            raise ExpertCommError(f"LL dispatch of {hidden.shape[0]} tokens (bound {rows}) exceeds the D buffers' "
+                                  f"capacity of {self.cap // self.topk} tokens or the bound")
+        slots = rows * self.topk
         b = st.ll_index
         st.ll_index ^= 1                              # D-owned double-buffer index
-        buf, cnt = st.buffers[b], st.counters[b]
+        buf = st.buffers[b]
+        send = self._packed(buf["send"], self.ep + 1, slots, H + 1)
+        recv = self._packed(buf["recv"], self.ep, slots, H + 1)
         flat, dest, order, per_peer, token_of = self._route(topk_ids, valid)
         starts = torch.cumsum(per_peer, 0) - per_peer
         dest_sorted = dest[order]
         slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
-        buf["send"].zero_()
-        buf["send"][dest_sorted, slot] = hidden.index_select(0, token_of).to(self.dtype)
-        buf["send_meta"].fill_(-1)
-        buf["send_meta"][:, 0] = per_peer
-        buf["send_meta"][dest_sorted, slot + 1] = flat[order] % self.e_local
-        self.dist.all_to_all_single(buf["recv"], buf["send"][:self.ep], group=st.group)
-        self.dist.all_to_all_single(buf["recv_meta"], buf["send_meta"][:self.ep], group=st.group)
-        cnt.copy_(buf["recv_meta"][:, 0])             # rows per source (stays on the device)
+        send.zero_(), self._ids(send).fill_(-1)
+        send[dest_sorted, slot, :H] = hidden.index_select(0, token_of).to(self.dtype)
+        self._ids(send)[dest_sorted, slot, 0] = (flat[order] % self.e_local).to(self._ids(send).dtype)
+        self.dist.all_to_all_single(recv, send[:self.ep], group=st.group)
+        st.issued += 1
+        ids = self._ids(recv).reshape(-1).long()
+        cnt = (ids.view(self.ep, slots) >= 0).sum(1)  # rows per source (stays on the device)
         weights = topk_weights.reshape(-1)[order]
         if valid is not None:                         # padding pairs add nothing in combine
             weights = torch.where(dest_sorted < self.ep, weights, torch.zeros_like(weights))
         state = {"order": order, "token_of": token_of, "weights": weights, "dest_sorted": dest_sorted,
-                 "slot": slot}
-        return buf["recv"].view(-1, self.hidden), RecvMeta("slots", buf["recv_meta"][:, 1:].reshape(-1), cnt,
-                                                         Phase.DECODE), \
+                 "slot": slot, "slots": slots}
+        return recv[..., :H].reshape(-1, H), RecvMeta("slots", ids, cnt, Phase.DECODE), \
             Handle(Phase.DECODE, b, hidden.shape[0], state)
 
     # ---- both -------------------------------------------------------------------------
-    def dispatch(self, phase, hidden, topk_ids, topk_weights, valid=None):
+    def dispatch(self, phase, hidden, topk_ids, topk_weights, valid=None, rows=None):
         if Phase(phase) is Phase.DECODE:
-            return self._dispatch_ll(hidden, topk_ids, topk_weights, valid)
-        if valid is not None:
-            raise ExpertCommError("a row-validity mask is for the fixed-slot D dispatch")
+            return self._dispatch_ll(hidden, topk_ids, topk_weights, valid, rows)
+        if valid is not None or rows is not None:
+            raise ExpertCommError("a row-validity mask and a row bound are for the fixed-slot D dispatch")
         p = self.notify(phase, hidden, topk_ids, topk_weights)
         p.permitted = True  # unsplit call: the caller holds the permit already
         return self.move(p)
@@ -341,13 +358,16 @@ class TorchExpertComm(ExpertComm):
             back = st.buffers[handle.buffer]["back"][:s["order"].numel()]
             self.dist.all_to_all_single(back, expert_out.to(self.dtype).contiguous(), s["send_counts"],
                                         s["recv_counts"], group=st.group)
+            st.issued += 1
             st.status[handle.buffer] = "free"
         else:
             st = self._d
-            buf = st.buffers[handle.buffer]
-            buf["recv"].view(-1, self.hidden).copy_(expert_out)   # slot layout, as dispatched
-            self.dist.all_to_all_single(buf["send"][:self.ep], buf["recv"], group=st.group)
-            back = buf["send"][s["dest_sorted"], s["slot"]]   # padding pairs read the spare row (weight 0)
+            back = self._packed(st.buffers[handle.buffer]["back"], self.ep + 1, s["slots"], self.hidden)
+            back[self.ep].zero_()   # the spare row padding pairs read (weight 0): finite
+            self.dist.all_to_all_single(back[:self.ep], expert_out.to(self.dtype).reshape(back[:self.ep].shape).contiguous(),
+                                        group=st.group)   # slot layout, as dispatched
+            st.issued += 1
+            back = back[s["dest_sorted"], s["slot"]]
         # weight and sum in fp32, round once (as DeepEP's combine does); unchanged for fp32 rows
         out = torch.zeros(handle.tokens, self.hidden, dtype=torch.float32, device=self.device)
         out.index_add_(0, s["token_of"], back.float() * s["weights"].float()[:, None])

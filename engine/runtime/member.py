@@ -21,6 +21,7 @@ from .device import CpuDevice
 from .expert_comm import make_expert_comm
 from .gpu_timeline import GpuTimeline
 from .pd_step import TurnstileStep
+from .uncrossed import BesideStep, uncrossed
 from .rendezvous import make_rendezvous
 from .stall_dump import dump_threads
 from .streams import StreamDevice, make_streams
@@ -77,7 +78,9 @@ class GroupMember:
         c = config.control
         self.ctl = TurnstileController(self.rdv, c.ordering, c.span, c.activation, watchdog=self.wd,
                                        p_pending=lambda: self.dev.pending("p"))
-        w.pd = self.pd = TurnstileStep(w)
+        # ATP1: P beside D with no turnstile (uncrossed.py); ATP>1: P's AllReduce meets D's groups
+        self.uncrossed = uncrossed(topo, cuda, opt.slots)
+        w.pd = self.pd = (BesideStep if self.uncrossed else TurnstileStep)(w)
         if cuda:
             rows = max(p_rows, d_tokens)
             slots = comm.ep * comm.cap if comm.fixed_slots else 0
@@ -91,7 +94,7 @@ class GroupMember:
             adp = topo.adp
 
             def forward(batch, bucket):   # every replica padded to the bucket: rank-shared shapes
-                self.col.begin("d", PathContext(-1, [bucket] * adp))
+                self.col.begin("d", PathContext(-1, [bucket] * adp, live=batch.live))
                 self.col.in_capture = torch.cuda.is_current_stream_capturing()
                 try:
                     return w.model(batch, w.kv)
@@ -112,8 +115,8 @@ class GroupMember:
             return contextlib.nullcontext()
         return self.timeline.span(name, stream, phase=path.upper(), step=step)
 
-    def mark(self) -> tuple[int, int]:
-        return len(self.ctl.results), len(self.rdv.latencies)
+    def mark(self) -> tuple[int, int, int, int]:
+        return len(self.ctl.results), len(self.rdv.latencies), self.ctl.boundaries, self.col.collectives_issued("d")
 
     def report(self, report, mark) -> None:
         rs = self.ctl.results[mark[0]:]
@@ -130,6 +133,8 @@ class GroupMember:
         rs = self.ctl.results[mark[0]:]
         pd = getattr(self.w, "pd", None)
         return {"rendezvous": self.rdv.kind, "rendezvous_s": self.rdv.latencies[mark[1]:],
+                "permits": self.ctl.boundaries - mark[2],   # P boundaries that asked for a permit
+                "d_collectives": self.col.collectives_issued("d") - mark[3],   # D's collectives this step
                 "skew_ms": list(pd.skew_applied) if pd is not None else [],
                 "round_t": [[r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s] for r in rs if r.rendezvous]}
 

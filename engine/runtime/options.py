@@ -20,7 +20,9 @@ class RankOptions:
     nccl_ctas: int = 0              # min = max CTAs of the registered pair's (and ATP's) NCCL kernels
     skew_ms: float = 0.0            # a seeded random 0..skew_ms delay before each D enqueue (rank skew)
     gpu_timeline: str | None = None  # directory for per-rank GPU timelines (gpu_timeline.py)
-    d_async: bool = False           # CUDA pd: do not wait for D's kernels before the round's ACK
+    # CUDA pd: the round's ACK does not wait for D's kernels (the delayed ACK). None: on where the
+    # ordering puts P's registered collective behind D (fine-grained, global-enqueue; pd_step.py)
+    d_async: bool | None = None
     rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
@@ -119,8 +121,9 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
                         "all-to-alls) to N CTAs (0: NCCL's choice)")
     p.add_argument("--rank-skew-ms", type=float, default=0.0, metavar="MS",
                    help="delay each rank's D enqueue by a seeded random 0..MS ms (rank skew)")
-    p.add_argument("--d-async", action="store_true",
-                   help="CUDA pd: the round's ACK does not wait for D's kernels (D is waited for before sampling)")
+    p.add_argument("--d-async", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA pd: the round's ACK does not wait for D's kernels (D is waited for before "
+                        "sampling); default: on under fine-grained and global-enqueue")
     p.add_argument("--rendezvous", choices=["gather", "dissemination"], default="gather",
                    help="turnstile rendezvous transport: gather (all_gather, a ring in gloo) or "
                         "dissemination (log2(n) rounds of point-to-point exchanges)")
@@ -135,4 +138,4 @@ def options_from_args(a, layout: GroupLayout):
                        expert_backend=layout.expert_backend,
                        sm_partition=getattr(a, "sm_partition", 0), nccl_ctas=getattr(a, "nccl_ctas", 0),
                        skew_ms=getattr(a, "rank_skew_ms", 0.0), gpu_timeline=getattr(a, "gpu_timeline", None),
-                       d_async=getattr(a, "d_async", False), rendezvous=getattr(a, "rendezvous", "gather"))
+                       d_async=getattr(a, "d_async", None), rendezvous=getattr(a, "rendezvous", "gather"))

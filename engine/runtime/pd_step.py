@@ -32,6 +32,7 @@ class TurnstileStep:
         # the crossed diagnostic's gates: set once this rank's P (or D) holds a collective
         self.gate = {"p": threading.Event(), "d": threading.Event()}
         self.flight: tuple[StepPlan, int, float] | None = None   # (plan, epoch, P pressure) in flight
+        self.p_ready = False   # this rank's P of the epoch in flight is done (uncrossed.py)
         threading.Thread(target=self._producer, name="P", daemon=True).start()
 
     # ---- one step ----------------------------------------------------------------------
@@ -46,13 +47,7 @@ class TurnstileStep:
         self.skew_applied = []
 
         def enqueue_d(ready: bool) -> None:
-            if w.opt.skew_ms:
-                delay = self._skew.uniform(0, w.opt.skew_ms)
-                self.skew_applied.append(delay)
-                time.sleep(delay / 1e3)
-            # --d-async: return once D's kernels are enqueued (the ACK orders enqueue, not
-            # completion), so P's next work can overlap D's tail; D is waited for before sampling.
-            out["d"], out["graph"] = w.forward_d(plan, wait=not w.opt.d_async)
+            self._enqueue_d(plan, out)
 
         occupancy = max((r.decode_rows for r in plan.replicas), default=0) / w.config.max_running
         if self.flight is not None:
@@ -97,6 +92,25 @@ class TurnstileStep:
                 return w.d_done(out.get("d")), None, out.get("graph", False), None
         p = self.wait_p()
         return w.d_done(out.get("d")), p, out.get("graph", False), plan
+
+    def _enqueue_d(self, plan: StepPlan, out: dict) -> None:
+        w = self.w
+        if w.opt.skew_ms:
+            delay = self._skew.uniform(0, w.opt.skew_ms)
+            self.skew_applied.append(delay)
+            time.sleep(delay / 1e3)
+        # the delayed ACK: return once D's kernels are enqueued (the ACK orders enqueue, not
+        # completion), so P's next work can overlap D's tail; D is waited for before sampling.
+        out["d"], out["graph"] = w.forward_d(plan, wait=not self.delayed_ack())
+
+    def delayed_ack(self) -> bool:
+        """--d-async, by default on CUDA where the ordering puts P's registered collective behind D
+        on D's stream: there a D still running cannot meet P's next R out of order (docs/DISTRIBUTED.md
+        "Finding"); under global-complete, normal and activation off it can."""
+        w = self.w
+        if w.opt.d_async is not None:
+            return w.opt.d_async
+        return w.cuda and w.group.ctl.registered_lane == "d"
 
     def _continue(self, plan: StepPlan, enqueue_d, occupancy: float, out: dict):
         """A step while an epoch of an earlier step is in flight: its D in one round at P's next

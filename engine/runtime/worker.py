@@ -107,6 +107,7 @@ class Worker:
         self.hidden = HiddenStates()          # the rows' final hidden states (keep_hidden; mtp.py)
         self.sampling: dict[str, object] = {}
         self.streams: dict = {}
+        self._d_end = None   # CUDA: an event after a D that returned before its kernels ended
         self.graphs = None
         self.pd = None
         self._log = StepLog(options.step_log, rank) if options.step_log else None
@@ -189,6 +190,7 @@ class Worker:
         if self.multi and self.config.mode == "pd":
             logits_d, logits_p, report.graph, p_plan = self.pd.run(plan)
             report.p_pending = self.pd.flight is not None and self.pd.flight[1] == plan.step
+            report.p_ready = self.pd.p_ready
             if plan.p_flight is not None and logits_p is not None:   # an earlier step's epoch finished
                 report.p_done = plan.p_flight
                 p_rows = list(p_plan.replicas[self.replica].prefill)
@@ -297,23 +299,28 @@ class Worker:
         # token per row, so verify steps run eagerly there.
         if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.eager_d \
                 or (plan.spec_any and self.multi):
-            return self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
-        s = self.streams.get("d") or torch.cuda.current_stream()
-        rows = list(plan.replicas[self.replica].decode)
-        with torch.cuda.stream(s):
-            with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext(), \
-                    self._log.timed_d(s) if self._log else contextlib.nullcontext():   # the log's d_gpu_s
-                logits = self.graphs.replay(rows, self.graphs.bucket(n))
-            if self.keep_hidden and rows:   # a copy: the next replay overwrites the graph's output
-                self.hidden.keep_rows(self.graphs.last_hidden.clone(), rows)
-        if wait:
-            s.synchronize()
-        return logits, True
+            logits, graph = self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
+        else:
+            s, graph = self.streams.get("d") or torch.cuda.current_stream(), True
+            rows = list(plan.replicas[self.replica].decode)
+            with torch.cuda.stream(s):
+                with self.group.span("forward", s, "d", plan.step) if self.multi else contextlib.nullcontext(), \
+                        self._log.timed_d(s) if self._log else contextlib.nullcontext():   # the log's d_gpu_s
+                    logits = self.graphs.replay(rows, self.graphs.bucket(n))
+                if self.keep_hidden and rows:   # a copy: the next replay overwrites the graph's output
+                    self.hidden.keep_rows(self.graphs.last_hidden.clone(), rows)
+            if wait:
+                s.synchronize()
+        if not wait and self.cuda:   # D's end, for d_done to wait on alone (not the whole stream)
+            self._d_end = torch.cuda.Event()
+            self._d_end.record(self.streams.get("d") or torch.cuda.current_stream())
+        return logits, graph
 
     def d_done(self, logits):
-        """D's logits once its kernels completed (--d-async returns before they do)."""
-        if logits is not None and self.cuda and self.opt.d_async:
-            self.streams["d"].synchronize()
+        """D's logits once its kernels completed (the delayed ACK returns before they do)."""
+        end, self._d_end = self._d_end, None
+        if logits is not None and end is not None:
+            end.synchronize()
         return logits
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:

@@ -285,3 +285,38 @@ def test_a_p_epoch_spans_d_steps_only_under_fine_grained(setup, ordering):
         for s in during:                                              # ... each in the epoch that is open
             assert max(x for x in started if x < s["step"]) == s["p_flight"]
     assert [(s["step"], s["p_flight"]) for s in _steps(log, 0)] == [(s["step"], s["p_flight"]) for s in _steps(log, 1)]
+
+
+# D's collectives per MoE layer of the tiny model (3 layers, all MoE; docs/DISTRIBUTED.md):
+# ATP1 only the packed expert all-to-all out and the one back; ATP2/ADP2 adds the attention
+# AllReduce, the DP gather and scatter and the ATP gather around them.
+D_PER_LAYER = {(4, 4, 4): 2, (2, 2, 2): 2, (4, 2, 4): 6}
+
+
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (2, 2, 2), (4, 2, 4)], ids=lambda r: "-".join(map(str, r)))
+def test_turnstile_and_d_collectives_from_the_step_log(setup, ranks):
+    """ATP1 (uncrossed): P epochs beside D with no permit and no rendezvous, their end learnt from the
+    step reports; D at two collectives a MoE layer. ATP2/ADP2 (crossed): the turnstile still orders
+    every P epoch. Outputs equal one rank's either way."""
+    model, _, d = setup
+    log = d / f"collectives-{'-'.join(map(str, ranks))}"
+    got = _outputs(_generate(setup, "pd", FINE, ranks, ["--step-log", str(log)]))
+    assert got == _reference(setup, "pd")
+    layers = json.loads((d / "tiny" / "config.json").read_text())["num_hidden_layers"]
+    crossed = ranks[0] // ranks[1] > 1
+    beside = []
+    for rank in range(ranks[0]):
+        steps = _steps(log, rank)
+        with_d = [s for s in steps if s["decode_rows"] > 0]
+        assert with_d and all(s["d_collectives"] == D_PER_LAYER[ranks] * layers for s in with_d), \
+            [s["d_collectives"] for s in with_d]
+        beside += [s for s in steps if s["p_flight"] is not None]
+        if not crossed:
+            assert all(s["rounds"] == 0 and not s["rendezvous_s"] and s["permits"] == 0 for s in steps)
+        else:
+            assert sum(s["rounds"] for s in steps) > 0 and sum(s["permits"] for s in steps) > 0
+            assert all(s["rounds"] > 0 for s in with_d)         # every D step went through a round
+    assert any(s["decode_rows"] > 0 for s in beside)   # an epoch spanned a step in which D ran
+    # the epoch's end lands at the same step on every rank
+    firsts = [[(s["step"], s["p_flight"], s["p_done"]) for s in _steps(log, r)] for r in range(ranks[0])]
+    assert all(f == firsts[0] for f in firsts)
