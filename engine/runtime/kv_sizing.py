@@ -140,12 +140,17 @@ def resize(worker, blocks: int) -> None:
         worker.recapture()
 
 
-def size_from_free(worker) -> KVSizing:
-    """On CUDA: probe, measure, resize (the module's docstring)."""
+def device_free(worker) -> int:
+    """Bytes the device has free now (the allocator's cache counts as used: it holds the probe's activations)."""
+    return torch.cuda.mem_get_info(worker.device)[0]
+
+
+def size_from_free(worker, measure=device_free) -> KVSizing:
+    """Probe, measure, resize (the module's docstring); `measure`: the device's free bytes."""
     config = worker.config
     run_probe(worker)
     # the probe's cache is given back (resize): it counts as free
-    free = torch.cuda.mem_get_info(worker.device)[0] + worker.kv.nbytes() - pending_bytes(config)
+    free = measure(worker) + worker.kv.nbytes() - pending_bytes(config)
     blocks = fit_blocks(config, worker.cfg, worker.topo, worker.dtype, free)
     resize(worker, blocks)
     return KVSizing(blocks, config.block_size, worker.kv.nbytes(), config.kv_mem_fraction, free,

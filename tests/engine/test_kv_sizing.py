@@ -78,27 +78,37 @@ def test_probe_rows_are_the_largest_step(tiny_model):
 
 
 def test_probe_then_resize_serves_like_a_fresh_engine(tiny_model):
-    """The CUDA path on CPU with a given free figure: the largest step into the probe cache, then the
-    cache resized in place; P's pieces (eager here) pad into the new null slot, and the engine's
-    greedy tokens equal those of an engine built at that size."""
+    """The CUDA path on CPU with a given free figure: the largest step into the probe cache, the
+    fraction of free + the probe cache's bytes, the cache resized in place; P's pieces (eager here)
+    pad into the new null slot, and the engine's greedy tokens equal those of an engine built at
+    that size."""
     config = EngineConfig(model=str(tiny_model), block_size=BLOCK, max_running=4, mixed_chunk_tokens=48,
-                          prefill_graph_tokens=32, control=ControlSettings(prefill_budget_tokens=48))
+                          prefill_graph_tokens=32, kv_mem_fraction=0.5,
+                          control=ControlSettings(prefill_budget_tokens=48))
     probe = kv_sizing.probe_blocks(config)
-    worker = Worker.single(config.model_copy(update={"num_blocks": probe}))
-    kv_sizing.run_probe(worker)          # writes K/V into every probe block
-    assert any(bool(k.abs().sum()) for k in worker.kv.k)
     cfg = ModelConfig.load(tiny_model)
-    free = int((probe + 60.5) * per_block(cfg) / 0.9)
-    blocks = kv_sizing.fit_blocks(config.model_copy(update={"kv_mem_fraction": 0.9}), cfg, worker.topo,
-                                  worker.dtype, free)
-    assert blocks == probe + 60
-    kv = worker.kv
-    kv_sizing.resize(worker, blocks)
+    assert kv_sizing.start_blocks(config, cfg, Topology(1), torch.float32, "cuda", False) == (probe, True)
+    # a worker as start_blocks starts one on CUDA: on the probe's blocks, its config giving no size
+    worker = Worker.single(config.model_copy(update={"num_blocks": probe}))
+    worker.config = config
+    kv, per = worker.kv, per_block(cfg)
+    assert kv.nbytes() == (probe + 1) * per
+    seen = []
+
+    def measure(w):   # what the device would say, once the probe's step ran
+        seen.append([bool(k.abs().sum()) for k in w.kv.k])
+        return 200 * per
+    sizing = kv_sizing.size_from_free(worker, measure=measure)
+    assert seen and all(seen[0])                    # measured after the probe wrote every layer's K/V
+    free = 200 * per + (probe + 1) * per            # the probe's cache goes back: it counts as free
+    blocks = int(0.5 * free) // per
+    assert (sizing.blocks, sizing.free_bytes, sizing.fraction) == (blocks, free, 0.5)
+    assert sizing.kv_bytes == (blocks + 1) * per and sizing.probe_tokens == 48 + 4
     assert worker.kv is kv and worker.num_blocks == blocks
     assert kv.null_slot == blocks * BLOCK and kv.k[0].shape[0] == (blocks + 1) * BLOCK
-    assert kv.nbytes() == (blocks + 1) * per_block(cfg)
     assert all(not k.abs().sum() for k in kv.k)   # zeroed: nothing of the probe's step is left
     assert (worker.p_graphs.slot_mapping == kv.null_slot).all()   # padding writes only the null slot
+    assert sizing.facts() == {"kv_cache_bytes": sizing.kv_bytes, "kv_mem_fraction": 0.5, "kv_free_bytes": free}
     resized = run_all(Engine(config, worker), PROMPTS, 12)
     fresh = run_all(Engine(config.model_copy(update={"num_blocks": blocks})), PROMPTS, 12)
     assert resized == fresh
