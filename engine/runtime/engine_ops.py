@@ -132,7 +132,7 @@ class EngineOps:
         except OpFailed:
             self.run_op("tensor_drop")
             raise
-        count = len(self.worker.weights._staged)
+        count = self.worker.weights.staged
         self.run_op("tensor_apply")
         self._weights_changed(weight_version, flush_cache)
         return f"Succeeded to update {count} parameter(s) from tensors."

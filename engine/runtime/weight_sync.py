@@ -1,7 +1,9 @@
 """One rank's side of the rank-shared engine ops (protocol/plan.EngineOp): new weights from disk,
 a weights update group with a trainer (torch.distributed: gloo on CPU, NCCL on GPUs) and the
-tensors it broadcasts, and giving memory back and taking it again. Rank 0 checks every argument before the op is broadcast, so what reaches a rank is
-runnable; each rank keeps its own ATP/EP shard of what arrives (model/weights.py).
+tensors it broadcasts, tensors handed over in a request (tensor_payload.py), and giving memory
+back and taking it again. Rank 0 checks every argument before the op is broadcast, so what
+reaches a rank is runnable (a request's tensors: every rank checks its own before any rank
+writes); each rank keeps its own ATP/EP shard of what arrives (model/weights.py).
 
 The update group is a process group of its own, over a store at the trainer's address (the
 trainer is rank 0 and hosts it; this engine's rank r is `rank_offset + r`): it never touches the
@@ -119,6 +121,11 @@ class RankWeights:
         if len({n for n, _ in named}) != len(named):
             raise ValueError(f"serialized_named_tensors[{i}] names a tensor twice")
         self._staged = named
+
+    @property
+    def staged(self) -> int:
+        """How many tensors `_tensor_stage` holds for the next apply."""
+        return len(self._staged or ())
 
     def _tensor_apply(self) -> None:
         named, self._staged = self._staged, None
