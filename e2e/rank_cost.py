@@ -180,7 +180,7 @@ def fit_old(cost: Cost, runs: dict[str, list[dict]], layers: int, exchange_s: fl
     steps, 5 collectives a layer, after the one-GPU compute), the P layer's overhead past its
     collectives (normal/mixed steps with P), the turnstile round (pd steps with P). `exchange_s`
     (fitted by the caller from makespans) is outside the logged step times."""
-    base = RankModel(cost, layers, 2, 2, Links(2, 0.0, beta, 0.0, 0.0), replace(OLD, p_colls=0))
+    base = RankModel(cost, layers, 2, 2, Links(2, 0.0, beta, 0.0, 0.0), OLD)
     d = [s for steps in runs.values() for s in steps if not any(s["ptok"])]
     d_res = [s["wall_s"] - base.d_step_s(s["rows"]) for s in d]
     alpha = statistics.fmean(d_res) / (layers * OLD.d_colls)
@@ -199,8 +199,7 @@ def fit_old(cost: Cost, runs: dict[str, list[dict]], layers: int, exchange_s: fl
     base = replace(base, structure=structure)
     pd = [s for s in runs.get("pd", []) if any(s["ptok"])]
     pd_res = sum(s["wall_s"] - base.p_work_s(s["rows"], s["ptok"]) - base._pd_fused_s(s["rows"]) for s in pd)
-    rounds = sum(s["rounds"] for s in pd)
-    round_s = pd_res / rounds if rounds else 0.0
+    round_s = pd_res / (layers * len(pd)) if pd else 0.0   # charged a round a layer (the logs: 11.5-11.7)
     return replace(base, links=replace(links, round_s=round_s, exchange_s=exchange_s),
-                   meta={"exchange_ms": exchange_s * 1e3, "alpha_us": alpha * 1e6, "p_layer_host_us": host * 1e6, "round_ms": round_s * 1e3,
-                         "d_steps": len(d), "p_steps": len(p), "pd_p_steps": len(pd)})
+                   meta={"exchange_ms": exchange_s * 1e3, "alpha_us": alpha * 1e6, "p_layer_host_us": host * 1e6,
+                         "round_ms": round_s * 1e3, "d_steps": len(d), "p_steps": len(p), "pd_p_steps": len(pd)})
