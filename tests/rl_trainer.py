@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import http.client
 import json
 import socket
 import threading
+import urllib.parse
 import urllib.request
 
 import torch
@@ -20,7 +22,19 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 
+SOURCE: list = []   # --source: the address this trainer's HTTP calls come from (an --admin-peers entry)
+
+
 def post(url: str, body: dict) -> dict:
+    if SOURCE:
+        u = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300, source_address=(SOURCE[0], 0))
+        try:
+            conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return {"status": r.status, "body": json.loads(r.read() or b"null")}
+        finally:
+            conn.close()
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
@@ -57,7 +71,13 @@ def main() -> None:
     a.add_argument("--flush-cache", default="true")
     a.add_argument("--steps", default="init,update,destroy")
     a.add_argument("--port", type=int, default=0)
+    a.add_argument("--source", default=None, help="bind the HTTP calls to this local address")
+    a.add_argument("--init-extra", default="{}", help="JSON merged into the init body; "
+                   '"master_port": "str" sends the port as a string (AReaL)')
     args = a.parse_args()
+    if args.source:
+        SOURCE.append(args.source)
+    extra = json.loads(args.init_extra)
     tensors = load_file(f"{args.model}/model.safetensors")
     world = 1 + args.engine_ranks
     port = args.port
@@ -69,7 +89,8 @@ def main() -> None:
     if "init" in steps:
         t, box = in_thread(lambda: post(args.url + "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
-            "group_name": args.group, "backend": "gloo"}))
+            "group_name": args.group, "backend": "gloo",
+            **{k: (str(port) if v == "str" and k == "master_port" else v) for k, v in extra.items()}}))
         pg = form_group("127.0.0.1", port, world, args.group)
         t.join()
         print(json.dumps({"init": box["r"]}), flush=True)

@@ -1,0 +1,78 @@
+"""The HTTP calls slime, AReaL and verl make to an SGLang rollout server, in the order of one RL step, with
+the response fields each reads and the type it expects. Bodies and fields as read from their public sources
+(the file is named above each framework); `{prompt}`, `{model}`, `{partial}` are filled in by the replay test
+(tests/server/test_framework_replay.py). A step `TRAINER` pushes weights through a weights update group from a
+real trainer process (tests/rl_trainer.py) with that framework's init body."""
+from __future__ import annotations
+
+GEN_READS = {"text": str, "output_ids": list, "meta_info.finish_reason.type": str, "meta_info.prompt_tokens": int,
+             "meta_info.completion_tokens": int, "meta_info.cached_tokens": int, "meta_info.weight_version": str,
+             "meta_info.output_token_logprobs": list}
+SERVER_ARGS = {"enable_memory_saver": bool, "enable_return_routed_experts": bool, "tp_size": int, "dp_size": int,
+               "ep_size": int, "model_path": str}
+TRAINER = "TRAINER"
+
+CALLS = {
+    # slime: slime/rollout/sglang_rollout.py (GenerateState.sampling_params, generate(), abort()),
+    # slime/backends/sglang_utils/sglang_engine.py (health, server info, pause/flush/continue, memory, weights).
+    "slime": [
+        ("GET", "/health_generate", None, {"status": str}),
+        ("GET", "/get_server_info", None, SERVER_ARGS),
+        ("GET", "/get_model_info", None, {"model_path": str}),
+        ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "sampling_params": {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "stop": None, "stop_token_ids": None,
+            "skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False}}, GEN_READS),
+        ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "return_routed_experts": True,
+                               "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6,
+                                                   "no_stop_trim": True, "sampling_seed": 7}},
+         {**GEN_READS, "meta_info.routed_experts": str}),
+        # partial rollout: the aborted sample's prompt + response re-sent, max_new_tokens less what it has
+        ("POST", "/generate", {"input_ids": "{partial}", "return_logprob": True,
+                               "sampling_params": {"temperature": 1.0, "max_new_tokens": 3, "no_stop_trim": True}},
+         GEN_READS),
+        ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),
+        ("GET", "/v1/loads", None, {"loads": list, "dp_rank_count": int}),
+        ("POST", "/pause_generation", {"mode": "abort"}, {"success": bool}),
+        ("GET", "/flush_cache", None, {"success": bool}),
+        (TRAINER, "/init_weights_update_group", {}, None),
+        ("POST", "/continue_generation", {}, {"success": bool}),
+        ("POST", "/update_weights_from_disk", {"model_path": "{model}", "weight_version": "slime-disk"},
+         {"success": bool, "message": str}),
+        ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}, None),
+        ("POST", "/resume_memory_occupation", {"tags": ["weights"]}, None),
+        ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}, None),
+        ("GET", "/get_weight_version", None, {"weight_version": str}),
+    ],
+    # AReaL: areal/engine/sglang_remote.py (RemoteSGLangEngine: generate, pause/continue, update from disk,
+    # the NCCL update group with master_port sent as a string).
+    "areal": [
+        ("GET", "/health", None, {"status": str}),
+        ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "stream": False, "sampling_params": {
+            "top_p": 1.0, "top_k": 100000000, "max_new_tokens": 6, "temperature": 1.0, "stop_token_ids": [1],
+            "frequency_penalty": 0.0}}, GEN_READS),
+        ("POST", "/generate", {"input_ids": "{partial}", "return_logprob": True, "stream": False, "sampling_params": {
+            "top_p": 1.0, "max_new_tokens": 3, "temperature": 1.0, "stop_token_ids": [1]}}, GEN_READS),
+        ("POST", "/pause_generation", {}, {"success": bool}),
+        (TRAINER, "/init_weights_update_group", {"master_port": "str", "pp_rank": 0}, None),
+        ("POST", "/update_weights_from_disk", {"model_path": "{model}", "abort_all_requests": True},
+         {"success": bool}),
+        ("POST", "/continue_generation", {}, {"success": bool}),
+        ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),
+    ],
+    # verl: verl/workers/rollout/sglang_rollout/http_server_engine.py (HttpServerAdapter: generate with
+    # streaming, flush, release/resume by tags, abort all). Its update from tensor is another branch's.
+    "verl": [
+        ("GET", "/health_generate", None, {"status": str}),
+        ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "stream": True, "sampling_params": {
+            "n": 1, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False,
+            "repetition_penalty": 1.0, "skip_special_tokens": True, "spaces_between_special_tokens": True}},
+         GEN_READS),
+        ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}, None),
+        ("POST", "/release_memory_occupation", {"tags": ["weights"]}, None),
+        ("POST", "/resume_memory_occupation", {"tags": ["weights"]}, None),
+        # here verl pushes new weights with /update_weights_from_tensor (built on branch wts49)
+        ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}, None),
+        ("POST", "/flush_cache", {}, {"success": bool}),
+        ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),
+    ],
+}

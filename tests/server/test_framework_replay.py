@@ -1,0 +1,108 @@
+"""Issue 49, Must show 1: each framework's call sequence (tests/rl_framework_calls.py: slime, AReaL, verl)
+replayed against a server started as the operator starts it: an admin token configured, the framework's
+address in --admin-peers, and no Authorization header sent, as the frameworks send none. Every call
+succeeds and every field the framework reads is there with the type it expects; the weights update group
+is formed and fed by a real trainer process from the framework's address; on 1 rank and on 4."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from rl_common import ENGINE, TRAINER as TRAINER_SCRIPT, checkpoint
+from rl_framework_calls import CALLS, TRAINER
+from serverproc import ServerProcess
+
+pytestmark = pytest.mark.timeout(1200)
+TOPOLOGIES = {"1rank": [], "4ranks-atp2-adp2": ["--nproc", "4", "--adp", "2", "--ep", "4"]}
+FRAMEWORK_ADDR = "127.0.0.2"
+TOKEN = "operator-admin-token"
+PROMPT = [3, 5, 7, 9, 11, 13]
+
+
+def fill(value, subs: dict):
+    if isinstance(value, str) and value in subs:
+        return subs[value]
+    if isinstance(value, dict):
+        return {k: fill(v, subs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill(v, subs) for v in value]
+    return value
+
+
+def field(body, path: str):
+    for part in path.split("."):
+        assert isinstance(body, dict) and part in body, f"missing {path!r} in {json.dumps(body)[:400]}"
+        body = body[part]
+    return body
+
+
+def last_event(text: str) -> dict:
+    events = [json.loads(x[6:]) for x in text.splitlines() if x.startswith("data: {")]
+    assert events and text.rstrip().endswith("data: [DONE]"), text[-300:]
+    return events[-1]
+
+
+def push_weights(url: str, model: str, ranks: int, init_extra: dict) -> list[dict]:
+    r = subprocess.run([sys.executable, TRAINER_SCRIPT, "--url", url, "--model", model, "--engine-ranks", str(ranks),
+                        "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
+                        "--init-extra", json.dumps(init_extra)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(x) for x in r.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    return {"s0": checkpoint(d / "s0", 0), "s1": checkpoint(d / "s1", 1)}
+
+
+@pytest.mark.parametrize("topo", list(TOPOLOGIES))
+def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    ranks = 4 if topo.startswith("4") else 1
+    s = ServerProcess(ckpts["s0"], *TOPOLOGIES[topo], "--engine-config", ENGINE, "--admin-token-file", str(token),
+                      "--admin-peers", f"{FRAMEWORK_ADDR}/32")
+    framework = httpx.Client(base_url=s.url, timeout=300, transport=httpx.HTTPTransport(local_address=FRAMEWORK_ADDR))
+    try:
+        first = framework.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}).json()
+        subs = {"{prompt}": PROMPT, "{model}": ckpts["s1"], "{partial}": PROMPT + first["output_ids"]}
+        for name, calls in CALLS.items():
+            for method, path, body, reads in calls:
+                where = f"{name}: {method} {path} {json.dumps(body)[:120]}"
+                if method == TRAINER:
+                    lines = push_weights(s.url, ckpts["s1"], ranks, body)
+                    answers = [x for line in lines for k, x in line.items() if k in ("init", "update", "destroy")]
+                    assert len(answers) >= 3 and all(a["status"] == 200 and a["body"]["success"] for a in answers), \
+                        (where, answers)
+                    continue
+                r = framework.request(method, path, **({} if body is None else {"json": fill(body, subs)}))
+                assert r.status_code == 200, (where, r.status_code, r.text[:500])
+                out = last_event(r.text) if (body or {}).get("stream") else r.json()
+                for path_read, kind in (reads or {}).items():
+                    assert isinstance(field(out, path_read), kind), (where, path_read, kind)
+                if path == "/v1/loads":
+                    assert out["dp_rank_count"] == (2 if ranks == 4 else 1) and \
+                        all(isinstance(x["num_running_reqs"], int) for x in out["loads"])
+            assert not s.http.get("/get_server_info").json()["paused"], name
+        # what a stranger may not do, after all of it: the peer rule admitted only the framework
+        assert s.http.post("/pause_generation", json={}).status_code == 401
+    finally:
+        framework.close()
+        assert s.stop() == 0, s.log[-3000:]
+    assert TOKEN not in s.log
+
+
+def test_init_group_leniency_and_strictness(server):
+    """SGLang converts a string master_port and our pp_rank is 0; a non-zero pp_rank or a port that is not a
+    number is refused with the field named, before any group is formed."""
+    base = {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    for extra, words in (({"master_port": "29x"}, "master_port must be a port number"),
+                         ({"master_port": "70000"}, "master_port must be in [1, 65535]"),
+                         ({"master_port": 29500, "pp_rank": 1}, "pp_rank=1 is not supported")):
+        r = server.http.post("/init_weights_update_group", json={**base, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
