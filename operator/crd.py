@@ -16,7 +16,7 @@ from pdrollout.operator import builders
 from pdrollout.operator.models import GROUP, KIND, PLURAL, VERSION, PDRolloutSpec, PDRolloutStatus
 
 _KEEP = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength",
-         "minItems", "maxItems", "maxProperties", "pattern", "items", "properties", "required", "format",
+         "minItems", "maxItems", "pattern", "items", "properties", "required", "format",
          "x-kubernetes-validations", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
          "nullable", "additionalProperties"}
 _DROP = {"title", "$defs"}

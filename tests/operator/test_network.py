@@ -113,7 +113,7 @@ def test_ibgda_renders_as_written_and_unset_stays_off_inside_a_node(ibgda, want)
 
 def test_extra_env_reaches_the_engine_and_changes_the_template():
     base = deep_ep()
-    extra = deep_ep(env={"NCCL_DEBUG": "INFO", "NVSHMEM_DEBUG": "WARN"})
+    extra = deep_ep(env=[{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NVSHMEM_DEBUG", "value": "WARN"}])
     _, c, env = rendered(extra)
     assert (env["NCCL_DEBUG"], env["NVSHMEM_DEBUG"]) == ("INFO", "WARN")
     assert [e["name"] for e in c["env"]].count("NCCL_DEBUG") == 1
@@ -123,7 +123,7 @@ def test_extra_env_reaches_the_engine_and_changes_the_template():
 @pytest.mark.parametrize("field", sorted(network.OWNED_ENV))
 def test_an_owned_variable_in_network_env_is_refused_by_name(field):
     with pytest.raises(pydantic.ValidationError, match=f"network.env may not set {field} \\(set "):
-        deep_ep(env={"NCCL_DEBUG": "INFO", field: "1"})
+        deep_ep(env=[{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": field, "value": "1"}])
 
 
 def test_every_owned_variable_is_one_the_builders_render():
@@ -135,7 +135,10 @@ def test_every_owned_variable_is_one_the_builders_render():
 
 
 REFUSED = [
-    ({"network": {"env": {"LD_PRELOAD": "x"}}}, "network.env holds NCCL_* and NVSHMEM_* variables only, not LD_PRELOAD"),
+    ({"network": {"env": [{"name": "LD_PRELOAD", "value": "x"}]}},
+     "network.env holds NCCL_* and NVSHMEM_* variables only, not LD_PRELOAD"),
+    ({"network": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "NCCL_DEBUG", "value": "WARN"}]}},
+     "network.env names each variable once"),
     ({"expertBackend": "torch"}, "network.nvshmem applies to expertBackend deep_ep only"),
     ({"network": {"hostNetwork": True, "attachments": ["rail0"]}}, "network.attachments need the pod's own network"),
     ({"network": {"attachments": ["Bad_Name"]}}, "attachments"),
@@ -181,7 +184,7 @@ def test_network_crd_schema_is_served_shape():
     spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     net = spec["properties"]["network"]
     assert set(net["properties"]) >= {"rdmaResources", "hostNetwork", "hostIPC", "attachments", "ib", "nvshmem", "env"}
-    assert net["properties"]["env"]["maxProperties"] == 64
+    assert net["properties"]["env"]["maxItems"] == network.MAX_EXTRA_ENV
     rules = json.dumps(spec["x-kubernetes-validations"])
     for _, message in network.SPEC_RULES:
         assert json.dumps(message)[1:-1] in rules
