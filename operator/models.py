@@ -346,6 +346,7 @@ class ConditionType(str, enum.Enum):
     DEGRADED = "Degraded"
     STALLED = "Stalled"
     INVALID_SPEC = "InvalidSpec"  # the API server refused an object built from the spec
+    CONFIG_ERROR = "ConfigError"  # an engine (or the model cache's fill) exited with the config code
 
 
 class Condition(_Model):
