@@ -65,8 +65,8 @@ def under(user, ours):
 def merge_template(tpl: dict, user: PodTemplateSpec | None) -> dict:
     if user is None:
         return tpl
-    u = user.model_dump(by_alias=True, exclude_none=True)
-    u_spec = u["spec"]
+    u = user.model_dump(by_alias=True, exclude_unset=True)   # as written: no defaults of ours added
+    u_spec = dict(u.get("spec") or {})
     u_containers = u_spec.pop("containers", [])
     u_engine = next((c for c in u_containers if c["name"] == ENGINE_CONTAINER), None)
     sidecars = [c for c in u_containers if c["name"] != ENGINE_CONTAINER]
@@ -79,7 +79,7 @@ def merge_template(tpl: dict, user: PodTemplateSpec | None) -> dict:
     merged["containers"] = [engine, *ours_containers[1:], *sidecars]
     if inits:
         merged["initContainers"] = inits
-    meta = under(u["metadata"], tpl["metadata"])
+    meta = under(u.get("metadata") or {}, tpl["metadata"])
     return {**tpl, "metadata": meta, "spec": merged}
 
 
