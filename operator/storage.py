@@ -18,7 +18,8 @@ COMPLETE = ".pdrollout-complete"          # written last: a cache without it is 
 _FILL = f"""set -eu
 if [ -f {CACHE_DIR}/{COMPLETE} ]; then echo "model cache complete: $MODEL_CACHE"; exit 0; fi
 if [ ! -r {SOURCE_DIR} ] || [ -z "$(ls -A {SOURCE_DIR} 2>/dev/null)" ]; then
-  echo "model source $MODEL_SOURCE is missing, empty or unreadable" >/dev/termination-log; exit 2; fi
+  msg="model source $MODEL_SOURCE is missing, empty or unreadable"
+  echo "$msg" >&2; echo "$msg" 2>/dev/null >/dev/termination-log || true; exit 2; fi
 tmp={CACHE_DIR}/.fill-$$; rm -rf "$tmp"; mkdir -p "$tmp"
 cp -R {SOURCE_DIR}/. "$tmp"/
 for f in "$tmp"/* "$tmp"/.[!.]*; do [ -e "$f" ] || continue; rm -rf {CACHE_DIR}/"${{f##*/}}"; mv "$f" {CACHE_DIR}/; done
