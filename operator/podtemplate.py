@@ -56,9 +56,8 @@ def under(user, ours):
     if isinstance(user, dict) and isinstance(ours, dict):
         return {**user, **{k: under(user[k], v) if k in user else v for k, v in ours.items()}}
     if isinstance(user, list) and isinstance(ours, list):
-        keys = {_key(x) for x in ours} - {None}
-        return ours + [x for x in user if (_key(x) is None and x not in ours) or (_key(x) not in keys
-                                                                                 and _key(x) is not None)]
+        keys = {_key(x) for x in ours}
+        return ours + [x for x in user if (_key(x) not in keys if _key(x) else x not in ours)]
     return ours
 
 
