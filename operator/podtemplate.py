@@ -86,8 +86,10 @@ def own(tpl: dict, spec: PDRolloutSpec) -> dict:
     """The operator's template (builders.py) with the model's storage, probes, preStop and grace."""
     pod = tpl["spec"]
     engine = pod["containers"][0]
-    got = storage.model_storage(spec.model.source, spec.model.path, spec.image, engine["securityContext"],
-                                engine["resources"])
+    # The cache fill copies files: the engine's CPU and memory, none of its GPUs or RDMA devices.
+    plain = {k: {r: v for r, v in amounts.items() if r in ("cpu", "memory")}
+             for k, amounts in engine["resources"].items()}
+    got = storage.model_storage(spec.model.source, spec.model.path, spec.image, engine["securityContext"], plain)
     pod["volumes"] += got.volumes
     engine["volumeMounts"] += got.mounts
     if got.init_containers:

@@ -79,6 +79,10 @@ def test_the_shipped_gpu_examples_carry_their_model_source():
     two = builders.pod_template("r", "ns", spec_with("examples/pdrollout-2node.yaml"))
     (fill,) = two["spec"]["initContainers"]
     assert fill["name"] == storage.CACHE_INIT and fill["image"] == engine_of(two)["image"]
+    # It copies files: the engine's CPU and memory, none of its GPUs or RDMA devices.
+    limits = engine_of(two)["resources"]["limits"]
+    assert "nvidia.com/gpu" in limits and fill["resources"]["limits"] == {"cpu": limits["cpu"],
+                                                                          "memory": limits["memory"]}
     assert {"name": storage.SOURCE_VOLUME, "mountPath": storage.SOURCE_DIR, "readOnly": True,
             "subPath": "Qwen3-235B-A22B"} in fill["volumeMounts"]
     cache = next(v for v in two["spec"]["volumes"] if v["name"] == storage.MODEL_VOLUME)
