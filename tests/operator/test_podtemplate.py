@@ -1,6 +1,6 @@
 """The engine pod as the operator's builders render it for each example and each model source: volumes,
 probes, grace, preStop, the full pod template merged under the operator's fields, owned fields refused,
-engine sizing in the engine's config; and a config-code exit read back into a ConditionError."""
+engine sizing in the engine's config; and a config-code exit read back into a ConfigError condition."""
 import json
 import math
 from pathlib import Path
