@@ -11,6 +11,7 @@ from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator import network
+from pdrollout.operator import podtemplate
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -130,14 +131,19 @@ def engine_args(spec: PDRolloutSpec) -> list[str]:
     """The same `pdrollout serve` in every pod; the layout comes from $PDROLLOUT_ROLLOUT_INFO.
     Every listener binds the pod's own address (two pods on one host never collide)."""
     return ["serve", "--model", spec.model.path, "--host", "$(POD_IP)", "--port", str(spec.port),
-            "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}"]
+            "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}",
+            "--drain-timeout", str(spec.lifecycle.drain_seconds)]
 
 
 def engine_config(spec: PDRolloutSpec) -> dict:
     """Extra EngineConfig fields for `pdrollout serve --engine-config`, including the controls an
     engine starts with (so a restarted pod comes up with the current spec.multiplexing)."""
-    cfg = {"dtype": spec.model.dtype, "control": spec.multiplexing.control().model_dump()}
-    EngineConfig.model_validate({"model": spec.model.path, **cfg})  # the engine must accept it
+    cfg = {"dtype": spec.model.dtype, "control": spec.multiplexing.control().model_dump(),
+           **spec.engine.engine_fields()}
+    # The engine must accept it. kv_mem_fraction is the CUDA KV sizing's field (kv52): checked here once
+    # the engine has it; until then by the CRD's range only.
+    known = {k: v for k, v in cfg.items() if k != "kv_mem_fraction" or k in EngineConfig.model_fields}
+    EngineConfig.model_validate({"model": spec.model.path, **known})
     # Not validated here: the engine checks them against the checkpoints (an MTP head, the draft's
     # vocabulary), which only the pods can read; a mismatch ends the engine with the config exit code.
     return {**cfg, **(spec.speculative.engine_fields() if spec.speculative else {})}
@@ -312,7 +318,9 @@ def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
 def pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     """The pods' template, annotated with a hash of itself: the operator tells pods of an older template
     by it (the StatefulSet uses OnDelete, so the operator decides when pods change)."""
-    tpl = network.apply_to_pod(_pod_template(name, namespace, spec), spec)
+    # the user's full template goes under everything the operator set (network fields included)
+    tpl = podtemplate.merge_template(network.apply_to_pod(_pod_template(name, namespace, spec), spec),
+                                     spec.pod_template.template)
     if spec.gang:   # the PodGroup's scheduler places the pods, all or none
         tpl["metadata"]["labels"][POD_GROUP_LABEL] = name
         tpl["spec"]["schedulerName"] = spec.gang.scheduler_name
@@ -328,7 +336,7 @@ def template_hash(name: str, namespace: str, spec: PDRolloutSpec) -> str:
 
 def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     pod_security, container_security = _security(spec)
-    return _merge_overrides({
+    return _merge_overrides(podtemplate.own({
         "metadata": {"labels": labels(name)},
         "spec": {
             # The engine never calls the Kubernetes API: no token in the pod.
@@ -367,9 +375,8 @@ def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
             }]}},
             **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
                if spec.device == "cuda" else {}),
-            "terminationGracePeriodSeconds": 30,
         },
-    }, spec)
+    }, spec), spec)
 
 
 def statefulset(name: str, namespace: str, spec: PDRolloutSpec) -> dict:

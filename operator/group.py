@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from pdrollout.engine.protocol.exits import EXIT_STALL, name as exit_name
+from pdrollout.engine.protocol.exits import EXIT_CONFIG, EXIT_STALL, name as exit_name
 from pdrollout.operator.builders import ENGINE_CONTAINER
 
 
@@ -56,6 +56,23 @@ def stall_exit(pods: list[dict]) -> tuple[str, str] | None:
             when = f" at {term['finishedAt']}" if term.get("finishedAt") else ""
             return key, (f"engine of pod {pod['metadata']['name']} exited with the stall code {EXIT_STALL}{when}: "
                          "no rank made progress within the watchdog bound (the pod's log has every rank's frontier)")
+    return None
+
+
+def config_exit(pods: list[dict]) -> str | None:
+    """An engine or init container (the model cache's fill) whose last exit was the config code, with
+    its last words: the termination message (FallbackToLogsOnError: the log's tail) ends with the
+    engine's one-line verdict, e.g. the model path it could not read."""
+    for pod in sorted(live(pods), key=lambda p: p["metadata"]["name"]):
+        status = pod.get("status") or {}
+        for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
+            for cs in status.get(key) or []:
+                if last_exit(cs) != EXIT_CONFIG:
+                    continue
+                lines = [ln.strip() for ln in (_terminated(cs).get("message") or "").splitlines() if ln.strip()]
+                words = lines[-1][:600] if lines else "no message (see the container's log)"
+                return (f"{kind} {cs.get('name')} of pod {pod['metadata']['name']} exited with the config code "
+                        f"{EXIT_CONFIG}: {words}")
     return None
 
 

@@ -17,6 +17,7 @@ from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
 INVALID_SPEC = ConditionType.INVALID_SPEC.value
+CONFIG_ERROR = ConditionType.CONFIG_ERROR.value
 REFUSED = "refused"   # memo key: (generation, the InvalidSpec condition) reconcile wrote for it
 
 
@@ -329,10 +330,12 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         if health.ok and push_control(namespace, name, meta["uid"], s, logger, pods):
             patch.status["control"] = s.multiplexing.model_dump(by_alias=True)
     previous = next((c for c in status.get("conditions") or [] if c.get("type") == "Stalled"), None)
+    config = next((c for c in status.get("conditions") or [] if c.get("type") == CONFIG_ERROR), None)
     obs = st.Observation(desired_nodes=s.topology.nodes, ready_nodes=ready,
                          generation=meta.get("generation"), observed_generation=status.get("observedGeneration"),
                          health=health, metrics=metrics, restarting=restarting, updating=updating, stall=stall,
-                         previous_stalled=previous, weight_version=version)
+                         previous_stalled=previous, weight_version=version,
+                         config_error=group.config_exit(pods), previous_config=config)
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
                                                                         _iso(_now()))))

@@ -14,6 +14,8 @@ from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_
 from pdrollout.engine.protocol.topology import Topology as RankTopology
 from pdrollout.operator import network as net
 from pdrollout.operator.network import Network
+from pdrollout.operator.storage import MODEL_VOLUME, SOURCE_VOLUME
+from pdrollout.operator.podspec import ENGINE_CONTAINER, EngineSizing, Lifecycle, ModelSource, PodTemplateSpec
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"
@@ -39,6 +41,8 @@ def _rules(*rules: tuple[str, str]) -> dict:
 class ModelSpec(_Model):
     path: str = Field(min_length=1, description="Model directory inside the engine container.")
     dtype: Dtype = "bfloat16"
+    source: ModelSource | None = Field(default=None, description=(
+        "Where the model directory comes from, mounted at `path`; unset: the image has it."))
 
 
 class Topology(_Model):
@@ -159,12 +163,16 @@ class Resources(_Model):
 # What the operator itself sets in the pod; podTemplate may not set these (the operator's win).
 RESERVED_ENV = ("POD_NAME", "POD_IP")
 RESERVED_ENV_PREFIXES = ("PDROLLOUT_", "NCCL_", "NVSHMEM_")
-RESERVED_VOLUMES = ("dshm", "config", "admin")
+RESERVED_VOLUMES = ("dshm", "config", "admin", MODEL_VOLUME, SOURCE_VOLUME)
 RESERVED_MOUNTS = ("/dev/shm", "/etc/pdrollout", "/var/run/secrets/pdrollout")
 _ENV_MSG = ("podTemplate.env may not set " + ", ".join(RESERVED_ENV) + " or "
             + ", ".join(p + "*" for p in RESERVED_ENV_PREFIXES) + " (the operator sets them)")
 _VOL_MSG = "podTemplate.volumes may not use the names " + ", ".join(RESERVED_VOLUMES) + " (the operator's)"
 _MOUNT_MSG = "podTemplate.volumeMounts may not mount at " + ", ".join(RESERVED_MOUNTS) + " (the operator's)"
+_TEMPLATE_ENGINE_MSG = ("podTemplate.template.spec.containers[name=engine] may not set the env "
+                        + ", ".join(RESERVED_ENV) + ", " + ", ".join(p + "*" for p in RESERVED_ENV_PREFIXES)
+                        + " nor mount at " + ", ".join(RESERVED_MOUNTS) + " (the operator's: rank env, "
+                        "layout and token mounts)")
 _PASS = {"x-kubernetes-preserve-unknown-fields": True}   # a Kubernetes object, checked by the API server
 MAX_ITEMS = 64
 
@@ -220,6 +228,16 @@ class PodTemplate(_Model):
         (f"self.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}))", _VOL_MSG)))
     volume_mounts: list[VolumeMount] = Field(default=[], max_length=MAX_ITEMS, json_schema_extra=_rules(
         (f"self.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNTS)}))", _MOUNT_MSG)))
+    template: PodTemplateSpec | None = Field(default=None, json_schema_extra=_rules(
+        (f"!has(self.spec.volumes) || self.spec.volumes.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}))",
+         _VOL_MSG.replace("podTemplate.volumes", "podTemplate.template.spec.volumes")),
+        (f"!has(self.spec.containers) || self.spec.containers.all(c, c.name != '{ENGINE_CONTAINER}' || "
+         f"((!has(c.env) || c.env.all(e, !(e.name in {_cel_list(RESERVED_ENV)}) && "
+         + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")) && "
+         f"(!has(c.volumeMounts) || c.volumeMounts.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNTS)})))))",
+         _TEMPLATE_ENGINE_MSG)), description=(
+        "A full PodTemplateSpec (runtimeClassName, schedulerName, securityContext, initContainers, sidecars, "
+        "volumes...), merged under the operator's fields; a container named engine adds to the engine's."))
 
     @model_validator(mode="after")
     def _reserved(self) -> "PodTemplate":  # mirrors the CEL rules above
@@ -229,6 +247,14 @@ class PodTemplate(_Model):
             raise ValueError(_VOL_MSG)
         if any(m.mount_path in RESERVED_MOUNTS for m in self.volume_mounts):
             raise ValueError(_MOUNT_MSG)
+        t = self.template
+        if t and any(v.name in RESERVED_VOLUMES for v in t.spec.volumes):
+            raise ValueError(_VOL_MSG.replace("podTemplate.volumes", "podTemplate.template.spec.volumes"))
+        for c in (t.spec.containers if t else []):
+            if c.name == ENGINE_CONTAINER and (
+                    any(e.name in RESERVED_ENV or e.name.startswith(RESERVED_ENV_PREFIXES) for e in c.env)
+                    or any(m.mount_path in RESERVED_MOUNTS for m in c.volume_mounts)):
+                raise ValueError(_TEMPLATE_ENGINE_MSG)
         return self
 
 
@@ -277,6 +303,8 @@ class PDRolloutSpec(_Model):
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    engine: EngineSizing = Field(default_factory=EngineSizing, description="Engine sizes read at start.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Start, liveness and drain bounds.")
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
@@ -316,6 +344,7 @@ class ConditionType(str, enum.Enum):
     DEGRADED = "Degraded"
     STALLED = "Stalled"
     INVALID_SPEC = "InvalidSpec"  # the API server refused an object built from the spec
+    CONFIG_ERROR = "ConfigError"  # an engine (or the model cache's fill) exited with the config code
 
 
 class Condition(_Model):

@@ -20,6 +20,8 @@ class Observation:
     stall: str | None = None              # an engine exited with the stall code (seen this pass)
     previous_stalled: dict | None = None  # the Stalled condition as status had it
     weight_version: str | None = None     # node 0's engine's, when it answered
+    config_error: str | None = None       # an engine/model-cache exit with the config code, its last words
+    previous_config: dict | None = None   # the ConfigError condition as status had it
 
 
 def _cond(t: ConditionType, ok: bool, reason: str, message: str = "") -> Condition:
@@ -63,7 +65,21 @@ def decide(o: Observation) -> tuple[Phase, list[Condition]]:
         conds = [_cond(ConditionType.READY, True, "EngineHealthy", o.health.detail),
                  _cond(ConditionType.PROGRESSING, behind, "Reconciling" if behind else "Converged", pods),
                  _cond(ConditionType.DEGRADED, False, "EngineHealthy")]
-    return phase, conds + [stall_condition(o, phase)]
+    return phase, conds + [stall_condition(o, phase)] + config_condition(o, phase)
+
+
+def config_condition(o: Observation, phase: Phase) -> list[Condition]:
+    """ConfigError, only once there was one: True with the engine's own words (a missing model says its
+    path) from the exit until the group runs; the restarts in between (with backoff) would hide it."""
+    prev = o.previous_config or {}
+    if o.config_error:
+        return [_cond(ConditionType.CONFIG_ERROR, True, "EngineConfigExit", o.config_error)]
+    if prev.get("status") == "True" and phase is not Phase.RUNNING:
+        return [_cond(ConditionType.CONFIG_ERROR, True, prev.get("reason") or "EngineConfigExit",
+                      prev.get("message", ""))]
+    if prev:
+        return [_cond(ConditionType.CONFIG_ERROR, False, "Resolved", "running")]
+    return []
 
 
 def stall_condition(o: Observation, phase: Phase) -> Condition:

@@ -342,6 +342,10 @@ class WorkerNode:
                 if self.path == "/health":
                     status, body = node.health()
                     self._send(status, json.dumps(body).encode(), "application/json")
+                elif self.path.split("?")[0] == "/live":   # this node's ranks run (a stall ends them)
+                    status, body = node.health()
+                    live = 503 if body["status"] == "failed" else 200
+                    self._send(live, json.dumps(body).encode(), "application/json")
                 elif self.path == "/metrics":
                     from prometheus_client.exposition import CONTENT_TYPE_LATEST
                     self._send(200, node.metrics(), CONTENT_TYPE_LATEST)

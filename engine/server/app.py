@@ -64,6 +64,7 @@ class Server:
         self.bridge = EngineBridge(engine_factory, loop, self.metrics, on_finished=self._request_finished)
         self.started = time.time()
         self.draining = False
+        self.drain_started: Optional[float] = None   # monotonic; the drain's deadline counts from here
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.admitting = asyncio.Event()     # cleared while an update waits for in-flight requests
@@ -364,7 +365,7 @@ async def rollouts(request: web.Request) -> web.Response:
 
 
 def build_app(server: Server) -> web.Application:
-    from . import routes_chat, routes_native, routes_openai, routes_rl
+    from . import lifecycle, routes_chat, routes_native, routes_openai, routes_rl
     # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
     app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=server.settings.max_body_bytes)
     app[SERVER_KEY] = server
@@ -378,4 +379,5 @@ def build_app(server: Server) -> web.Application:
     routes_openai.add_routes(app)
     routes_rl.add_routes(app)
     routes_chat.add_routes(app)
+    lifecycle.add_routes(app)
     return app

@@ -98,6 +98,8 @@ class EngineBridge:
         self.failed = asyncio.Event()
         self.tracked: dict[str, Tracked] = {}
         self.last_stats: dict = {}
+        self.beat = time.monotonic()       # the engine thread's last pass of its loop (GET /live)
+        self.command_since: Optional[float] = None   # a command (weight load...) runs on the thread
 
     # --- lifecycle (event loop side) --------------------------------------------------------
     def start(self) -> None:
@@ -181,10 +183,12 @@ class EngineBridge:
         engine = self.engine
         check = getattr(engine, "check", lambda: None)   # a multi-rank group can fail while idle
         while True:
+            self.beat = time.monotonic()
             with self._cond:
                 while (not self._inbox and not self._stopping
                        and (self._paused or engine.released or not engine.has_unfinished())):
                     self._cond.wait(IDLE_CHECK_S)
+                    self.beat = time.monotonic()
                     try:
                         check()
                     except Exception as e:
@@ -195,10 +199,12 @@ class EngineBridge:
                 self._inbox.clear()
                 stopping = self._stopping
             for fn, fut in cmds:
+                self.command_since = time.monotonic()
                 try:
                     res, exc = fn(engine), None
                 except Exception as e:   # handed to the awaiting handler (RequestError -> 400)
                     res, exc = None, e
+                self.command_since = None
                 self._loop.call_soon_threadsafe(_settle, fut, res, exc)
             if stopping:
                 break

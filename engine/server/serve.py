@@ -18,6 +18,15 @@ from .app import Server, ServerSettings, build_app
 from .bridge import EngineUnavailable
 
 log = logging.getLogger("pdrollout.server")
+ABORT_WAIT_S = 5.0         # after the drain: aborted requests send their final output
+RUNNER_SHUTDOWN_S = 5.0    # aiohttp closes the remaining connections
+BRIDGE_STOP_S = 10.0       # the engine thread finishes its step and stops
+
+
+def stop_bound_s(drain_timeout_s: float) -> float:
+    """The longest a SIGTERM (or a preStop drain and then SIGTERM) takes to end the server: what a
+    pod's grace period must cover so that the kubelet never kills it mid-drain."""
+    return drain_timeout_s + ABORT_WAIT_S + RUNNER_SHUTDOWN_S + BRIDGE_STOP_S
 
 
 async def start(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None
@@ -26,7 +35,7 @@ async def start(settings: ServerSettings, engine_factory: Callable[[], Any], tok
     server = Server(settings, engine_factory, asyncio.get_running_loop(), tokenizer)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=RUNNER_SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
@@ -48,7 +57,10 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
             await server.bridge.set_paused(False)   # paused-in-place work must be able to drain
     except EngineUnavailable:
         pass
-    deadline = time.monotonic() + server.settings.drain_timeout_s
+    if server.drain_started is None:
+        server.drain_started = time.monotonic()
+    # A preStop drain (POST /drain) started the clock: its time counts against this drain's.
+    deadline = server.drain_started + server.settings.drain_timeout_s
     if server.in_flight:
         log.info("draining %d in-flight request(s) for up to %.0f s", server.in_flight,
                  server.settings.drain_timeout_s)
@@ -60,11 +72,11 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
             log.info("drain timeout: aborted %d request(s)", n)
         except EngineUnavailable:
             pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + ABORT_WAIT_S
         while server.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     await runner.cleanup()
-    await server.bridge.stop()
+    await server.bridge.stop(BRIDGE_STOP_S)
 
 
 async def run(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None,

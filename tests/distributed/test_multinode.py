@@ -8,6 +8,7 @@ within the watchdog bound, with in-flight requests answered, not hung."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def _one_rank(model, config) -> list[list[int]]:
     return [json.loads(line)["output_ids"] for line in r.stdout.splitlines()]
 
 
-def test_two_pods_form_one_engine_equal_to_one_rank(group, tiny_model):
+def test_two_pods_form_one_engine_equal_to_one_rank(group, tiny_model, tmp_path):
     spec, config, start, urls, pods = group
     node1 = start(1)
     body = wait_health(node1, urls[1], 503, timeout=120)      # listening, but the group is not there
@@ -110,6 +111,23 @@ def test_two_pods_form_one_engine_equal_to_one_rank(group, tiny_model):
         assert metric(text, f'pdrollout:rank_up{{node="1",rank="{r}"}}') == 1.0
         assert metric(text, f'pdrollout:rank_steps_total{{node="1",rank="{r}"}}') >= 6
     assert metric(get_text(f"{urls[0]}/metrics"), 'pdrollout:rank_steps_total{node="0",rank="0"}') >= 6
+
+    # The kubelet's side of the builders' container: its liveness path answers on both nodes, and its
+    # preStop hook (the admin token from the mounted Secret) has nothing to drain on node 1 and drains node 0.
+    engine = builders.pod_template("tiny", "t", spec)["spec"]["containers"][0]
+    for url in urls:
+        status, body = http(url + engine["livenessProbe"]["httpGet"]["path"])
+        assert status == 200 and body["status"] == "ok", (url, body)
+    hook = engine["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[0] == "python3"
+    token_file = next(v for e in engine["env"] if e["name"] == "PDROLLOUT_ADMIN_TOKEN_FILE" for v in [e["value"]])
+    for node, said in ((1, "nothing to drain"), (0, "'drained': True")):
+        host = urls[node].removeprefix("http://").split(":")[0]
+        r = subprocess.run([sys.executable, *hook[1:], "--host", host], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PDROLLOUT_ADMIN_TOKEN_FILE":
+                                token_file.replace(builders.ADMIN_DIR, str(tmp_path / "admin"))})
+        assert r.returncode == 0 and said in r.stdout, (node, r.stdout, r.stderr)
+    assert health(urls[0]) == (503, {"status": "draining"})
 
 
 def test_killing_node_1_ends_node_0_with_peer_lost(group):

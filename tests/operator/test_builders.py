@@ -354,12 +354,17 @@ def test_pod_template_overrides_merge_with_the_operators_winning():
 def test_reserved_names_are_what_the_builders_use():
     """The CRD refuses overrides of these; they must be exactly the operator's own."""
     from pdrollout.operator import models
+    volumes = set()
     for spec in (spec_of("examples/pdrollout.yaml"), spec_of("examples/pdrollout-2node.yaml")):
         pod = builders.pod_template("r", "ns", spec)["spec"]
-        assert {v["name"] for v in pod["volumes"]} == set(models.RESERVED_VOLUMES)
-        assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} == set(models.RESERVED_MOUNTS)
+        volumes |= {v["name"] for v in pod["volumes"]}   # the model's volumes: per source kind
+        # The model's mount is at model.path, the user's own choice (a second mount there is refused
+        # by the API server as a duplicate).
+        assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} == \
+            {*models.RESERVED_MOUNTS, spec.model.path}
         for e in pod["containers"][0]["env"]:
             assert e["name"] in models.RESERVED_ENV or e["name"].startswith(models.RESERVED_ENV_PREFIXES), e
+    assert volumes == set(models.RESERVED_VOLUMES)
 
 
 def test_template_hash_tells_template_changes_and_only_those():

@@ -17,7 +17,7 @@ ADMIN = {("PUT", "/control"), ("POST", "/abort_request"), ("POST", "/pause_gener
          ("POST", "/destroy_weights_update_group"),
          ("POST", "/update_weight_version"), ("POST", "/release_memory_occupation"),
          ("GET", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
-         ("GET", "/resume_memory_occupation")}
+         ("GET", "/resume_memory_occupation"), ("POST", "/drain")}
 
 
 def test_admin_routes_are_exactly_the_mutating_ones():
@@ -119,7 +119,9 @@ def test_the_token_leaves_the_server_through_no_route(tiny_model, tmp_path):
     s = ServerProcess(tiny_model, "--admin-token-file", str(f))
     try:
         seen = 0
-        for method, path in _route_table():
+
+        def sweep(method: str, path: str) -> None:
+            nonlocal seen
             for method_sent in {method, "GET", "POST", "PUT", "DELETE"}:
                 for headers in ({}, auth(TOKEN), auth("wrong")):
                     for body in ({"json": {}}, {"content": b"{not json"}):
@@ -127,6 +129,10 @@ def test_the_token_leaves_the_server_through_no_route(tiny_model, tmp_path):
                         text = r.text + repr(dict(r.headers)) + r.reason_phrase
                         assert TOKEN not in text, (method_sent, path, r.status_code, text[:300])
                         seen += 1
+        for method, path in _route_table():
+            if path == "/drain":   # one way (the pod is stopping): swept last, below
+                continue
+            sweep(method, path)
             if path in ("/pause_generation", "/release_memory_occupation"):   # undo what the sweep did
                 assert s.http.post("/continue_generation", json={}, headers=auth(TOKEN)).status_code == 200
                 assert s.http.post("/resume_memory_occupation", json={}, headers=auth(TOKEN)).status_code == 200
@@ -134,6 +140,8 @@ def test_the_token_leaves_the_server_through_no_route(tiny_model, tmp_path):
         assert "admin_token" not in info and seen > 200
         assert s.http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
                            ).status_code == 200, "the sweep left the server unable to serve"
+        sweep("POST", "/drain")
+        assert s.http.get("/health").json()["status"] == "draining"
     finally:
         assert s.stop() == 0, s.log
     assert TOKEN not in s.log
