@@ -80,7 +80,15 @@ CASES = [((4, 2, 4), "pd", FINE, ["--slots", "1"]),          # crossed ATP2/ADP2
          ((4, 4, 4), "pd", FINE, []),
          ((4, 4, 4), "normal", {}, []),
          ((2, 1, 2), "pd", {"ordering": "fine-grained", "span": "auto"}, []),
-         ((4, 2, 4), "pd", FINE, ["--rank-skew-ms", "5"])]                 # random per-rank D delays
+         ((4, 2, 4), "pd", FINE, ["--rank-skew-ms", "5"]),                 # random per-rank D delays
+         ((4, 2, 4), "mixed", {}, []),
+         ((4, 4, 4), "mixed", {}, []),
+         ((2, 1, 2), "normal", {}, []),
+         ((2, 1, 2), "mixed", {}, []),
+         ((2, 2, 2), "pd", FINE, []),                                      # uncrossed: no turnstile
+         ((2, 2, 2), "pd", {"ordering": "global-enqueue", "span": 1}, ["--rank-skew-ms", "5"]),
+         ((2, 2, 2), "normal", {}, []),
+         ((2, 2, 2), "mixed", {}, [])]
 
 
 @pytest.mark.parametrize("ranks,mode,control,extra", CASES,

@@ -45,7 +45,9 @@ CASES = [("ngram", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "-
          ("draft", "pd", {"ordering": "fine-grained", "span": "auto"}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
          ("mtp", "pd", FINE, 3, ["--nproc", "4", "--adp", "2", "--ep", "4", "--slots", "1"]),   # crossed ATP2/ADP2
          ("mtp", "normal", {}, 2, ["--nproc", "4", "--adp", "2", "--ep", "4"]),
-         ("mtp", "mixed", {}, 2, ["--nproc", "4", "--adp", "4", "--ep", "4"])]
+         ("mtp", "mixed", {}, 2, ["--nproc", "4", "--adp", "4", "--ep", "4"]),
+         ("ngram", "pd", FINE, 3, ["--nproc", "4", "--adp", "4", "--ep", "4"]),   # uncrossed ATP1
+         ("mtp", "pd", FINE, 2, ["--nproc", "2", "--adp", "2", "--ep", "2"])]       # uncrossed ATP1
 
 
 @pytest.mark.parametrize("proposer,mode,control,k,ranks", CASES,
