@@ -57,7 +57,7 @@ class TurnstileStep:
         if not plan.p_any:
             if plan.d_any:
                 ctl.round(True, enqueue_d, d_occupancy=occupancy)
-            return w.d_done(out.get("d")), None, out.get("graph", False), None
+            return self.d_done(out.get("d")), None, out.get("graph", False), None
         epoch = plan.step
         ctl.begin(epoch, d_active=plan.d_any)
         for g in self.gate.values():
@@ -77,7 +77,7 @@ class TurnstileStep:
                 ctl.round(True, enqueue_d)
             out["p"] = self.wait_p()
             ctl.retire(epoch)
-            return w.d_done(out.get("d")), out["p"], out.get("graph", False), plan
+            return self.d_done(out.get("d")), out["p"], out.get("graph", False), plan
         first = True
         pressure = sum(r.prefill_tokens for r in plan.replicas) / max(1, w.control.prefill_budget_tokens)
         # Rank-shared: the plan, and the control every rank took from it.
@@ -89,9 +89,9 @@ class TurnstileStep:
                 break
             if spans:   # the epoch goes on under the next steps' D rounds
                 self.flight = (plan, epoch, pressure)
-                return w.d_done(out.get("d")), None, out.get("graph", False), None
+                return self.d_done(out.get("d")), None, out.get("graph", False), None
         p = self.wait_p()
-        return w.d_done(out.get("d")), p, out.get("graph", False), plan
+        return self.d_done(out.get("d")), p, out.get("graph", False), plan
 
     def _enqueue_d(self, plan: StepPlan, out: dict) -> None:
         w = self.w
@@ -102,6 +102,13 @@ class TurnstileStep:
         # the delayed ACK: return once D's kernels are enqueued (the ACK orders enqueue, not
         # completion), so P's next work can overlap D's tail; D is waited for before sampling.
         out["d"], out["graph"] = w.forward_d(plan, wait=not self.delayed_ack())
+
+    def d_done(self, logits):
+        """D's logits once its kernels completed (the delayed ACK returns before they do)."""
+        end, self.w.d_end = self.w.d_end, None
+        if end is not None:
+            end.synchronize()
+        return logits
 
     def delayed_ack(self) -> bool:
         """--d-async, by default on CUDA where the ordering puts P's registered collective behind D
@@ -122,12 +129,12 @@ class TurnstileStep:
                                f"p_flight={plan.p_flight} with{'' if plan.p_any else 'out'} P rows")
         r = ctl.round(plan.d_any, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
         if plan.d_any and not (r.epoch == epoch and r.boundary == END):
-            return w.d_done(out.get("d")), None, out.get("graph", False), None
+            return self.d_done(out.get("d")), None, out.get("graph", False), None
         while not (r.epoch == epoch and r.boundary == END):
             r = ctl.round(False, enqueue_d, d_occupancy=occupancy, p_pressure=pressure)
         p = self.wait_p()
         self.flight = None
-        return w.d_done(out.get("d")), p, out.get("graph", False), started
+        return self.d_done(out.get("d")), p, out.get("graph", False), started
 
     def on_collective(self, phase: str, crosses: bool) -> None:
         """The device saw a collective enqueued: open the crossed diagnostic's gate for its side."""

@@ -40,12 +40,12 @@ class BesideStep(TurnstileStep):
                 raise RuntimeError(f"step {plan.step}: rank 0 continues P epoch {plan.p_flight}, none is in flight here")
             if not plan.p_any:
                 d, graph = self._d(plan)
-                return w.d_done(d), None, graph, None
+                return self.d_done(d), None, graph, None
             self._pq.put((plan, None))
             if not (ctl.ordering.multiplexes and w.control.activation != "off"):   # P first, then D
                 p = self.wait_p()
                 d, graph = self._d(plan)
-                return w.d_done(d), p, graph, plan
+                return self.d_done(d), p, graph, plan
             self.flight = (plan, plan.step, 0.0)
             collect = not (plan.p_span and plan.d_any)
         else:
@@ -57,10 +57,10 @@ class BesideStep(TurnstileStep):
         d, graph = self._d(plan)
         if not collect:
             self.p_ready = not self._p_done.empty()
-            return w.d_done(d), None, graph, None
+            return self.d_done(d), None, graph, None
         p = self.wait_p()
         started, self.flight, self.p_ready = self.flight[0], None, False
-        return w.d_done(d), p, graph, started
+        return self.d_done(d), p, graph, started
 
     def _d(self, plan: StepPlan):
         """This step's D on every rank when any replica has D rows (its collectives need them all)."""

@@ -107,7 +107,7 @@ class Worker:
         self.hidden = HiddenStates()          # the rows' final hidden states (keep_hidden; mtp.py)
         self.sampling: dict[str, object] = {}
         self.streams: dict = {}
-        self._d_end = None   # CUDA: an event after a D that returned before its kernels ended
+        self.d_end = None   # CUDA: an event after a D that returned before its kernels ended
         self.graphs = None
         self.pd = None
         self._log = StepLog(options.step_log, rank) if options.step_log else None
@@ -311,17 +311,9 @@ class Worker:
                     self.hidden.keep_rows(self.graphs.last_hidden.clone(), rows)
             if wait:
                 s.synchronize()
-        if not wait and self.cuda:   # D's end, for d_done to wait on alone (not the whole stream)
-            self._d_end = torch.cuda.Event()
-            self._d_end.record(self.streams.get("d") or torch.cuda.current_stream())
+        if not wait and self.cuda:   # D's end, waited on alone (pd_step.d_done), not the whole stream
+            self.d_end = (self.streams.get("d") or torch.cuda.current_stream()).record_event()
         return logits, graph
-
-    def d_done(self, logits):
-        """D's logits once its kernels completed (the delayed ACK returns before they do)."""
-        end, self._d_end = self._d_end, None
-        if logits is not None and end is not None:
-            end.synchronize()
-        return logits
 
     def _sample(self, rows: list[RowSpec], logits: torch.Tensor | None, report: StepReport) -> None:
         rows = forward_order([r for r in rows if r.samples])   # the logits' order (batch.py)
