@@ -66,8 +66,11 @@ def test_ep_adp_and_node_count_changes_are_one_group_update_each(cluster, operat
                         "-p", json.dumps({"spec": {"topology": topology}}))
         after = wait(f"the group on layout {step}", lambda: group_on(spec), timeout=120)
         assert not uids & {p["metadata"]["uid"] for p in after}, f"{step}: a pod kept the old layout"
-        pdr = wait(f"update {n} to finish", lambda: (r := cluster.get("pdrollout", name, "-n", namespace))
-                   if "updatingTo" not in r["status"] and r["status"].get("groupUpdates") == n else None, timeout=60)
+        def finished(n=n):
+            r = cluster.get("pdrollout", name, "-n", namespace)
+            return r if "updatingTo" not in r["status"] and r["status"].get("groupUpdates") == n else None
+
+        pdr = wait(f"update {n} to finish", finished, timeout=60)
         assert not pdr["status"].get("groupRestarts"), f"{step}: counted as a fault: {pdr['status']}"
         cm = cluster.get("configmap", builders.configmap_name(name), "-n", namespace)
         info = json.loads(cm["data"][builders.ROLLOUT_INFO_KEY])
