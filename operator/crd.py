@@ -129,8 +129,8 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.topology.nodes"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyNodes"},
-    {"name": "Makespan", "type": "number", "jsonPath": ".status.makespanSeconds"},
-    {"name": "TTFT-p99", "type": "number", "jsonPath": ".status.ttftP99Seconds"},
+    {"name": "Makespan(s)", "type": "number", "jsonPath": ".status.makespanSeconds"},
+    {"name": "Recent-TTFT-p99(s)", "type": "number", "jsonPath": ".status.recentTtftP99Seconds"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

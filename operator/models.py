@@ -10,6 +10,7 @@ from pydantic.alias_generators import to_camel
 
 from pdrollout.engine.protocol.config import SPEC_K_MAX, Activation, ControlSettings, EngineConfig, Ordering
 from pdrollout.engine.protocol.layout import DEVICES, EXPERT_BACKENDS
+from pdrollout.engine.protocol.metrics import TTFT_WINDOW
 from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
 from pdrollout.engine.protocol.topology import Topology as RankTopology
 
@@ -334,7 +335,9 @@ class PDRolloutStatus(_Model):
     ready_nodes: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     makespan_seconds: float | None = None
-    ttft_p99_seconds: float | None = None
+    recent_ttft_p99_seconds: float | None = Field(default=None, description="p99 time to first token of node 0's "
+                                                  f"last {TTFT_WINDOW} requests, from the engine's own records "
+                                                  "(seconds).")
     mean_decode_wait_seconds: float | None = None
     stalls: int | None = Field(default=None, description="Engine exits with the stall code seen by the operator.")
     last_stall_time: str | None = None
