@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 import kopf
 from pydantic import ValidationError
 
-from pdrollout.operator import builders, engine_client, group, kube
+from pdrollout.operator import builders, engine_client, group, kube, metrics
 from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
@@ -168,8 +168,27 @@ def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, re
     try:
         _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger)
     except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
+        metrics.COLLECTOR.reconcile_error(namespace, name)
         delay = kube.forbidden_delay(retry)
         raise kopf.TemporaryError(f"{e}; retry {retry + 1} in {delay:.0f} s", delay=delay) from None
+    except Exception:
+        metrics.COLLECTOR.reconcile_error(namespace, name)
+        raise
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)   # optional: no finalizer of its own
+def forget(name, namespace, **_) -> None:
+    metrics.COLLECTOR.forget(namespace, name)
+
+
+def _export(namespace: str, name: str, s: PDRolloutSpec, status: dict, patch, phase: str, pods: list[dict],
+            ready: int) -> None:
+    """What the operator's /metrics says of this rollout (the status counters as this tick leaves them)."""
+    def now(key: str) -> int:
+        return int(patch.status.get(key) if patch.status.get(key) is not None else status.get(key) or 0)
+    metrics.COLLECTOR.observed(namespace, name, metrics.RolloutSeen(
+        phase=phase, desired_pods=s.topology.nodes, ready_pods=ready, pods=metrics.pod_phases(pods),
+        stalls=now("stalls"), group_restarts=now("groupRestarts")))
 
 
 def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -> None:
@@ -179,6 +198,9 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
                                     operator_namespace())
     kopf.adopt(objs, owner=body)
     conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
+    taken = [f"{o['kind']} {o['metadata']['name']}" for o in objs if kube.foreign(o, meta["uid"])]
+    if taken:
+        _name_conflict(taken, conditions, memo, patch, body, meta, logger)
     for obj in objs:
         try:
             kube.apply(obj)
@@ -201,6 +223,21 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
     patch.status["observedGeneration"] = meta.get("generation")
     if not (status or {}).get("phase"):
         patch.status["phase"] = Phase.STARTING.value
+
+
+def _name_conflict(taken: list[str], conditions: list[dict], memo, patch, body, meta, logger) -> None:
+    """Objects of the derived names exist and are not this rollout's: apply nothing (force would take
+    them over, and deleting the rollout would garbage-collect them), say so, and look again later (the
+    other object may go)."""
+    message = (f"name taken by an object this PDRollout does not own ({', '.join(taken)}): left untouched; "
+               f"rename the PDRollout or remove that object")
+    refused = {"type": INVALID_SPEC, "status": "True", "reason": "NameConflict", "message": message[:1000],
+               "lastTransitionTime": _iso(_now())}
+    memo[REFUSED] = (meta.get("generation"), refused)
+    _patch_refused(patch, conditions, refused, meta)
+    kopf.warn(body, reason="NameConflict", message=message)
+    logger.error(message)
+    raise kopf.TemporaryError(message, delay=max(CFG.poll_s, 5.0))
 
 
 def _patch_refused(patch, conditions: list[dict], refused: dict, meta) -> None:
@@ -297,8 +334,10 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         if not said:
             logger.warning(f"re-asserting InvalidSpec: {refused['message']}")
             _patch_refused(patch, [c for c in conditions if c.get("type") != INVALID_SPEC], refused, meta)
+        _export(namespace, name, s, status, patch, Phase.FAILED.value, [], 0)
         return
     if said:
+        _export(namespace, name, s, status, patch, Phase.FAILED.value, [], 0)
         return  # nothing runs until the spec changes (reconcile clears the condition)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(
@@ -336,6 +375,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
                                                                         _iso(_now()))))
+    _export(namespace, name, s, status, patch, phase.value, pods, ready)
     if phase is Phase.RUNNING and status.get("restartStreak"):
         patch.status["restartStreak"] = 0
     if phase.value != status.get("phase"):

@@ -39,6 +39,24 @@ def test_monitoring_objects_only_when_their_crds_exist(tools):
     assert "PodMonitor" in kinds and "PrometheusRule" in kinds
 
 
+def test_monitoring_objects_carry_the_release_label_prometheus_selects(tools):
+    """kube-prometheus-stack selects PodMonitors and rules by `release`: this release's name unless set; the
+    operator's own metrics have their PodMonitor and port."""
+    docs = render(tools, *MONITORING)
+    mons = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")}
+    assert set(mons) == {"pdr-pdrollout-operator-engines", "pdr-pdrollout-operator-operator", "pdr-pdrollout-operator"}
+    assert all(d["metadata"]["labels"]["release"] == "pdr" for d in mons.values())
+    op = mons["pdr-pdrollout-operator-operator"]["spec"]
+    c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert op["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert {"name": "metrics", "containerPort": 8081} in c["ports"] and "--metrics-address=0.0.0.0:8081" in c["args"]
+    docs = render(tools, *MONITORING, "--set", "monitoring.releaseLabel=kube-prometheus-stack",
+                  "--set", "monitoring.podMonitor.labels.team=rl")
+    mons = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
+    assert all(d["metadata"]["labels"]["release"] == "kube-prometheus-stack" for d in mons)
+    assert [d["metadata"]["labels"].get("team") for d in mons if d["kind"] == "PodMonitor"] == ["rl", "rl"]
+
+
 def test_namespaced_rbac_when_watching_namespaces(tools):
     docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
     roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
@@ -87,6 +105,24 @@ def test_operator_gets_its_token_key_and_namespace(tools):
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == key["metadata"]["name"]
 
 
+def test_existing_token_key_secret_renders_the_same_every_time(tools):
+    """With tokenKey.existingSecret nothing random is rendered (helm template / Argo CD have no lookup):
+    two renders are identical, no key Secret is made, the operator mounts the named Secret's key."""
+    args = ("--set", "tokenKey.existingSecret=team-token-key", "--set", "tokenKey.existingSecretKey=hmac")
+    first, second = render(tools, *args), render(tools, *args)
+    assert first == second
+    assert not [d for d in first if d["kind"] == "Secret"]
+    pod = next(d for d in first if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "team-token-key" and vol["secret"]["items"] == [{"key": "hmac", "path": "key"}]
+    assert env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] == mount["mountPath"] + "/key"
+    # Without it, each render makes a fresh key: what existingSecret is for.
+    keys = {next(d for d in render(tools) if d["kind"] == "Secret")["data"]["key"] for _ in range(2)}
+    assert len(keys) == 2
+
+
 def test_leader_election_by_default_and_replicas_need_it(tools):
     docs = render(tools, "--set", "operator.replicas=2")
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -125,6 +161,7 @@ def test_rbac_is_least_privilege(tools):
     ("operator.pollSecond=3", "additional properties 'pollSecond' not allowed"),
     ("watchNamespaces={Team_A}", "at '/watchNamespaces/0'"),
     ("fullnameOverride=Bad.Name", "at '/fullnameOverride'"),
+    ("tokenKey.existingSecret=Team_Key", "at '/tokenKey/existingSecret'"),
     ("monitoring.podMonitor.interval=15", "at '/monitoring/podMonitor/interval'"),
 ])
 def test_schema_refuses_bad_values(tools, setting, error):
@@ -178,9 +215,9 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-      - series: 'pdrollout:stalls_total{namespace="rl",rollout="a",pod="a-0"}'
+      - series: 'pdrollout_operator_engine_stalls_total{namespace="rl",rollout="a",pod="pdr-op-0"}'
         values: '0 0 0 1 1 1 1 1 1 1'
-      - series: 'pdrollout:stalls_total{namespace="rl",rollout="b",pod="b-0"}'
+      - series: 'pdrollout_operator_engine_stalls_total{namespace="rl",rollout="b",pod="pdr-op-0"}'
         values: '0 0 0 0 0 0 0 0 0 0'
       - series: 'up{namespace="rl",rollout="a",pod="a-0"}'
         values: '1 1 0 0 0 0 0 0 0 0'
@@ -205,7 +242,7 @@ tests:
           - exp_labels: {severity: critical, namespace: rl, rollout: a}
             exp_annotations:
               summary: "PDRollout rl/a engines stalled"
-              description: "1 stalls in the last 5m."
+              description: "An engine exited with the stall code (3) in the last 5m; the Stalled condition has the pod."
       - eval_time: 1m
         alertname: PDRolloutGroupDegraded
         exp_alerts: []
@@ -214,8 +251,8 @@ tests:
         exp_alerts:
           - exp_labels: {severity: warning, namespace: rl, rollout: a}
             exp_annotations:
-              summary: "PDRollout rl/a has an unreachable engine"
-              description: "At least one engine pod of the group has not answered /metrics for 2 minutes."
+              summary: "PDRollout rl/a is degraded"
+              description: "A pod of the group is Pending, the group is Degraded/Restarting/Failed or an engine is not answering /metrics, for 2m."
       - eval_time: 20m
         alertname: PDRolloutTTFTP99High
         exp_alerts:
@@ -229,7 +266,8 @@ tests:
 def test_alert_rules_pass_promtool(tools, tmp_path):
     promtool = tools.get("promtool") or pytest.fail(
         "promtool is not installed: apt-get update && apt-get install -y prometheus (Debian)")
-    rule = next(d for d in render(tools, *MONITORING) if d["kind"] == "PrometheusRule")
+    rule = next(d for d in render(tools, *MONITORING, "--set", "monitoring.prometheusRule.degradedFor=2m")
+                if d["kind"] == "PrometheusRule")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
     r = run(promtool, "check", "rules", tmp_path / "rules.yaml")
     assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
