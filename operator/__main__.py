@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     try:   # fail now, with the reason, rather than on the first rollout
         handlers.token_key()
         handlers.operator_namespace()
+        handlers.cluster_domain()
     except handlers.SetupError as e:
         ap.error(str(e))
 

@@ -6,11 +6,13 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
 from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
+from pdrollout.operator import placement
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -18,7 +20,9 @@ DIST_PORT = 29500                  # torch.distributed rendezvous on rank 0
 CONFIG_DIR = "/etc/pdrollout"
 ENGINE_CONFIG_KEY = "engine-config.json"
 ROLLOUT_INFO_KEY = "rollout.json"
-CLUSTER_DOMAIN = "cluster.local"
+CLUSTER_DOMAIN_ENV = "PDROLLOUT_OPERATOR_CLUSTER_DOMAIN"
+# The cluster's DNS domain (kubelet --cluster-domain): node 0's name in the layout ends in it.
+CLUSTER_DOMAIN = os.environ.get(CLUSTER_DOMAIN_ENV) or "cluster.local"
 LABEL_ROLLOUT = "pdrollout.io/rollout"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller on each pod
 MANAGED_BY = "pdrollout-operator"
@@ -310,6 +314,12 @@ def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
         ours = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         anti["requiredDuringSchedulingIgnoredDuringExecution"] = \
             ours + list(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        if "podAffinity" in pod["affinity"]:   # placement.topologyKey's term stays too
+            together = dict(affinity.get("podAffinity") or {})
+            together["requiredDuringSchedulingIgnoredDuringExecution"] = \
+                pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] + \
+                list(together.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+            affinity["podAffinity"] = together
         pod["affinity"] = {**affinity, "podAntiAffinity": anti}
     if o.tolerations:
         pod["tolerations"] = pod.get("tolerations", []) + list(o.tolerations)
@@ -374,11 +384,7 @@ def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                 # 0440 + fsGroup: readable by the engine's group only.
                 {"name": "admin", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
             ],
-            # Exclusive placement: never two PDRollout pods (of any rollout) on one node.
-            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchExpressions": [{"key": LABEL_ROLLOUT, "operator": "Exists"}]},
-                "topologyKey": "kubernetes.io/hostname",
-            }]}},
+            "affinity": placement.affinity(LABEL_ROLLOUT, name, spec),
             **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
                if spec.device == "cuda" else {}),
             "terminationGracePeriodSeconds": 30,

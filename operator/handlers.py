@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -80,6 +81,17 @@ def operator_namespace() -> str:
         except OSError:
             raise SetupError(f"${NAMESPACE_ENV} is required outside a pod: the operator's namespace") from None
     return ns
+
+
+_DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def cluster_domain() -> str:
+    """The DNS domain the layout's master address ends in (said wrong, no rank finds node 0)."""
+    if not _DNS_NAME.match(builders.CLUSTER_DOMAIN) or len(builders.CLUSTER_DOMAIN) > 253:
+        raise SetupError(f"${builders.CLUSTER_DOMAIN_ENV}={builders.CLUSTER_DOMAIN!r} is not a DNS domain "
+                         f"(e.g. cluster.local)")
+    return builders.CLUSTER_DOMAIN
 
 
 def rollout_token(namespace: str, name: str, uid: str) -> str:

@@ -255,6 +255,16 @@ class Gang(_Model):
         "How long placed pods wait (unbound, holding nothing) for the rest of the group."))
 
 
+# A qualified label key (an optional DNS-subdomain prefix and a name), as Kubernetes validates one.
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+class Placement(_Model):
+    topology_key: str | None = Field(default=None, max_length=316, pattern=_LABEL_KEY, description=(
+        "A node label key (e.g. a rack or spine label): all of the group's pods go to nodes with one value "
+        "of it. Unset: anywhere (still one pod of the group per node)."))
+
+
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
 _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
@@ -286,6 +296,7 @@ class PDRolloutSpec(_Model):
     port: int = Field(default=30000, ge=1024, le=65535, description="Engine HTTP port.")
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
+    placement: Placement = Field(default_factory=Placement)
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
