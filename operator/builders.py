@@ -12,7 +12,7 @@ from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
 from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
-from pdrollout.operator import placement
+from pdrollout.operator import access, placement
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -30,8 +30,7 @@ ADMIN_DIR = "/var/run/secrets/pdrollout"   # the admin token Secret's mount (not
 ADMIN_TOKEN_KEY = "token"
 # The operator's pods, as the NetworkPolicies name them (the chart sets this label on them).
 OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
-# Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).
-METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
+METRICS_ACCESS_LABEL = access.METRICS_ACCESS_LABEL
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"   # scheduler-plugins' coscheduling
 TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
 # pod annotation: the engine's start-time config (ConfigMap) it was made for; part of the template hash
@@ -150,7 +149,8 @@ def engine_args(spec: PDRolloutSpec) -> list[str]:
     """The same `pdrollout serve` in every pod; the layout comes from $PDROLLOUT_ROLLOUT_INFO.
     Every listener binds the pod's own address (two pods on one host never collide)."""
     return ["serve", "--model", spec.model.path, "--host", "$(POD_IP)", "--port", str(spec.port),
-            "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}"]
+            "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}",
+            *access.admin_peer_args(spec.access)]
 
 
 def engine_config(spec: PDRolloutSpec) -> dict:
@@ -257,8 +257,9 @@ def network_policy(name: str, namespace: str, spec: PDRolloutSpec, operator_name
                               "kubernetes.io/metadata.name": operator_namespace}},
                            "podSelector": {"matchLabels": OPERATOR_POD_LABELS}},
                           {"podSelector": {}},
-                          {"namespaceSelector": {"matchLabels": {METRICS_ACCESS_LABEL: "true"}}}],
+                          *access.metrics_peers(spec.access)],
                  "ports": http},
+                *access.trainer_rules(spec.access),
             ],
         },
     }

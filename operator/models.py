@@ -3,6 +3,7 @@ operator's view of a resource. Field names are the CRD's camelCase; Python attri
 from __future__ import annotations
 
 import enum
+import ipaddress
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -265,6 +266,49 @@ class Placement(_Model):
         "of it. Unset: anywhere (still one pod of the group per node)."))
 
 
+class IPBlock(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(("isCIDR(self.cidr)", "ipBlock.cidr must be a CIDR network")))
+
+    cidr: str = Field(min_length=1, description="An IPv4 or IPv6 network, e.g. 10.1.0.0/16.")
+    except_: list[str] = Field(default=[], alias="except", max_length=MAX_ITEMS)
+
+    @field_validator("cidr")
+    @classmethod
+    def _network(cls, v: str) -> str:
+        try:
+            ipaddress.ip_network(v, strict=False)   # as CEL isCIDR
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not a CIDR network ({e})") from None
+        return v
+
+
+class Peer(_Model):
+    """A NetworkPolicy peer: an ipBlock, or pod and/or namespace selectors (label selectors)."""
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",
+         "a peer is an ipBlock, or podSelector and/or namespaceSelector (not both kinds, not none)")))
+    ip_block: IPBlock | None = None
+    pod_selector: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS)
+    namespace_selector: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Peer":
+        if self.ip_block is not None and (self.pod_selector is not None or self.namespace_selector is not None):
+            raise ValueError("a peer is an ipBlock or selectors, not both")
+        if self.ip_block is None and self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError("a peer needs ipBlock, podSelector or namespaceSelector")
+        return self
+
+
+class Access(_Model):
+    trainer_peers: list[Peer] = Field(default=[], max_length=MAX_ITEMS, description=(
+        "Trainers that sync weights into the engines: every port (NCCL's are ephemeral) from these peers; "
+        "the CIDRs of their ipBlocks may also use the admin routes without the token (--admin-peers)."))
+    metrics_peers: list[Peer] | None = Field(default=None, max_length=MAX_ITEMS, description=(
+        "Who may scrape the HTTP port from other namespaces. Unset: namespaces labelled "
+        "pdrollout.io/metrics-access=true."))
+
+
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
 _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
@@ -297,6 +341,7 @@ class PDRolloutSpec(_Model):
     restart_policy: RestartPolicy = "RecreateGroupOnPodRestart"
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
     placement: Placement = Field(default_factory=Placement)
+    access: Access = Field(default_factory=Access)
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 

@@ -235,6 +235,42 @@ def test_network_policy_admits_the_group_the_operator_and_the_namespace():
     assert {"podSelector": {}} in http["from"]   # this namespace's clients
 
 
+def test_network_policy_admits_declared_trainers_and_scrapers():
+    """spec.access: trainer peers on every port (NCCL weight sync), their CIDRs as the engine's
+    --admin-peers; the scraper's peers replace the metrics-access namespace label."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    plain = spec_of("examples/pdrollout.yaml")
+    assert "--admin-peers" not in builders.engine_args(plain)
+    assert {"namespaceSelector": {"matchLabels": {"pdrollout.io/metrics-access": "true"}}} in \
+        builders.network_policy("r", "ns", plain, "ops")["spec"]["ingress"][1]["from"]
+    trainers = [{"ipBlock": {"cidr": "10.8.0.0/16", "except": ["10.8.9.0/24"]}}, {"ipBlock": {"cidr": "fd00::/64"}},
+                {"namespaceSelector": {"matchLabels": {"team": "rl"}}, "podSelector": {"matchLabels": {"app": "trainer"}}}]
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    spec = PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": trainers, "metricsPeers": scrapers}})
+    np = builders.network_policy("r", "ns", spec, "ops")
+    group, http, trainer = np["spec"]["ingress"]
+    assert trainer == {"from": trainers}                 # no `ports`: every port, NCCL's ephemeral ones too
+    assert http["from"][-1:] == scrapers and http["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert {"namespaceSelector": {"matchLabels": {"pdrollout.io/metrics-access": "true"}}} not in http["from"]
+    args = builders.engine_args(spec)
+    assert args[args.index("--admin-peers") + 1] == "10.8.0.0/16,fd00::/64"
+    # Selectors only: nothing for the engine (it sees addresses, not labels).
+    spec = PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": trainers[2:]}})
+    assert "--admin-peers" not in builders.engine_args(spec)
+
+
+@pytest.mark.parametrize("peer, error", [
+    ({"ipBlock": {"cidr": "10.8.0.0/33"}}, "'10.8.0.0/33' is not a CIDR network"),
+    ({"ipBlock": {"cidr": "10.8.0.0/16"}, "podSelector": {}}, "a peer is an ipBlock or selectors, not both"),
+    ({}, "a peer needs ipBlock, podSelector or namespaceSelector"),
+])
+def test_bad_trainer_peers_are_refused_naming_the_field(peer, error):
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    with pytest.raises(ValidationError) as e:
+        PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": [peer]}})
+    assert error in str(e.value) and "access.trainerPeers.0" in str(e.value), str(e.value)
+
+
 def test_multiplexing_is_not_in_the_pod_template():
     """A control change must never change the template (that would restart the pods)."""
     base = spec_of("examples/pdrollout.yaml")
