@@ -212,7 +212,7 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
     conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
     taken = [f"{o['kind']} {o['metadata']['name']}" for o in objs if kube.foreign(o, meta["uid"])]
     if taken:
-        _name_conflict(taken, conditions, memo, patch, body, meta, logger)
+        _name_conflict(taken, conditions, (status or {}).get("conditions") or [], memo, patch, body, meta, logger)
     for obj in objs:
         try:
             kube.apply(obj)
@@ -237,17 +237,20 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
         patch.status["phase"] = Phase.STARTING.value
 
 
-def _name_conflict(taken: list[str], conditions: list[dict], memo, patch, body, meta, logger) -> None:
+def _name_conflict(taken: list[str], conditions: list[dict], had: list[dict], memo, patch, body, meta,
+                   logger) -> None:
     """Objects of the derived names exist and are not this rollout's: apply nothing (force would take
     them over, and deleting the rollout would garbage-collect them), say so, and look again later (the
     other object may go)."""
     message = (f"name taken by an object this PDRollout does not own ({', '.join(taken)}): left untouched; "
                f"rename the PDRollout or remove that object")
+    said = next((c for c in had if c.get("reason") == "NameConflict" and c.get("message") == message[:1000]), None)
     refused = {"type": INVALID_SPEC, "status": "True", "reason": "NameConflict", "message": message[:1000],
-               "lastTransitionTime": _iso(_now())}
+               "lastTransitionTime": (said or {}).get("lastTransitionTime") or _iso(_now())}
     memo[REFUSED] = (meta.get("generation"), refused)
     _patch_refused(patch, conditions, refused, meta)
-    kopf.warn(body, reason="NameConflict", message=message)
+    if said is None:   # once, not on every retry
+        kopf.warn(body, reason="NameConflict", message=message)
     logger.error(message)
     raise kopf.TemporaryError(message, delay=max(CFG.poll_s, 5.0))
 
