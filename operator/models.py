@@ -269,7 +269,7 @@ class Placement(_Model):
 class IPBlock(_Model):
     model_config = ConfigDict(json_schema_extra=_rules(("isCIDR(self.cidr)", "ipBlock.cidr must be a CIDR network")))
 
-    cidr: str = Field(min_length=1, description="An IPv4 or IPv6 network, e.g. 10.1.0.0/16.")
+    cidr: str = Field(min_length=1, max_length=64, description="An IPv4 or IPv6 network, e.g. 10.1.0.0/16.")
     except_: list[str] = Field(default=[], alias="except", max_length=MAX_ITEMS)
 
     @field_validator("cidr")

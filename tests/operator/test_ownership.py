@@ -35,8 +35,11 @@ def test_rollout_named_over_foreign_objects_leaves_them_alone(cluster, operator,
     doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())
     doc["metadata"]["name"] = name
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
-    pdr = wait("the NameConflict condition", lambda: (r := cluster.get("pdrollout", name, "-n", namespace))
-               if _cond(r, "InvalidSpec").get("reason") == "NameConflict" else None, timeout=60)
+    def rollout_if(pred):
+        return lambda: r if pred(r := cluster.get("pdrollout", name, "-n", namespace)) else None
+
+    pdr = wait("the NameConflict condition", rollout_if(lambda r: _cond(r, "InvalidSpec").get("reason") == "NameConflict"),
+               timeout=60)
     c = _cond(pdr, "InvalidSpec")
     assert c["status"] == "True" and pdr["status"]["phase"] == "Failed"
     assert f"Service {name}" in c["message"] and f"Secret {name}-admin" in c["message"], c["message"]
@@ -65,8 +68,8 @@ def test_rollout_named_over_foreign_objects_leaves_them_alone(cluster, operator,
     wait("the StatefulSet after the names are free",
          lambda: cluster.kubectl("get", "statefulset", name, "-n", namespace, check=False).returncode == 0,
          timeout=60)
-    pdr = wait("NameConflict cleared", lambda: (r := cluster.get("pdrollout", name, "-n", namespace))
-               if not _cond(r, "InvalidSpec") and r["status"].get("phase") != "Failed" else None, timeout=60)
+    pdr = wait("NameConflict cleared", rollout_if(lambda r: not _cond(r, "InvalidSpec")
+                                                  and r.get("status", {}).get("phase") != "Failed"), timeout=60)
     uid = pdr["metadata"]["uid"]
     for kind, obj in (("service", name), ("secret", f"{name}-admin")):
         (ref,) = cluster.get(kind, obj, "-n", namespace)["metadata"]["ownerReferences"]

@@ -19,7 +19,17 @@ CHART = ROOT / "charts" / "pdrollout-operator"
 FINALIZER = "pdrollout.io/operator"
 
 
-def test_pre_delete_hook_releases_every_rollout(cluster, installed, namespace, kubeconfig_for, tmp_path, wait):
+def test_pre_delete_hook_releases_every_rollout(cluster, installed, operator, namespace, kubeconfig_for, tmp_path,
+                                                wait):
+    # The session's operator watches every namespace: stopped here, so only this release's acts.
+    operator.kill(signal.SIGTERM)
+    try:
+        _uninstall_releases(cluster, namespace, kubeconfig_for, tmp_path, wait)
+    finally:
+        operator.start()
+
+
+def _uninstall_releases(cluster, namespace, kubeconfig_for, tmp_path, wait):
     ns, release = namespace, "un"
     values = ["--set", f"watchNamespaces={{{ns}}}", "--set", "fullnameOverride=un-op",
               "--set", "operator.leaderElection=false"]
