@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
                     default=float(os.environ.get("PDROLLOUT_OPERATOR_LEASE_S", 15)),
                     help="a leader silent this long is replaced (failover time); it renews every "
                          "lease/7.5 s and gives up at 2/3 of it")
+    ap.add_argument("--metrics-address", default=os.environ.get("PDROLLOUT_OPERATOR_METRICS_ADDRESS"),
+                    help="serve the operator's Prometheus metrics on HOST:PORT (/metrics), e.g. 0.0.0.0:8081")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.token_key_file:
@@ -37,9 +39,16 @@ def main(argv: list[str] | None = None) -> None:
     try:   # fail now, with the reason, rather than on the first rollout
         handlers.token_key()
         handlers.operator_namespace()
+        handlers.cluster_domain()
     except handlers.SetupError as e:
         ap.error(str(e))
 
+    if args.metrics_address:   # a standby serves it too (empty): its target stays up
+        from pdrollout.operator import metrics
+        try:
+            metrics.serve(args.metrics_address)
+        except (ValueError, OSError) as e:
+            ap.error(f"--metrics-address {args.metrics_address}: {e}")
     elector = lead(args) if args.leader_elect else None
     # Standalone: kopf's own peering stays off; with several replicas the Lease above decides.
     asyncio.run(kopf.operator(standalone=True, namespaces=args.namespace,

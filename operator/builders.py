@@ -6,12 +6,14 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator import network
 from pdrollout.operator import podtemplate
+from pdrollout.operator import access, placement
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -19,7 +21,9 @@ DIST_PORT = 29500                  # torch.distributed rendezvous on rank 0
 CONFIG_DIR = "/etc/pdrollout"
 ENGINE_CONFIG_KEY = "engine-config.json"
 ROLLOUT_INFO_KEY = "rollout.json"
-CLUSTER_DOMAIN = "cluster.local"
+CLUSTER_DOMAIN_ENV = "PDROLLOUT_OPERATOR_CLUSTER_DOMAIN"
+# The cluster's DNS domain (kubelet --cluster-domain): node 0's name in the layout ends in it.
+CLUSTER_DOMAIN = os.environ.get(CLUSTER_DOMAIN_ENV) or "cluster.local"
 LABEL_ROLLOUT = "pdrollout.io/rollout"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller on each pod
 MANAGED_BY = "pdrollout-operator"
@@ -27,8 +31,7 @@ ADMIN_DIR = "/var/run/secrets/pdrollout"   # the admin token Secret's mount (not
 ADMIN_TOKEN_KEY = "token"
 # The operator's pods, as the NetworkPolicies name them (the chart sets this label on them).
 OPERATOR_POD_LABELS = {"pdrollout.io/component": "operator"}
-# Namespaces whose pods may reach the engines' HTTP port from outside the rollout's namespace (Prometheus).
-METRICS_ACCESS_LABEL = "pdrollout.io/metrics-access"
+METRICS_ACCESS_LABEL = access.METRICS_ACCESS_LABEL
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"   # scheduler-plugins' coscheduling
 TEMPLATE_HASH = "pdrollout.io/template-hash"   # pod annotation: which template a pod was made from
 # pod annotation: the engine's start-time config (ConfigMap) it was made for; part of the template hash
@@ -132,7 +135,8 @@ def engine_args(spec: PDRolloutSpec) -> list[str]:
     Every listener binds the pod's own address (two pods on one host never collide)."""
     return ["serve", "--model", spec.model.path, "--host", "$(POD_IP)", "--port", str(spec.port),
             "--mode", "pd", "--engine-config", f"{CONFIG_DIR}/{ENGINE_CONFIG_KEY}",
-            "--drain-timeout", str(spec.lifecycle.drain_seconds)]
+            "--drain-timeout", str(spec.lifecycle.drain_seconds),
+            *access.admin_peer_args(spec.access)]
 
 
 def engine_config(spec: PDRolloutSpec) -> dict:
@@ -246,8 +250,9 @@ def network_policy(name: str, namespace: str, spec: PDRolloutSpec, operator_name
                               "kubernetes.io/metadata.name": operator_namespace}},
                            "podSelector": {"matchLabels": OPERATOR_POD_LABELS}},
                           {"podSelector": {}},
-                          {"namespaceSelector": {"matchLabels": {METRICS_ACCESS_LABEL: "true"}}}],
+                          *access.metrics_peers(spec.access)],
                  "ports": http},
+                *access.trainer_rules(spec.access),
             ],
         },
     }
@@ -302,6 +307,12 @@ def _merge_overrides(tpl: dict, spec: PDRolloutSpec) -> dict:
         ours = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         anti["requiredDuringSchedulingIgnoredDuringExecution"] = \
             ours + list(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        if "podAffinity" in pod["affinity"]:   # placement.topologyKey's term stays too
+            together = dict(affinity.get("podAffinity") or {})
+            together["requiredDuringSchedulingIgnoredDuringExecution"] = \
+                pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] + \
+                list(together.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+            affinity["podAffinity"] = together
         pod["affinity"] = {**affinity, "podAntiAffinity": anti}
     if o.tolerations:
         pod["tolerations"] = pod.get("tolerations", []) + list(o.tolerations)
@@ -368,11 +379,7 @@ def _pod_template(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
                 # 0440 + fsGroup: readable by the engine's group only.
                 {"name": "admin", "secret": {"secretName": admin_secret_name(name), "defaultMode": 0o440}},
             ],
-            # Exclusive placement: never two PDRollout pods (of any rollout) on one node.
-            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchExpressions": [{"key": LABEL_ROLLOUT, "operator": "Exists"}]},
-                "topologyKey": "kubernetes.io/hostname",
-            }]}},
+            "affinity": placement.affinity(LABEL_ROLLOUT, name, spec),
             **({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
                if spec.device == "cuda" else {}),
         },

@@ -3,6 +3,7 @@ Blocking stdlib HTTP, called from kopf's handler threads; every failure becomes 
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -89,44 +90,25 @@ def weight_version(url: str) -> str:
 @dataclass(frozen=True)
 class EngineMetrics:
     makespan_s: float | None = None
-    ttft_p99_s: float | None = None
+    recent_ttft_p99_s: float | None = None   # exact p99 of the engine's last TTFT_WINDOW first tokens
     mean_decode_wait_s: float | None = None
 
 
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus' estimate: linear interpolation inside the bucket holding rank q·count.
-    `buckets` are (upper bound, cumulative count) and must include +Inf."""
-    buckets = sorted(buckets)
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower, below = 0.0, 0.0
-    for upper, cum in buckets:
-        if cum >= rank:
-            if upper == float("inf"):
-                return lower  # beyond the last finite bound: report that bound
-            return lower + (upper - lower) * ((rank - below) / (cum - below) if cum > below else 1.0)
-        lower, below = upper, cum
-    return lower
-
-
 def parse_metrics(text: str) -> EngineMetrics:
-    """The rollout figures the status shows, from the engine's Prometheus text (summed over labels)."""
+    """The rollout figures the status shows, from the engine's Prometheus text (summed over labels).
+    TTFT is the engine's own recent p99 (a value some request saw), not an interpolation over the
+    histogram's buckets, which are seconds wide where TTFTs of an RL rollout lie."""
     sums: dict[str, float] = {}
-    ttft: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == metric.TTFT + "_bucket":
-                le = float(s.labels["le"])
-                ttft[le] = ttft.get(le, 0.0) + s.value
-            else:
-                sums[s.name] = sums.get(s.name, 0.0) + s.value
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
     count = sums.get(metric.DECODE_WAIT + "_count")
     makespan = sums.get(metric.ROLLOUT_MAKESPAN)
     finished = sums.get(metric.total(metric.ROLLOUTS_FINISHED))
+    ttft = sums.get(metric.TTFT_RECENT_P99)
     return EngineMetrics(
         makespan_s=makespan if finished else None,  # the gauge means nothing before a rollout finished
-        ttft_p99_s=histogram_quantile(0.99, list(ttft.items())),
+        recent_ttft_p99_s=ttft if ttft is not None and math.isfinite(ttft) else None,   # NaN: no request yet
         mean_decode_wait_s=sums[metric.DECODE_WAIT + "_sum"] / count if count else None,
     )
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import kopf
 from pydantic import ValidationError
 
-from pdrollout.operator import builders, engine_client, group, kube
+from pdrollout.operator import builders, engine_client, group, kube, metrics
 from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
@@ -81,6 +82,17 @@ def operator_namespace() -> str:
         except OSError:
             raise SetupError(f"${NAMESPACE_ENV} is required outside a pod: the operator's namespace") from None
     return ns
+
+
+_DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def cluster_domain() -> str:
+    """The DNS domain the layout's master address ends in (said wrong, no rank finds node 0)."""
+    if not _DNS_NAME.match(builders.CLUSTER_DOMAIN) or len(builders.CLUSTER_DOMAIN) > 253:
+        raise SetupError(f"${builders.CLUSTER_DOMAIN_ENV}={builders.CLUSTER_DOMAIN!r} is not a DNS domain "
+                         f"(e.g. cluster.local)")
+    return builders.CLUSTER_DOMAIN
 
 
 def rollout_token(namespace: str, name: str, uid: str) -> str:
@@ -169,8 +181,27 @@ def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, re
     try:
         _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger)
     except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
+        metrics.COLLECTOR.reconcile_error(namespace, name)
         delay = kube.forbidden_delay(retry)
         raise kopf.TemporaryError(f"{e}; retry {retry + 1} in {delay:.0f} s", delay=delay) from None
+    except Exception:
+        metrics.COLLECTOR.reconcile_error(namespace, name)
+        raise
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)   # optional: no finalizer of its own
+def forget(name, namespace, **_) -> None:
+    metrics.COLLECTOR.forget(namespace, name)
+
+
+def _export(namespace: str, name: str, s: PDRolloutSpec, status: dict, patch, phase: str, pods: list[dict],
+            ready: int) -> None:
+    """What the operator's /metrics says of this rollout (the status counters as this tick leaves them)."""
+    def now(key: str) -> int:
+        return int(patch.status.get(key) if patch.status.get(key) is not None else status.get(key) or 0)
+    metrics.COLLECTOR.observed(namespace, name, metrics.RolloutSeen(
+        phase=phase, desired_pods=s.topology.nodes, ready_pods=ready, pods=metrics.pod_phases(pods),
+        stalls=now("stalls"), group_restarts=now("groupRestarts")))
 
 
 def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -> None:
@@ -180,6 +211,9 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
                                     operator_namespace())
     kopf.adopt(objs, owner=body)
     conditions = [c for c in (status or {}).get("conditions") or [] if c.get("type") != INVALID_SPEC]
+    taken = [f"{o['kind']} {o['metadata']['name']}" for o in objs if kube.foreign(o, meta["uid"])]
+    if taken:
+        _name_conflict(taken, conditions, (status or {}).get("conditions") or [], memo, patch, body, meta, logger)
     for obj in objs:
         try:
             kube.apply(obj)
@@ -202,6 +236,24 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
     patch.status["observedGeneration"] = meta.get("generation")
     if not (status or {}).get("phase"):
         patch.status["phase"] = Phase.STARTING.value
+
+
+def _name_conflict(taken: list[str], conditions: list[dict], had: list[dict], memo, patch, body, meta,
+                   logger) -> None:
+    """Objects of the derived names exist and are not this rollout's: apply nothing (force would take
+    them over, and deleting the rollout would garbage-collect them), say so, and look again later (the
+    other object may go)."""
+    message = (f"name taken by an object this PDRollout does not own ({', '.join(taken)}): left untouched; "
+               f"rename the PDRollout or remove that object")
+    said = next((c for c in had if c.get("reason") == "NameConflict" and c.get("message") == message[:1000]), None)
+    refused = {"type": INVALID_SPEC, "status": "True", "reason": "NameConflict", "message": message[:1000],
+               "lastTransitionTime": (said or {}).get("lastTransitionTime") or _iso(_now())}
+    memo[REFUSED] = (meta.get("generation"), refused)
+    _patch_refused(patch, conditions, refused, meta)
+    if said is None:   # once, not on every retry
+        kopf.warn(body, reason="NameConflict", message=message)
+    logger.error(message)
+    raise kopf.TemporaryError(message, delay=max(CFG.poll_s, 5.0))
 
 
 def _patch_refused(patch, conditions: list[dict], refused: dict, meta) -> None:
@@ -298,8 +350,10 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
         if not said:
             logger.warning(f"re-asserting InvalidSpec: {refused['message']}")
             _patch_refused(patch, [c for c in conditions if c.get("type") != INVALID_SPEC], refused, meta)
+        _export(namespace, name, s, status, patch, Phase.FAILED.value, [], 0)
         return
     if said:
+        _export(namespace, name, s, status, patch, Phase.FAILED.value, [], 0)
         return  # nothing runs until the spec changes (reconcile clears the condition)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(
@@ -339,6 +393,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     phase, conds = st.decide(obs)
     patch.status.update(st.status_patch(obs, phase, st.merge_conditions(status.get("conditions"), conds,
                                                                         _iso(_now()))))
+    _export(namespace, name, s, status, patch, phase.value, pods, ready)
     if phase is Phase.RUNNING and status.get("restartStreak"):
         patch.status["restartStreak"] = 0
     if phase.value != status.get("phase"):

@@ -102,6 +102,38 @@ def apply(obj: dict) -> None:
         raise retry_semantics(e, f"apply {kind} {meta['namespace']}/{meta['name']}") from None
 
 
+_JSON_PATCH = "application/json-patch+json"
+
+
+def foreign(obj: dict, owner_uid: str) -> bool:
+    """Whether `obj`'s name is taken by an object this owner does not own (so applying with force would
+    take it over, and the garbage collector would delete it with the owner). The probe is a JSON Patch
+    whose only op tests the first owner reference: it needs only the patch grant (the operator may not
+    read Secrets), never changes the object, and the API server answers 422 when the test fails."""
+    kind, meta = obj["kind"], obj["metadata"]
+    what = f"check owner of {kind} {meta['namespace']}/{meta['name']}"
+    probe = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner_uid}]
+    args = dict(body=probe, _content_type=_JSON_PATCH, _preload_content=False)   # the body is never read
+    try:
+        if kind == "PodGroup":
+            group, version = obj["apiVersion"].split("/")
+            client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+                group, version, meta["namespace"], "podgroups", meta["name"], **args)
+        else:
+            core, apps = _clients()
+            fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
+                  "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
+                  "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]
+            fn(meta["name"], meta["namespace"], **args)
+    except ApiException as e:
+        if e.status == 404:      # absent (or, for PodGroup, not served: apply says which)
+            return False
+        if e.status == 422:      # no owner reference, or another owner first
+            return True
+        raise retry_semantics(e, what) from None
+    return False
+
+
 def list_pods(namespace: str, selector: str) -> list[dict]:
     core, _ = _clients()
     try:

@@ -3,6 +3,7 @@ operator's view of a resource. Field names are the CRD's camelCase; Python attri
 from __future__ import annotations
 
 import enum
+import ipaddress
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,6 +11,7 @@ from pydantic.alias_generators import to_camel
 
 from pdrollout.engine.protocol.config import SPEC_K_MAX, Activation, ControlSettings, EngineConfig, Ordering
 from pdrollout.engine.protocol.layout import DEVICES, EXPERT_BACKENDS
+from pdrollout.engine.protocol.metrics import TTFT_WINDOW
 from pdrollout.engine.protocol.netenv import DEEP_EP_INTRANODE_RANKS as DEEP_EP_RANKS
 from pdrollout.engine.protocol.topology import Topology as RankTopology
 from pdrollout.operator import network as net
@@ -268,6 +270,59 @@ class Gang(_Model):
         "How long placed pods wait (unbound, holding nothing) for the rest of the group."))
 
 
+# A qualified label key (an optional DNS-subdomain prefix and a name), as Kubernetes validates one.
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+
+
+class Placement(_Model):
+    topology_key: str | None = Field(default=None, max_length=316, pattern=_LABEL_KEY, description=(
+        "A node label key (e.g. a rack or spine label): all of the group's pods go to nodes with one value "
+        "of it. Unset: anywhere (still one pod of the group per node)."))
+
+
+class IPBlock(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(("isCIDR(self.cidr)", "ipBlock.cidr must be a CIDR network")))
+
+    cidr: str = Field(min_length=1, max_length=64, description="An IPv4 or IPv6 network, e.g. 10.1.0.0/16.")
+    except_: list[str] = Field(default=[], alias="except", max_length=MAX_ITEMS)
+
+    @field_validator("cidr")
+    @classmethod
+    def _network(cls, v: str) -> str:
+        try:
+            ipaddress.ip_network(v, strict=False)   # as CEL isCIDR
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not a CIDR network ({e})") from None
+        return v
+
+
+class Peer(_Model):
+    """A NetworkPolicy peer: an ipBlock, or pod and/or namespace selectors (label selectors)."""
+    model_config = ConfigDict(json_schema_extra=_rules(
+        ("has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",
+         "a peer is an ipBlock, or podSelector and/or namespaceSelector (not both kinds, not none)")))
+    ip_block: IPBlock | None = None
+    pod_selector: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS)
+    namespace_selector: dict[str, Any] | None = Field(default=None, json_schema_extra=_PASS)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Peer":
+        if self.ip_block is not None and (self.pod_selector is not None or self.namespace_selector is not None):
+            raise ValueError("a peer is an ipBlock or selectors, not both")
+        if self.ip_block is None and self.pod_selector is None and self.namespace_selector is None:
+            raise ValueError("a peer needs ipBlock, podSelector or namespaceSelector")
+        return self
+
+
+class Access(_Model):
+    trainer_peers: list[Peer] = Field(default=[], max_length=MAX_ITEMS, description=(
+        "Trainers that sync weights into the engines: every port (NCCL's are ephemeral) from these peers; "
+        "the CIDRs of their ipBlocks may also use the admin routes without the token (--admin-peers)."))
+    metrics_peers: list[Peer] | None = Field(default=None, max_length=MAX_ITEMS, description=(
+        "Who may scrape the HTTP port from other namespaces. Unset: namespaces labelled "
+        "pdrollout.io/metrics-access=true."))
+
+
 _DEEP_EP_RANKS_CEL = "[" + ", ".join(map(str, DEEP_EP_RANKS)) + "]"
 _DEEP_EP_MSG = (f"expertBackend deep_ep runs on one node with expertParallel in "
                 f"{', '.join(map(str, DEEP_EP_RANKS))} (stock DeepEP's intranode kernels)")
@@ -305,6 +360,8 @@ class PDRolloutSpec(_Model):
     pod_template: PodTemplate = Field(default_factory=PodTemplate)
     engine: EngineSizing = Field(default_factory=EngineSizing, description="Engine sizes read at start.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Start, liveness and drain bounds.")
+    placement: Placement = Field(default_factory=Placement)
+    access: Access = Field(default_factory=Access)
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
 
@@ -361,7 +418,9 @@ class PDRolloutStatus(_Model):
     ready_nodes: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     makespan_seconds: float | None = None
-    ttft_p99_seconds: float | None = None
+    recent_ttft_p99_seconds: float | None = Field(default=None, description="p99 time to first token of node 0's "
+                                                  f"last {TTFT_WINDOW} requests, from the engine's own records "
+                                                  "(seconds).")
     mean_decode_wait_seconds: float | None = None
     stalls: int | None = Field(default=None, description="Engine exits with the stall code seen by the operator.")
     last_stall_time: str | None = None

@@ -113,8 +113,10 @@ def status_patch(o: Observation, phase: Phase, conds: list[dict]) -> dict:
         patch["weightVersion"] = o.weight_version
     m = o.metrics
     if m is not None:  # keep the last known figures while the engine is away
-        for key, value in (("makespanSeconds", m.makespan_s), ("ttftP99Seconds", m.ttft_p99_s),
-                           ("meanDecodeWaitSeconds", m.mean_decode_wait_s)):
+        # Rounded to what a person reads (ms; µs for the decode wait), not 24.872143999999935.
+        for key, value, digits in (("makespanSeconds", m.makespan_s, 3),
+                                   ("recentTtftP99Seconds", m.recent_ttft_p99_s, 3),
+                                   ("meanDecodeWaitSeconds", m.mean_decode_wait_s, 6)):
             if value is not None:
-                patch[key] = value
+                patch[key] = round(value, digits)
     return patch

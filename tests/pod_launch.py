@@ -89,6 +89,18 @@ class PodProcess:
         return self.log.read_text(errors="replace")[-n:]
 
 
+def report_exit(cluster, ns: str, pod: dict, code: int) -> None:
+    """What a kubelet reports when the engine container exits and restarts (kwok runs no containers)."""
+    c = pod["spec"]["containers"][0]
+    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"containerStatuses": [{
+                        "name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 1,
+                        "started": False, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {"terminated": {"exitCode": code, "reason": "Error",
+                                                     "startedAt": "2026-11-30T10:00:00Z",
+                                                     "finishedAt": "2026-11-30T10:05:00Z"}}}]}}))
+
+
 def launch(container: dict, *, pod_name: str, node_rank: int, pod_ip: str, config_dir: Path,
            log: Path, secret_dir: Path | None = None) -> PodProcess:
     """Start the container's command as the pod would (its own session, so the tree dies together).

@@ -6,6 +6,10 @@ from __future__ import annotations
 PREFIX = "pdrollout:"
 
 TTFT = PREFIX + "time_to_first_token_seconds"                 # histogram
+# gauge: the exact p99 of the last TTFT_WINDOW first tokens (the histogram's buckets are too wide to
+# interpolate a p99 a client would recognise)
+TTFT_RECENT_P99 = PREFIX + "time_to_first_token_recent_p99_seconds"
+TTFT_WINDOW = 1024
 DECODE_WAIT = PREFIX + "decode_wait_seconds"                  # histogram
 DECODE_STEP = PREFIX + "decode_step_seconds"                  # histogram: steps with decode rows, no prefill
 DECODE_STEP_BESIDE_P = PREFIX + "decode_step_beside_p_seconds"  # histogram: those of them with a P epoch in flight

@@ -7,6 +7,9 @@ stats, the event loop records request latencies and token counts.
 """
 from __future__ import annotations
 
+import math
+import threading
+from collections import deque
 from collections.abc import Iterable
 from typing import Optional
 
@@ -39,6 +42,10 @@ class ServerMetrics:
         # Requests.
         self.ttft = Histogram(metric.TTFT, "Arrival to first output token",
                               buckets=_LATENCY, registry=r)
+        self._recent_ttft: deque[float] = deque(maxlen=metric.TTFT_WINDOW)
+        self._recent_lock = threading.Lock()
+        Gauge(metric.TTFT_RECENT_P99, f"Exact p99 of the last {metric.TTFT_WINDOW} requests' time to first token "
+              "(NaN before the first)", registry=r).set_function(self.recent_ttft_p99)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between output tokens",
                              buckets=_SHORT, registry=r)
@@ -101,6 +108,14 @@ class ServerMetrics:
     # --- event loop -------------------------------------------------------------------------
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        with self._recent_lock:
+            self._recent_ttft.append(seconds)
+
+    def recent_ttft_p99(self) -> float:
+        """Nearest-rank p99 (a value some request really saw) of the recent window."""
+        with self._recent_lock:
+            recent = sorted(self._recent_ttft)
+        return recent[math.ceil(0.99 * len(recent)) - 1] if recent else math.nan
 
     def inter_token(self, seconds: float, tokens: int) -> None:
         for _ in range(max(tokens, 1)):

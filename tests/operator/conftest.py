@@ -143,6 +143,12 @@ def sa_kubeconfig(cluster: Cluster, namespace: str, sa: str, out: Path) -> Path:
     return out
 
 
+@pytest.fixture
+def kubeconfig_for(cluster):
+    """kubeconfig_for(namespace, serviceaccount, out) -> a kubeconfig authenticating as that account."""
+    return lambda namespace, sa, out: sa_kubeconfig(cluster, namespace, sa, out)
+
+
 @pytest.fixture(scope="session")
 def wait():
     return wait_for
@@ -179,7 +185,8 @@ def operator(cluster, installed, tmp_path_factory) -> Operator:
     (d / "token-key").write_bytes(token_key(cluster))
     env = {**cluster.env, "KUBECONFIG": str(kc), "PDROLLOUT_OPERATOR_POLL_S": "1",
            "PDROLLOUT_OPERATOR_RESTART_BACKOFF_S": "15", "PDROLLOUT_OPERATOR_NAMESPACE": SYSTEM_NS,
-           "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE": str(d / "token-key")}
+           "PDROLLOUT_OPERATOR_TOKEN_KEY_FILE": str(d / "token-key"),
+           "PDROLLOUT_OPERATOR_METRICS_ADDRESS": f"127.0.0.1:{free_port()}"}
     op = Operator(env=env, log=d / "operator.log").start()
     yield op
     op.kill(signal.SIGTERM)

@@ -1,10 +1,14 @@
 """Pure builders: exact objects and env from a spec, no cluster."""
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import kopf
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol import netenv
@@ -143,7 +147,7 @@ def test_pod_command_is_what_the_engine_cli_accepts(example, tmp_path):
                                  **json.loads(files["engine-config.json"])})
 
 
-def test_statefulset_one_pod_per_node_with_all_gpus_and_exclusive_placement():
+def test_statefulset_one_pod_per_node_with_all_gpus():
     spec = spec_of("examples/pdrollout-2node.yaml")
     sts = builders.statefulset("big", "rl", spec)
     assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "big"
@@ -156,9 +160,12 @@ def test_statefulset_one_pod_per_node_with_all_gpus_and_exclusive_placement():
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "128Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    term = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    # The group's own pods apart (one per node); other rollouts are kept off by the GPUs requested.
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert term["labelSelector"]["matchExpressions"] == [{"key": "pdrollout.io/rollout", "operator": "Exists"}]
+    assert term["labelSelector"]["matchExpressions"] == [{"key": "pdrollout.io/rollout", "operator": "In",
+                                                          "values": ["big"]}]
+    assert "podAffinity" not in pod["affinity"]
     assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
 
 
@@ -227,6 +234,42 @@ def test_network_policy_admits_the_group_the_operator_and_the_namespace():
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
             "podSelector": {"matchLabels": {"pdrollout.io/component": "operator"}}} in http["from"]
     assert {"podSelector": {}} in http["from"]   # this namespace's clients
+
+
+def test_network_policy_admits_declared_trainers_and_scrapers():
+    """spec.access: trainer peers on every port (NCCL weight sync), their CIDRs as the engine's
+    --admin-peers; the scraper's peers replace the metrics-access namespace label."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    plain = spec_of("examples/pdrollout.yaml")
+    assert "--admin-peers" not in builders.engine_args(plain)
+    assert {"namespaceSelector": {"matchLabels": {"pdrollout.io/metrics-access": "true"}}} in \
+        builders.network_policy("r", "ns", plain, "ops")["spec"]["ingress"][1]["from"]
+    trainers = [{"ipBlock": {"cidr": "10.8.0.0/16", "except": ["10.8.9.0/24"]}}, {"ipBlock": {"cidr": "fd00::/64"}},
+                {"namespaceSelector": {"matchLabels": {"team": "rl"}}, "podSelector": {"matchLabels": {"app": "trainer"}}}]
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    spec = PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": trainers, "metricsPeers": scrapers}})
+    np = builders.network_policy("r", "ns", spec, "ops")
+    group, http, trainer = np["spec"]["ingress"]
+    assert trainer == {"from": trainers}                 # no `ports`: every port, NCCL's ephemeral ones too
+    assert http["from"][-1:] == scrapers and http["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert {"namespaceSelector": {"matchLabels": {"pdrollout.io/metrics-access": "true"}}} not in http["from"]
+    args = builders.engine_args(spec)
+    assert args[args.index("--admin-peers") + 1] == "10.8.0.0/16,fd00::/64"
+    # Selectors only: nothing for the engine (it sees addresses, not labels).
+    spec = PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": trainers[2:]}})
+    assert "--admin-peers" not in builders.engine_args(spec)
+
+
+@pytest.mark.parametrize("peer, error", [
+    ({"ipBlock": {"cidr": "10.8.0.0/33"}}, "'10.8.0.0/33' is not a CIDR network"),
+    ({"ipBlock": {"cidr": "10.8.0.0/16"}, "podSelector": {}}, "a peer is an ipBlock or selectors, not both"),
+    ({}, "a peer needs ipBlock, podSelector or namespaceSelector"),
+])
+def test_bad_trainer_peers_are_refused_naming_the_field(peer, error):
+    doc = yaml.safe_load((ROOT / "examples/pdrollout.yaml").read_text())["spec"]
+    with pytest.raises(ValidationError) as e:
+        PDRolloutSpec.model_validate({**doc, "access": {"trainerPeers": [peer]}})
+    assert error in str(e.value) and "access.trainerPeers.0" in str(e.value), str(e.value)
 
 
 def test_multiplexing_is_not_in_the_pod_template():
@@ -397,3 +440,34 @@ def test_gang_makes_a_pod_group_and_hands_the_pods_to_its_scheduler():
     assert tpl["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "r"
     sts = builders.statefulset("r", "ns", spec)
     assert sts["spec"]["selector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+
+
+def test_topology_key_keeps_the_group_in_one_domain():
+    doc = yaml.safe_load((ROOT / "examples/pdrollout-2node.yaml").read_text())["spec"]
+    spec = PDRolloutSpec.model_validate({**doc, "placement": {"topologyKey": "example.com/rack"}})
+    pod = builders.statefulset("big", "rl", spec)["spec"]["template"]["spec"]
+    (together,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert together == {"labelSelector": {"matchExpressions": [{"key": "pdrollout.io/rollout", "operator": "In",
+                                                                "values": ["big"]}]},
+                        "topologyKey": "example.com/rack"}
+    # A user's own podAffinity is added to it, not put in its place.
+    theirs = {"labelSelector": {"matchLabels": {"app": "trainer"}}, "topologyKey": "example.com/spine"}
+    spec = PDRolloutSpec.model_validate({**doc, "placement": {"topologyKey": "example.com/rack"}, "podTemplate": {
+        "affinity": {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [theirs]}}}})
+    pod = builders.statefulset("big", "rl", spec)["spec"]["template"]["spec"]
+    assert pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [together, theirs]
+    with pytest.raises(ValidationError, match="topologyKey|topology_key"):
+        PDRolloutSpec.model_validate({**doc, "placement": {"topologyKey": "not a label/"}})
+
+
+def test_cluster_domain_is_the_operators_setting():
+    """The master address ends in the operator's cluster domain ($PDROLLOUT_OPERATOR_CLUSTER_DOMAIN, the
+    chart's clusterDomain); a value that is no DNS domain stops the operator at start, naming it."""
+    code = ("from pdrollout.operator import builders, handlers; handlers.cluster_domain(); "
+            "print(builders.master_address('r', 'ns'))")
+    env = {**os.environ, "PDROLLOUT_OPERATOR_CLUSTER_DOMAIN": "corp.example"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "r-0.r.ns.svc.corp.example", out.stderr
+    env["PDROLLOUT_OPERATOR_CLUSTER_DOMAIN"] = "Corp_Example"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "PDROLLOUT_OPERATOR_CLUSTER_DOMAIN='Corp_Example' is not a DNS domain" in out.stderr

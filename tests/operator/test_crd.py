@@ -39,7 +39,7 @@ def test_schema_is_structural():
 def test_printer_columns_and_status_subresource():
     v = crd.crd()["spec"]["versions"][0]
     assert [c["name"] for c in v["additionalPrinterColumns"]] == \
-        ["Phase", "Nodes", "Ready", "Makespan", "TTFT-p99", "Age"]
+        ["Phase", "Nodes", "Ready", "Makespan(s)", "Recent-TTFT-p99(s)", "Age"]
     assert v["subresources"] == {"status": {}}
     status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert status["phase"]["enum"] == [p.value for p in Phase]

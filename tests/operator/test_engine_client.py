@@ -1,29 +1,19 @@
 """The operator's reading of the engine's /metrics, checked against the engine's own exposition."""
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from pdrollout.engine.protocol.metrics import TTFT_WINDOW
 from pdrollout.engine.server.metrics import ServerMetrics
 from pdrollout.operator import engine_client as ec
 
 
-def test_histogram_quantile_interpolates_like_prometheus():
-    # 100 observations: 50 in (0,1], 40 in (1,2], 10 in (2,4]
-    buckets = [(1.0, 50), (2.0, 90), (4.0, 100), (float("inf"), 100)]
-    assert ec.histogram_quantile(0.5, buckets) == pytest.approx(1.0)
-    assert ec.histogram_quantile(0.7, buckets) == pytest.approx(1.5)
-    assert ec.histogram_quantile(0.99, buckets) == pytest.approx(2.0 + 2.0 * 9 / 10)
-    assert ec.histogram_quantile(0.99, [(1.0, 0), (float("inf"), 0)]) is None
-    assert ec.histogram_quantile(0.99, [(1.0, 0), (float("inf"), 5)]) == 1.0  # all beyond the last bound
-
-
-def test_quantile_matches_a_real_histogram():
-    reg = CollectorRegistry()
-    h = Histogram("pdrollout:time_to_first_token_seconds", "t", buckets=(0.1, 0.2, 0.4, 0.8), registry=reg)
-    for v in [0.05] * 90 + [0.3] * 9 + [0.7]:
-        h.observe(v)
-    m = ec.parse_metrics(generate_latest(reg).decode())
-    # rank 99 of 100 lies at the top of the (0.2, 0.4] bucket
-    assert m.ttft_p99_s == pytest.approx(0.4)
+def test_recent_ttft_p99_is_a_real_request_not_a_bucket_interpolation():
+    """The issue's case: TTFTs around 11 s in buckets (10, 20]: interpolating the histogram says ~19.9 s,
+    the engine's own records say what the slowest 1 % really saw."""
+    sm = ServerMetrics()
+    for ttft in [0.5] * 90 + [11.1] * 10:
+        sm.first_token(ttft)
+    m = ec.parse_metrics(sm.exposition().decode())
+    assert m.recent_ttft_p99_s == 11.1
 
 
 def test_parse_the_engines_own_metrics():
@@ -36,10 +26,14 @@ def test_parse_the_engines_own_metrics():
     m = ec.parse_metrics(text)
     assert m.makespan_s is None, "no rollout finished yet: no makespan"
     assert m.mean_decode_wait_s == pytest.approx(0.002)
-    assert 0.4 < m.ttft_p99_s <= 0.6
+    assert m.recent_ttft_p99_s == 0.5
     sm.rollout_makespan.set(12.5)
     sm.rollouts_finished.inc()
     assert ec.parse_metrics(sm.exposition().decode()).makespan_s == 12.5
+    # The window keeps the last TTFT_WINDOW only: an old slow request ages out.
+    for _ in range(TTFT_WINDOW):
+        sm.first_token(0.04)
+    assert ec.parse_metrics(sm.exposition().decode()).recent_ttft_p99_s == 0.04
 
 
 def test_empty_metrics_give_no_figures():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdrollout.engine.protocol.exits import EXIT_PEER_LOST, EXIT_STALL
-from pod_launch import free_port, http, launch, wait_health, write_config, write_secret
+from pod_launch import free_port, http, launch, report_exit, wait_health, write_config, write_secret
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,18 +24,6 @@ def status(cluster, ns, name) -> dict:
 
 def cond(st: dict, type_: str) -> dict:
     return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
-
-
-def report_exit(cluster, ns, pod: dict, code: int) -> None:
-    """What a kubelet reports when the engine container exits and restarts (kwok runs no containers)."""
-    c = pod["spec"]["containers"][0]
-    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
-                    "-p", json.dumps({"status": {"containerStatuses": [{
-                        "name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 1,
-                        "started": False, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                        "lastState": {"terminated": {"exitCode": code, "reason": "Error",
-                                                     "startedAt": "2026-11-30T10:00:00Z",
-                                                     "finishedAt": "2026-11-30T10:05:00Z"}}}]}}))
 
 
 def test_two_pod_group_through_the_operator(cluster, operator, namespace, tiny_model, tmp_path, wait):

@@ -102,8 +102,8 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     fin = http(f"{engine.url}/rollout/finish", {"rollout_id": "step-1"})
     st = wait("makespan in status", lambda: (s := status(cluster, ns, name)).get("makespanSeconds") and s,
               timeout=30)
-    assert st["makespanSeconds"] == pytest.approx(fin["makespan_s"], rel=1e-6)
-    assert st["ttftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0 and "stalls" not in st
+    assert st["makespanSeconds"] == pytest.approx(fin["makespan_s"], abs=5e-4)   # status keeps ms
+    assert st["recentTtftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0 and "stalls" not in st
     table = cluster.kubectl("get", "pdr", name, "-n", ns).stdout.splitlines()[1].split()
     assert table[1:4] == ["Running", "1", "1"] and float(table[4]) == pytest.approx(fin["makespan_s"], rel=1e-3)
 
@@ -117,7 +117,7 @@ def test_health_and_metrics_reach_status_then_degraded(cluster, live, wait):
     st = wait("Degraded", lambda: (s := status(cluster, ns, name)).get("phase") == "Degraded" and s, timeout=30)
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "EngineUnreachable")
-    assert st["makespanSeconds"] == pytest.approx(fin["makespan_s"], rel=1e-6), "last figures are kept"
+    assert st["makespanSeconds"] == pytest.approx(fin["makespan_s"], abs=5e-4), "last figures are kept"
     events = cluster.get("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
     assert any(e["reason"] == "Degraded" and e["type"] == "Warning" for e in events)
 

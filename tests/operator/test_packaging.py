@@ -39,6 +39,24 @@ def test_monitoring_objects_only_when_their_crds_exist(tools):
     assert "PodMonitor" in kinds and "PrometheusRule" in kinds
 
 
+def test_monitoring_objects_carry_the_release_label_prometheus_selects(tools):
+    """kube-prometheus-stack selects PodMonitors and rules by `release`: this release's name unless set; the
+    operator's own metrics have their PodMonitor and port."""
+    docs = render(tools, *MONITORING)
+    mons = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")}
+    assert set(mons) == {"pdr-pdrollout-operator-engines", "pdr-pdrollout-operator-operator", "pdr-pdrollout-operator"}
+    assert all(d["metadata"]["labels"]["release"] == "pdr" for d in mons.values())
+    op = mons["pdr-pdrollout-operator-operator"]["spec"]
+    c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert op["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert {"name": "metrics", "containerPort": 8081} in c["ports"] and "--metrics-address=0.0.0.0:8081" in c["args"]
+    docs = render(tools, *MONITORING, "--set", "monitoring.releaseLabel=kube-prometheus-stack",
+                  "--set", "monitoring.podMonitor.labels.team=rl")
+    mons = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
+    assert all(d["metadata"]["labels"]["release"] == "kube-prometheus-stack" for d in mons)
+    assert [d["metadata"]["labels"].get("team") for d in mons if d["kind"] == "PodMonitor"] == ["rl", "rl"]
+
+
 def test_namespaced_rbac_when_watching_namespaces(tools):
     docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
     roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")
@@ -61,8 +79,9 @@ def test_rbac_is_namespaced_by_default_cluster_wide_opt_in(tools):
 
     docs = render(tools, "--set", "rbac.clusterWide=true")
     assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
+    # (the uninstall hook scales the operator's Deployment: a Role in the release's namespace only)
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and not d["metadata"]["name"].endswith(
-        "-leader-election")]
+        ("-leader-election", "-uninstall"))]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert not [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
 
@@ -85,6 +104,48 @@ def test_operator_gets_its_token_key_and_namespace(tools):
     (mount,) = c["volumeMounts"]
     assert env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] == mount["mountPath"] + "/key"
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == key["metadata"]["name"]
+
+
+def test_existing_token_key_secret_renders_the_same_every_time(tools):
+    """With tokenKey.existingSecret nothing random is rendered (helm template / Argo CD have no lookup):
+    two renders are identical, no key Secret is made, the operator mounts the named Secret's key."""
+    args = ("--set", "tokenKey.existingSecret=team-token-key", "--set", "tokenKey.existingSecretKey=hmac")
+    first, second = render(tools, *args), render(tools, *args)
+    assert first == second
+    assert not [d for d in first if d["kind"] == "Secret"]
+    pod = next(d for d in first if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "team-token-key" and vol["secret"]["items"] == [{"key": "hmac", "path": "key"}]
+    assert env["PDROLLOUT_OPERATOR_TOKEN_KEY_FILE"] == mount["mountPath"] + "/key"
+    # Without it, each render makes a fresh key: what existingSecret is for.
+    keys = {next(d for d in render(tools) if d["kind"] == "Secret")["data"]["key"] for _ in range(2)}
+    assert len(keys) == 2
+
+
+def test_pre_delete_hook_stops_the_operator_and_releases_watched_rollouts(tools):
+    """helm uninstall runs operator/uninstall.py first (tests/operator/test_uninstall.py runs it against
+    the API server): its account may scale only this Deployment and touch only PDRollouts where watched."""
+    docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
+    hooks = [d for d in docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-delete"]
+    (job,) = [d for d in hooks if d["kind"] == "Job"]
+    assert all(int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0 for d in hooks if d is not job)
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "pdrollout.operator.uninstall"]
+    assert c["args"] == ["--namespace=ops", "--deployment=pdr-pdrollout-operator",
+                         "--selector=app.kubernetes.io/instance=pdr,app.kubernetes.io/name=pdrollout-operator",
+                         "--watch=team-a", "--watch=team-b"]
+    roles = {(d["kind"], d["metadata"]["namespace"]): d["rules"] for d in hooks if d["kind"] == "Role"}
+    assert roles[("Role", "ops")] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["pdr-pdrollout-operator"],
+         "verbs": ["patch"]}, {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    for ns in ("team-a", "team-b"):
+        assert roles[("Role", ns)] == [{"apiGroups": ["pdrollout.io"], "resources": ["pdrollouts"],
+                                        "verbs": ["list", "patch"]}]
+    wide = [d["kind"] for d in render(tools, "--set", "rbac.clusterWide=true")
+            if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-delete"]
+    assert "ClusterRole" in wide and "ClusterRoleBinding" in wide
 
 
 def test_leader_election_by_default_and_replicas_need_it(tools):
@@ -125,6 +186,7 @@ def test_rbac_is_least_privilege(tools):
     ("operator.pollSecond=3", "additional properties 'pollSecond' not allowed"),
     ("watchNamespaces={Team_A}", "at '/watchNamespaces/0'"),
     ("fullnameOverride=Bad.Name", "at '/fullnameOverride'"),
+    ("tokenKey.existingSecret=Team_Key", "at '/tokenKey/existingSecret'"),
     ("monitoring.podMonitor.interval=15", "at '/monitoring/podMonitor/interval'"),
 ])
 def test_schema_refuses_bad_values(tools, setting, error):
@@ -145,7 +207,7 @@ def test_schema_accepts_the_defaults_and_documented_overrides(tools):
     assert pod["serviceAccountName"] == "pdo" and pod["imagePullSecrets"] == [{"name": "regcred"}]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["PDROLLOUT_OPERATOR_POLL_S"] == "2.5"
-    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo"}
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo", "pdo-uninstall"}
 
 
 def test_helm_test_hook_pod_renders(tools):
@@ -178,9 +240,9 @@ evaluation_interval: 1m
 tests:
   - interval: 1m
     input_series:
-      - series: 'pdrollout:stalls_total{namespace="rl",rollout="a",pod="a-0"}'
+      - series: 'pdrollout_operator_engine_stalls_total{namespace="rl",rollout="a",pod="pdr-op-0"}'
         values: '0 0 0 1 1 1 1 1 1 1'
-      - series: 'pdrollout:stalls_total{namespace="rl",rollout="b",pod="b-0"}'
+      - series: 'pdrollout_operator_engine_stalls_total{namespace="rl",rollout="b",pod="pdr-op-0"}'
         values: '0 0 0 0 0 0 0 0 0 0'
       - series: 'up{namespace="rl",rollout="a",pod="a-0"}'
         values: '1 1 0 0 0 0 0 0 0 0'
@@ -205,7 +267,7 @@ tests:
           - exp_labels: {severity: critical, namespace: rl, rollout: a}
             exp_annotations:
               summary: "PDRollout rl/a engines stalled"
-              description: "1 stalls in the last 5m."
+              description: "An engine exited with the stall code (3) in the last 5m; the Stalled condition has the pod."
       - eval_time: 1m
         alertname: PDRolloutGroupDegraded
         exp_alerts: []
@@ -214,8 +276,8 @@ tests:
         exp_alerts:
           - exp_labels: {severity: warning, namespace: rl, rollout: a}
             exp_annotations:
-              summary: "PDRollout rl/a has an unreachable engine"
-              description: "At least one engine pod of the group has not answered /metrics for 2 minutes."
+              summary: "PDRollout rl/a is degraded"
+              description: "A pod of the group is Pending, the group is Degraded/Restarting/Failed or an engine is not answering /metrics, for 2m."
       - eval_time: 20m
         alertname: PDRolloutTTFTP99High
         exp_alerts:
@@ -229,7 +291,8 @@ tests:
 def test_alert_rules_pass_promtool(tools, tmp_path):
     promtool = tools.get("promtool") or pytest.fail(
         "promtool is not installed: apt-get update && apt-get install -y prometheus (Debian)")
-    rule = next(d for d in render(tools, *MONITORING) if d["kind"] == "PrometheusRule")
+    rule = next(d for d in render(tools, *MONITORING, "--set", "monitoring.prometheusRule.degradedFor=2m")
+                if d["kind"] == "PrometheusRule")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
     r = run(promtool, "check", "rules", tmp_path / "rules.yaml")
     assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr

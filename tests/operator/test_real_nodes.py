@@ -388,10 +388,10 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
     st = wait("makespan in status", lambda: (s := _status(c, ns, name)).get("makespanSeconds") and s, timeout=30)
     lap("bench and status figures")
     # The engine's own rollout gauge, as the bench read it from node 0's /metrics: the same number.
-    assert st["makespanSeconds"] == pytest.approx(bench["server_rollout_makespan_s"], rel=1e-9)
+    assert st["makespanSeconds"] == pytest.approx(bench["server_rollout_makespan_s"], abs=5e-4)   # status: ms
     assert 0 < st["makespanSeconds"] <= bench["makespan_s"]
-    assert st["ttftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0, st
-    figures = {k: st[k] for k in ("makespanSeconds", "ttftP99Seconds", "meanDecodeWaitSeconds")}
+    assert st["recentTtftP99Seconds"] > 0 and st["meanDecodeWaitSeconds"] >= 0, st
+    figures = {k: st[k] for k in ("makespanSeconds", "recentTtftP99Seconds", "meanDecodeWaitSeconds")}
 
     # --- 3. live controls: node 0 takes them for every rank; nothing restarts.
     uids = {n: p["metadata"]["uid"] for n, p in pods.items()}

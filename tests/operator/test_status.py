@@ -101,9 +101,13 @@ def test_condition_transition_time_kept_while_status_unchanged():
 def test_status_patch_keeps_last_figures_when_engine_away():
     p = st.status_patch(obs(), Phase.DEGRADED, [])
     assert "makespanSeconds" not in p and p["phase"] == "Degraded" and p["readyNodes"] == 2
-    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=3.0, ttft_p99_s=0.2, mean_decode_wait_s=0.01)),
+    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=3.0, recent_ttft_p99_s=0.2, mean_decode_wait_s=0.01)),
                         Phase.RUNNING, [])
-    assert (p["makespanSeconds"], p["ttftP99Seconds"], p["meanDecodeWaitSeconds"]) == (3.0, 0.2, 0.01)
+    assert (p["makespanSeconds"], p["recentTtftP99Seconds"], p["meanDecodeWaitSeconds"]) == (3.0, 0.2, 0.01)
+    # What `kubectl get pdr` prints: milliseconds, not float noise.
+    p = st.status_patch(obs(metrics=EngineMetrics(makespan_s=24.872143999999935, recent_ttft_p99_s=18.499999999999996,
+                                                  mean_decode_wait_s=0.0012345678)), Phase.RUNNING, [])
+    assert (p["makespanSeconds"], p["recentTtftP99Seconds"], p["meanDecodeWaitSeconds"]) == (24.872, 18.5, 0.001235)
     assert "stalls" not in p   # counted from engine exits by the handler, not from metrics
 
 

@@ -42,3 +42,12 @@ or the release's own. */ -}}
 {{- .Values.watchNamespaces | default (list .Release.Namespace) | toJson -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* Labels of the monitoring objects: `release` (what kube-prometheus-stack's default selectors match;
+monitoring.releaseLabel, else this release's name) and the object's own `labels`. */ -}}
+{{- define "pdrollout.monitoringLabels" -}}
+release: {{ .root.Values.monitoring.releaseLabel | default .root.Release.Name | quote }}
+{{- with .labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
