@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from pdrollout.engine.server.serve import stop_bound_s
+from pdrollout.engine.protocol.shutdown import stop_bound_s
 from pdrollout.operator import storage
 from pdrollout.operator.models import PDRolloutSpec
 from pdrollout.operator.podspec import ENGINE_CONTAINER, PodTemplateSpec

@@ -15,18 +15,10 @@ from typing import Any, Callable, Optional
 from aiohttp import web
 
 from .app import Server, ServerSettings, build_app
+from ..protocol.shutdown import ABORT_WAIT_S, BRIDGE_STOP_S, RUNNER_SHUTDOWN_S
 from .bridge import EngineUnavailable
 
 log = logging.getLogger("pdrollout.server")
-ABORT_WAIT_S = 5.0         # after the drain: aborted requests send their final output
-RUNNER_SHUTDOWN_S = 5.0    # aiohttp closes the remaining connections
-BRIDGE_STOP_S = 10.0       # the engine thread finishes its step and stops
-
-
-def stop_bound_s(drain_timeout_s: float) -> float:
-    """The longest a SIGTERM (or a preStop drain and then SIGTERM) takes to end the server: what a
-    pod's grace period must cover so that the kubelet never kills it mid-drain."""
-    return drain_timeout_s + ABORT_WAIT_S + RUNNER_SHUTDOWN_S + BRIDGE_STOP_S
 
 
 async def start(settings: ServerSettings, engine_factory: Callable[[], Any], tokenizer=None

@@ -11,7 +11,7 @@ import yaml
 
 from pdrollout.engine.protocol.config import EngineConfig
 from pdrollout.engine.protocol.exits import EXIT_CONFIG
-from pdrollout.engine.server.serve import ABORT_WAIT_S, stop_bound_s
+from pdrollout.engine.protocol.shutdown import ABORT_WAIT_S, stop_bound_s
 from pdrollout.operator import builders, group, storage
 from pdrollout.operator import status as st
 from pdrollout.operator.models import PDRolloutSpec, Phase
