@@ -71,7 +71,7 @@ def lead(args):
     cfg = leader.LeaseConfig(name=args.lease_name, namespace=handlers.operator_namespace(), identity=identity,
                              lease_s=args.lease_seconds, renew_deadline_s=args.lease_seconds * 2 / 3,
                              retry_s=args.lease_seconds / 7.5)
-    elector = leader.LeaderElector(client.CoordinationV1Api(kube._api()), cfg)
+    elector = leader.LeaderElector(client.CoordinationV1Api(kube.api_client()), cfg)
     probe = _standby_liveness(urlparse(args.liveness)) if args.liveness else None
     try:
         elector.acquire()

@@ -14,7 +14,7 @@ _APPLY = "application/apply-patch+yaml"
 
 
 @functools.cache
-def _api() -> client.ApiClient:
+def api_client() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -23,7 +23,7 @@ def _api() -> client.ApiClient:
 
 
 def _clients() -> tuple[client.CoreV1Api, client.AppsV1Api]:
-    return client.CoreV1Api(_api()), client.AppsV1Api(_api())
+    return client.CoreV1Api(api_client()), client.AppsV1Api(api_client())
 
 
 class Refused(kopf.PermanentError):
@@ -77,7 +77,7 @@ def _apply_custom(obj: dict, what: str) -> None:
     group, version = obj["apiVersion"].split("/")
     plural = obj["kind"].lower() + "s"
     try:
-        client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+        client.CustomObjectsApi(api_client()).patch_namespaced_custom_object(
             group, version, obj["metadata"]["namespace"], plural, obj["metadata"]["name"], obj,
             field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
     except ApiException as e:
@@ -95,7 +95,7 @@ def apply(obj: dict) -> None:
         return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
     fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
           "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-          "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]
+          "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
     try:
         fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
     except ApiException as e:
@@ -117,13 +117,13 @@ def foreign(obj: dict, owner_uid: str) -> bool:
     try:
         if kind == "PodGroup":
             group, version = obj["apiVersion"].split("/")
-            client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+            client.CustomObjectsApi(api_client()).patch_namespaced_custom_object(
                 group, version, meta["namespace"], "podgroups", meta["name"], **args)
         else:
             core, apps = _clients()
             fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
                   "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-                  "NetworkPolicy": client.NetworkingV1Api(_api()).patch_namespaced_network_policy}[kind]
+                  "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
             fn(meta["name"], meta["namespace"], **args)
     except ApiException as e:
         if e.status == 404:      # absent (or, for PodGroup, not served: apply says which)

@@ -12,20 +12,13 @@ import json
 import sys
 import time
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from pdrollout.operator import kube
 from pdrollout.operator.models import GROUP, PLURAL, VERSION
 
 FINALIZER = f"{GROUP}/operator"   # handlers.configure sets kopf's finalizer to this
-
-
-def _api() -> client.ApiClient:
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 def stop_operator(api: client.ApiClient, namespace: str, deployment: str, selector: str, timeout_s: float) -> None:
@@ -77,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--watch", action="append", default=[], help="a watched namespace (repeat); none: all")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the operator's pods")
     args = ap.parse_args(argv)
-    api = _api()
+    api = kube.api_client()
     stop_operator(api, args.namespace, args.deployment, args.selector, args.timeout)
     released = release_finalizers(api, args.watch)
     print(json.dumps({"operatorStopped": True, "finalizersReleased": released}))
