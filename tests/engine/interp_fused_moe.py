@@ -4,6 +4,7 @@ this file in a process of its own); on the GPU,
 tests/engine/test_kernels.py runs it compiled at the Qwen3-30B-A3B shape."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +36,14 @@ def test_fused_experts_match_the_reference(dtype, tol, t, k, total, num_local, o
     assert rel(out, ref) < tol
 
 
+def _blas_keeps_columns() -> bool:
+    """Whether numpy's matmul gives an output column the same bits whatever the count of columns beside it."""
+    g = np.random.default_rng(0)
+    a, b = g.standard_normal((32, 32), dtype=np.float32), g.standard_normal((32, 64), dtype=np.float32)
+    full = a @ b
+    return all(np.array_equal(a @ b[:, i:i + n], full[:, i:i + n]) for n in (16, 32) for i in range(0, 64, n))
+
+
 @pytest.mark.parametrize("tiles", [dict(group_m=3), dict(group_m=8, down_tiles=dict(block_n=64, group_m=2)),
                                    dict(down_tiles=dict(block_n=16, num_warps=8))])
 def test_row_block_groups_and_downs_own_tiles_change_no_value(tiles):
@@ -42,7 +51,13 @@ def test_row_block_groups_and_downs_own_tiles_change_no_value(tiles):
     tiles move no product between sums: the output is the default launch's, bit for bit."""
     x, ids, w, gu, dn = _case(64, 8, 64, 96, 80, 16, torch.float32, seed=3)
     base = experts_fused(x, ids, w, gu, dn, 32, block_n=32, block_k=32)
-    assert torch.equal(experts_fused(x, ids, w, gu, dn, 32, block_n=32, block_k=32, **tiles), base)
+    out = experts_fused(x, ids, w, gu, dn, 32, block_n=32, block_k=32, **tiles)
+    if "down_tiles" in tiles and not _blas_keeps_columns():
+        # the interpreter's tl.dot is numpy's matmul, whose sums inside a tile change with its column
+        # count on some CPUs' BLAS (AMD EPYC's here): bits can differ without the kernel moving a product
+        assert rel(out, base) < 1e-6
+    else:
+        assert torch.equal(out, base)
     assert rel(base, ops.experts_reference(x.double(), ids, w.double(), gu.double(), dn.double(), 32)) < 1e-6
 
 
