@@ -198,12 +198,26 @@ def namespace(cluster, request) -> str:
     """A fresh namespace per test; deleted afterwards, waiting for its pods so GPU nodes are free again."""
     ns = "t-" + request.node.name.lower().replace("_", "-")[:40].strip("-[]")
     cluster.kubectl("create", "namespace", ns)
+    models_claim(cluster, ns)
     yield ns
     # kubectl's own --timeout must end before the subprocess timeout, so a slow finalizer reads as rc != 0.
     cluster.kubectl("delete", "pdrollouts", "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False,
                     timeout=90)
     cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    cluster.kubectl("delete", "pv", f"models-{ns}", "--wait=false", check=False)
     wait_for(f"pods of {ns} to go", lambda: not cluster.get("pods", "-n", ns)["items"], timeout=60)
+
+
+def models_claim(cluster, ns: str) -> None:
+    """The GPU examples' precondition ("create it first"): a PVC `models`, bound here to a hostPath PV
+    of its own so the scheduler places the pods (kwok runs no containers: nothing is read from it)."""
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"models-{ns}"},
+          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                   "hostPath": {"path": "/models"}, "claimRef": {"namespace": ns, "name": "models"}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": ns},
+           "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"models-{ns}",
+                    "resources": {"requests": {"storage": "1Gi"}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}))
 
 
 @pytest.fixture(scope="session")
