@@ -4,6 +4,7 @@ garbage collection. Engine-facing paths are in test_live_engine.py."""
 import base64
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -19,6 +20,12 @@ from chart_install import SYSTEM_NS, admin_token
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def contains(actual, desired, at="") -> list[str]:
@@ -348,7 +355,9 @@ def test_two_replicas_one_leader_and_failover(cluster, installed, operator, name
     try:
         for ident in ("op-a", "op-b"):
             replicas[ident] = Operator(env={**operator.env, "POD_ID": ident, "PDROLLOUT_OPERATOR_LEADER_ELECT": "true",
-                                            "PDROLLOUT_OPERATOR_LEASE_S": str(lease_s)},
+                                            "PDROLLOUT_OPERATOR_LEASE_S": str(lease_s),
+                                            # each replica serves its metrics on a port of its own
+                                            "PDROLLOUT_OPERATOR_METRICS_ADDRESS": f"127.0.0.1:{_free_port()}"},
                                        log=tmp_path / f"{ident}.log").start()
 
         def holder():
