@@ -143,12 +143,6 @@ def sa_kubeconfig(cluster: Cluster, namespace: str, sa: str, out: Path) -> Path:
     return out
 
 
-@pytest.fixture
-def kubeconfig_for(cluster):
-    """kubeconfig_for(namespace, serviceaccount, out) -> a kubeconfig authenticating as that account."""
-    return lambda namespace, sa, out: sa_kubeconfig(cluster, namespace, sa, out)
-
-
 @pytest.fixture(scope="session")
 def wait():
     return wait_for

@@ -79,9 +79,8 @@ def test_rbac_is_namespaced_by_default_cluster_wide_opt_in(tools):
 
     docs = render(tools, "--set", "rbac.clusterWide=true")
     assert {"ClusterRole", "ClusterRoleBinding"} <= {d["kind"] for d in docs}
-    # (the uninstall hook scales the operator's Deployment: a Role in the release's namespace only)
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and not d["metadata"]["name"].endswith(
-        ("-leader-election", "-uninstall"))]
+        "-leader-election")]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert not [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
 
@@ -122,30 +121,6 @@ def test_existing_token_key_secret_renders_the_same_every_time(tools):
     # Without it, each render makes a fresh key: what existingSecret is for.
     keys = {next(d for d in render(tools) if d["kind"] == "Secret")["data"]["key"] for _ in range(2)}
     assert len(keys) == 2
-
-
-def test_pre_delete_hook_stops_the_operator_and_releases_watched_rollouts(tools):
-    """helm uninstall runs operator/uninstall.py first (tests/operator/test_uninstall.py runs it against
-    the API server): its account may scale only this Deployment and touch only PDRollouts where watched."""
-    docs = render(tools, "--set", "watchNamespaces={team-a,team-b}")
-    hooks = [d for d in docs if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-delete"]
-    (job,) = [d for d in hooks if d["kind"] == "Job"]
-    assert all(int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0 for d in hooks if d is not job)
-    c = job["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "pdrollout.operator.uninstall"]
-    assert c["args"] == ["--namespace=ops", "--deployment=pdr-pdrollout-operator",
-                         "--selector=app.kubernetes.io/instance=pdr,app.kubernetes.io/name=pdrollout-operator",
-                         "--watch=team-a", "--watch=team-b"]
-    roles = {(d["kind"], d["metadata"]["namespace"]): d["rules"] for d in hooks if d["kind"] == "Role"}
-    assert roles[("Role", "ops")] == [
-        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["pdr-pdrollout-operator"],
-         "verbs": ["patch"]}, {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
-    for ns in ("team-a", "team-b"):
-        assert roles[("Role", ns)] == [{"apiGroups": ["pdrollout.io"], "resources": ["pdrollouts"],
-                                        "verbs": ["list", "patch"]}]
-    wide = [d["kind"] for d in render(tools, "--set", "rbac.clusterWide=true")
-            if (d["metadata"].get("annotations") or {}).get("helm.sh/hook") == "pre-delete"]
-    assert "ClusterRole" in wide and "ClusterRoleBinding" in wide
 
 
 def test_leader_election_by_default_and_replicas_need_it(tools):
@@ -207,7 +182,7 @@ def test_schema_accepts_the_defaults_and_documented_overrides(tools):
     assert pod["serviceAccountName"] == "pdo" and pod["imagePullSecrets"] == [{"name": "regcred"}]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["PDROLLOUT_OPERATOR_POLL_S"] == "2.5"
-    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo", "pdo-uninstall"}
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"} == {"pdo"}
 
 
 def test_helm_test_hook_pod_renders(tools):
