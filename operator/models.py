@@ -17,7 +17,8 @@ from pdrollout.engine.protocol.topology import Topology as RankTopology
 from pdrollout.operator import network as net
 from pdrollout.operator.network import Network
 from pdrollout.operator.storage import MODEL_VOLUME, SOURCE_VOLUME
-from pdrollout.operator.podspec import ENGINE_CONTAINER, EngineSizing, Lifecycle, ModelSource, PodTemplateSpec
+from pdrollout.operator.podspec import ENGINE_CONTAINER, EngineSizing, EnvVar, Lifecycle, ModelSource, PodTemplateSpec
+from pdrollout.operator.podspec import _Named as _Open   # a pass-through object with a checked name
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"
@@ -181,18 +182,6 @@ MAX_ITEMS = 64
 
 def _cel_list(values) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
-class _Open(BaseModel):
-    """A Kubernetes object passed through into the pod: `name` checked here, the rest by the API server
-    when the StatefulSet is applied."""
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow",
-                              json_schema_extra=_PASS)
-    name: str = Field(min_length=1, max_length=253)
-
-
-class EnvVar(_Open):
-    pass
 
 
 class Volume(_Open):
