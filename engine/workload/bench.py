@@ -22,6 +22,21 @@ from .trace import PRESSURE, PRIORITY_HINTS, sessions, work_left
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
 WATCH_S = 0.5                                   # how often the replay checks that its server lives
 
+# The signal the CLI's handler received. Its KeyboardInterrupt can be raised inside a finalizer
+# (aiohttp's ClientResponse.__del__), where Python prints and drops it; the replay's watcher raises
+# it as Interrupted, so a signal is never lost.
+pending_signal: list[int] = []
+
+
+class Interrupted(Exception):
+    """A signal's KeyboardInterrupt was dropped; args[0] is the signal."""
+
+
+def interrupt(signum: int, _frame=None) -> None:
+    """SIGTERM/SIGINT handler: unwind, so the server of the mode running is stopped too."""
+    pending_signal.append(signum)
+    raise KeyboardInterrupt(signum)
+
 
 def synthetic_ids(seed: int, session_index: int, turn: int, n: int, vocab_size: int) -> list[int]:
     """The new tokens of one turn: deterministic in (seed, session, turn)."""
@@ -70,6 +85,8 @@ class Replay:
         """Fail the replay as soon as the server it started has died (requests would wait out their
         timeouts on a server whose ranks are gone)."""
         while True:
+            if pending_signal:
+                raise Interrupted(pending_signal[0])
             died = self.watch() if self.watch is not None else None
             if died:
                 raise BenchError(died)

@@ -30,7 +30,7 @@ def _cmd_trace(a) -> int:
 
 
 def _cmd_bench(a) -> int:
-    from .bench import run_bench
+    from .bench import Interrupted, interrupt, pending_signal, run_bench
     from .measures import BenchError
     from .trace import generate, read_jsonl
 
@@ -60,9 +60,8 @@ def _cmd_bench(a) -> int:
             "device": a.device}
     import signal
 
-    def interrupted(signum, _frame):   # unwind, so the server of the mode running is stopped too
-        raise KeyboardInterrupt(signum)
-    signal.signal(signal.SIGTERM, interrupted)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, interrupt)
     try:
         run_bench(rows, a.out, modes=modes, model=a.model, url=a.url, device=a.device,
                   pressure=a.pressure, seed=a.seed, progress=not a.no_progress,
@@ -70,10 +69,13 @@ def _cmd_bench(a) -> int:
     except BenchError as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:
+    except (KeyboardInterrupt, Interrupted) as e:
         signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
         print(f"bench interrupted ({signal.Signals(signum).name}); its server was stopped", file=sys.stderr)
         return 128 + signum
+    if pending_signal:   # its KeyboardInterrupt was dropped after the last replay's watcher ended
+        print(f"bench interrupted ({signal.Signals(pending_signal[0]).name}) as it finished", file=sys.stderr)
+        return 128 + pending_signal[0]
     return 0
 
 
