@@ -2,7 +2,9 @@
 the response fields each reads and the type it expects. Bodies and fields as read from their public sources
 (the file is named above each framework); `{prompt}`, `{model}`, `{partial}` are filled in by the replay test
 (tests/server/test_framework_replay.py). A step `TRAINER` pushes weights through a weights update group from a
-real trainer process (tests/rl_trainer.py) with that framework's init body."""
+real trainer process (tests/rl_trainer.py) with that framework's init body; a step `TENSORS` pushes them with
+POST /update_weights_from_tensor per bucket from a real trainer process (tests/rl_tensor_trainer.py) in the
+format the body names."""
 from __future__ import annotations
 
 GEN_READS = {"text": str, "output_ids": list, "meta_info.finish_reason.type": str, "meta_info.prompt_tokens": int,
@@ -11,6 +13,7 @@ GEN_READS = {"text": str, "output_ids": list, "meta_info.finish_reason.type": st
 SERVER_ARGS = {"enable_memory_saver": bool, "enable_return_routed_experts": bool, "tp_size": int, "dp_size": int,
                "ep_size": int, "model_path": str}
 TRAINER = "TRAINER"
+TENSORS = "TENSORS"   # a trainer process pushes the new checkpoint with /update_weights_from_tensor
 
 CALLS = {
     # slime: slime/rollout/sglang_rollout.py (GenerateState.sampling_params, generate(), abort()),
@@ -60,7 +63,9 @@ CALLS = {
         ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),
     ],
     # verl: verl/workers/rollout/sglang_rollout/http_server_engine.py (HttpServerAdapter: generate with
-    # streaming, flush, release/resume by tags, abort all). Its update from tensor is another branch's.
+    # streaming, flush, release/resume by tags, abort all; update_weights: per bucket a POST
+    # /update_weights_from_tensor with serialized_named_tensors (one entry per TP rank), load_format,
+    # flush_cache, then GET /flush_cache: tests/server/data/verl_0.9.1_sglang_calls.json).
     "verl": [
         ("GET", "/health_generate", None, {"status": str}),
         ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "stream": True, "sampling_params": {
@@ -70,7 +75,8 @@ CALLS = {
         ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}, None),
         ("POST", "/release_memory_occupation", {"tags": ["weights"]}, None),
         ("POST", "/resume_memory_occupation", {"tags": ["weights"]}, None),
-        # here verl pushes new weights with /update_weights_from_tensor (built on branch wts49)
+        (TENSORS, "/update_weights_from_tensor", {"format": "flattened_bucket", "entries": "per-rank"}, None),
+        ("GET", "/flush_cache", None, {"success": bool}),
         ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}, None),
         ("POST", "/flush_cache", {}, {"success": bool}),
         ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),

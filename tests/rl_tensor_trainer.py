@@ -4,7 +4,7 @@ verl do with SGLang: per bucket, `serialized_named_tensors` (base64 of torch's m
 pickle), the tensors kept alive until the answer is back.
 
     python tests/rl_tensor_trainer.py --url URL --model DIR --format flattened_bucket|direct
-        [--sharing value|cuda] [--sglang-reductions] [--entries N] [--version V] [--token T]
+        [--sharing value|cuda] [--sglang-reductions] [--entries N] [--version V] [--token T] [--source ADDR]
 --sharing value: CPU tensors, a plain pickle with the data inline; cuda: the tensors on the
 current CUDA device, sent as IPC handles (torch's multiprocessing pickle); with --sglang-reductions
 as SGLang's patched reductions write them (the device as its UUID, SGLang's rebuild function). --entries: how many entries (SGLang's one per TP rank; 1: one for all).
@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.request
 
 import torch
 from safetensors.torch import load_file
 
+from rl_common import post
+
 from pdrollout.engine.runtime.tensor_payload import flattened_bucket, serialize, serialize_by_value
-
-
-def post(url: str, body: dict, token: str | None) -> dict:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return {"status": r.status, "body": json.loads(r.read() or b"null")}
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, "body": json.loads(e.read() or b"null")}
 
 
 def sglang_reductions() -> None:
@@ -85,6 +74,7 @@ def main() -> None:
     a.add_argument("--version", default=None)
     a.add_argument("--bucket-bytes", type=int, default=256 << 10)
     a.add_argument("--token", default=None)
+    a.add_argument("--source", default=None, help="bind the HTTP calls to this local address")
     args = a.parse_args()
     named = list(load_file(f"{args.model}/model.safetensors").items())
     if args.sharing == "cuda":
@@ -99,7 +89,7 @@ def main() -> None:
                 "load_format": None if args.format == "direct" else args.format, "flush_cache": True}
         if args.version is not None and i == len(groups) - 1:   # the version lands with the last bucket
             body["weight_version"] = args.version
-        answer = post(args.url + "/update_weights_from_tensor", body, args.token)
+        answer = post(args.url + "/update_weights_from_tensor", body, args.token, args.source)
         del payload   # the server has copied the bucket in: the trainer may free it now
         print(json.dumps({"update": answer, "bucket": i, "tensors": len(bucket)}), flush=True)
     print(json.dumps({"done": True}), flush=True)

@@ -10,37 +10,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import http.client
 import json
 import socket
 import threading
-import urllib.parse
-import urllib.request
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+
+import rl_common
 
 
 SOURCE: list = []   # --source: the address this trainer's HTTP calls come from (an --admin-peers entry)
 
 
 def post(url: str, body: dict) -> dict:
-    if SOURCE:
-        u = urllib.parse.urlsplit(url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300, source_address=(SOURCE[0], 0))
-        try:
-            conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            return {"status": r.status, "body": json.loads(r.read() or b"null")}
-        finally:
-            conn.close()
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return {"status": r.status, "body": json.loads(r.read() or b"null")}
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, "body": json.loads(e.read() or b"null")}
+    return rl_common.post(url, body, source=SOURCE[0] if SOURCE else None)
 
 
 def in_thread(fn):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from rl_common import ENGINE, TRAINER as TRAINER_SCRIPT, checkpoint
-from rl_framework_calls import CALLS, TRAINER
+from rl_framework_calls import CALLS, TENSORS, TRAINER
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(1200)
@@ -46,6 +47,25 @@ def last_event(text: str) -> dict:
     return events[-1]
 
 
+TENSOR_TRAINER = str(Path(TRAINER_SCRIPT).with_name("rl_tensor_trainer.py"))
+
+
+def push_tensors(url: str, model: str, ranks: int, fmt: dict) -> list[dict]:
+    entries = ranks if fmt["entries"] == "per-rank" else 1
+    r = subprocess.run([sys.executable, TENSOR_TRAINER, "--url", url, "--model", model, "--format", fmt["format"],
+                        "--entries", str(entries), "--source", FRAMEWORK_ADDR], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(x)["update"] for x in r.stdout.splitlines() if '"update"' in x]
+
+
+def greedy(http: httpx.Client) -> list[int]:
+    r = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                              "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
 def push_weights(url: str, model: str, ranks: int, init_extra: dict) -> list[dict]:
     r = subprocess.run([sys.executable, TRAINER_SCRIPT, "--url", url, "--model", model, "--engine-ranks", str(ranks),
                         "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
@@ -69,15 +89,22 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
                       "--admin-peers", f"{FRAMEWORK_ADDR}/32")
     framework = httpx.Client(base_url=s.url, timeout=300, transport=httpx.HTTPTransport(local_address=FRAMEWORK_ADDR))
     try:
+        s0_tokens = greedy(framework)
         first = framework.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}).json()
         subs = {"{prompt}": PROMPT, "{model}": ckpts["s1"], "{partial}": PROMPT + first["output_ids"]}
         for name, calls in CALLS.items():
+            at_start = greedy(framework)
             for method, path, body, reads in calls:
                 where = f"{name}: {method} {path} {json.dumps(body)[:120]}"
                 if method == TRAINER:
                     lines = push_weights(s.url, ckpts["s1"], ranks, body)
                     answers = [x for line in lines for k, x in line.items() if k in ("init", "update", "destroy")]
                     assert len(answers) >= 3 and all(a["status"] == 200 and a["body"]["success"] for a in answers), \
+                        (where, answers)
+                    continue
+                if method == TENSORS:   # this trainer holds s0: the weights go back to it
+                    answers = push_tensors(s.url, ckpts["s0"], ranks, body)
+                    assert len(answers) > 1 and all(a["status"] == 200 and a["body"]["success"] for a in answers), \
                         (where, answers)
                     continue
                 r = framework.request(method, path, **({} if body is None else {"json": fill(body, subs)}))
@@ -89,6 +116,8 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
                     assert out["dp_rank_count"] == (2 if ranks == 4 else 1) and \
                         all(isinstance(x["num_running_reqs"], int) for x in out["loads"])
             assert not s.http.get("/get_server_info").json()["paused"], name
+            if any(c[0] == TENSORS for c in calls):   # the tensors changed the greedy tokens to s0's exactly
+                assert greedy(framework) == s0_tokens != at_start, name
         # what a stranger may not do, after all of it: the peer rule admitted only the framework
         assert s.http.post("/pause_generation", json={}).status_code == 401
     finally:
