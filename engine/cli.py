@@ -33,7 +33,7 @@ def _cmd_generate(a) -> int:
     from .protocol.layout import LayoutError
     from .runtime.offline import read_requests, run_requests
     from .runtime.engine import Engine
-    from .runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
+    from .runtime.options import engine_overrides, layout_from_args, spec_fields
     try:
         layout = layout_from_args(a)
         fields = engine_overrides(a.engine_config)
@@ -55,6 +55,7 @@ def _cmd_generate(a) -> int:
         print(f"pdrollout generate: --expert-backend {layout.expert_backend} needs --nproc > 1 (expert parallelism)",
               file=sys.stderr)
         return EXIT_CONFIG
+    from .runtime.worker import single_worker
     engine = Engine(cfg, single_worker(a, cfg, layout))
     lines = read_requests(a.requests)
     for rec in run_requests(engine, lines, sequential=a.sequential):

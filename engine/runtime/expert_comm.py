@@ -18,7 +18,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..protocol.layout import EXPERT_BACKENDS
 from ..protocol.plan import Phase
 from ..protocol.netenv import QPSplit, local_experts, qp_split
 
@@ -392,14 +391,3 @@ class TorchExpertComm(ExpertComm):
                 out_grouped[lo:lo + n] = fn(e, grouped[lo:lo + n])
             lo += n
         return torch.empty_like(recv_hidden).index_copy_(0, order, out_grouped)
-
-
-def make_expert_comm(backend: str, **kw) -> ExpertComm:
-    """backend: 'torch' (everywhere) or 'deep_ep' (alias 'deepep'; CUDA with deep_ep importable)."""
-    if backend == "torch":
-        return TorchExpertComm(**kw)
-    if backend in ("deep_ep", "deepep"):
-        kw.pop("pg_backend", None)   # DeepEP makes its own (default-backend) setup groups
-        from .deepep_comm import DeepEPExpertComm
-        return DeepEPExpertComm(**kw)
-    raise ValueError(f"expert backend must be one of {'|'.join(EXPERT_BACKENDS)}, got {backend!r}")

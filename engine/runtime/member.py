@@ -14,11 +14,12 @@ import os
 
 import torch
 
+from ..protocol.layout import EXPERT_BACKENDS
 from ..protocol.plan import Phase
 from .collectives import PathContext, RankCollectives, make_groups, nccl_options
 from .controller import TurnstileController
 from .device import CpuDevice
-from .expert_comm import make_expert_comm
+from .expert_comm import ExpertComm, TorchExpertComm
 from .gpu_timeline import GpuTimeline
 from .pd_step import TurnstileStep
 from .uncrossed import BesideStep, uncrossed
@@ -164,3 +165,14 @@ class GroupMember:
             self.timeline.rendezvous_s = list(self.rdv.latencies)
             os.makedirs(self.w.opt.gpu_timeline, exist_ok=True)
             self.timeline.dump(os.path.join(self.w.opt.gpu_timeline, f"rank{self.w.rank}.json"))
+
+
+def make_expert_comm(backend: str, **kw) -> ExpertComm:
+    """backend: 'torch' (everywhere) or 'deep_ep' (alias 'deepep'; CUDA with deep_ep importable)."""
+    if backend == "torch":
+        return TorchExpertComm(**kw)
+    if backend in ("deep_ep", "deepep"):
+        kw.pop("pg_backend", None)   # DeepEP makes its own (default-backend) setup groups
+        from .deepep_comm import DeepEPExpertComm
+        return DeepEPExpertComm(**kw)
+    raise ValueError(f"expert backend must be one of {'|'.join(EXPERT_BACKENDS)}, got {backend!r}")

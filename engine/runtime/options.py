@@ -26,13 +26,6 @@ class RankOptions:
     rendezvous: str = "gather"      # turnstile rendezvous transport: gather | dissemination
 
 
-def single_worker(a, cfg, layout):
-    """The world of one, with the rank options the flags give (e.g. --step-log)."""
-    from ..protocol.topology import Topology
-    from .worker import Worker
-    return Worker(cfg, Topology(1), 0, options=options_from_args(a, layout))
-
-
 def engine_overrides(spec: str | None) -> dict:
     """Extra EngineConfig fields from `--engine-config`: inline JSON or a JSON file."""
     from pathlib import Path

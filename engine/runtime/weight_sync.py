@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..model.weights import WeightMap, parse_dtype
 from ..protocol.plan import EngineOp
+from .shard import shard_of
 from .tensor_payload import load_entry
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -62,7 +63,6 @@ class RankWeights:
     """The ops on one rank; `run` never raises (the error text goes back in the step report)."""
 
     def __init__(self, worker) -> None:
-        from .worker import shard_of
         self.w = worker
         self.map = WeightMap(worker.model, worker.cfg, shard_of(worker.topo, worker.rank))
         self.copies: list[WeightMap] = []   # rank 0's unsharded MTP head on several ranks (add_copy)

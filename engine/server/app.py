@@ -362,22 +362,3 @@ async def rollout_finish(request: web.Request) -> web.Response:
 async def rollouts(request: web.Request) -> web.Response:
     server = server_of(request)
     return json_response({"active": server.rollouts.active, "recent": list(server.rollouts.recent)})
-
-
-def build_app(server: Server) -> web.Application:
-    from . import lifecycle, routes_chat, routes_native, routes_openai, routes_rl
-    # client_max_size bounds what request.read() accepts; read_json turns the overflow into a 413.
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=server.settings.max_body_bytes)
-    app[SERVER_KEY] = server
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/control", get_control)
-    app.router.add_put("/control", put_control)
-    app.router.add_post("/rollout/finish", rollout_finish)
-    app.router.add_get("/rollouts", rollouts)
-    routes_native.add_routes(app)
-    routes_openai.add_routes(app)
-    routes_rl.add_routes(app)
-    routes_chat.add_routes(app)
-    lifecycle.add_routes(app)
-    return app

@@ -62,7 +62,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ..runtime.options import engine_overrides, layout_from_args, single_worker, spec_fields
+    from ..runtime.options import engine_overrides, layout_from_args, spec_fields
     from ..protocol.config import EngineConfig
     from ..protocol.exits import EXIT_CONFIG, flush_quietly, name as exit_name, say as say_err
     from ..protocol.layout import LayoutError
@@ -136,6 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
             made.append(start_engine(config, layout, options, args.host))
             return made[-1]
         from ..runtime.engine import Engine
+        from ..runtime.worker import single_worker
         return Engine(config, single_worker(args, config, layout))
 
     def say(msg: str) -> None:

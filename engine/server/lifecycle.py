@@ -24,13 +24,13 @@ import urllib.request
 from aiohttp import web
 
 from ..protocol.auth import ADMIN_TOKEN_FILE_ENV
+from .app import admin, json_response, server_of
+from .protocol import BadRequest
 
 DEFAULT_LIVE_BOUND_S = 60.0
 
 
 async def live(request: web.Request) -> web.Response:
-    from .app import json_response, server_of
-    from .protocol import BadRequest
     raw = request.query.get("bound_s", str(DEFAULT_LIVE_BOUND_S))
     try:
         bound = float(raw)
@@ -53,7 +53,6 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def drain(request: web.Request) -> web.Response:
-    from .app import json_response, server_of
     server = server_of(request)
     server.draining = True
     if server.drain_started is None:
@@ -65,7 +64,6 @@ async def drain(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    from .app import admin
     app.router.add_get("/live", live)
     app.router.add_post("/drain", admin(drain))
 

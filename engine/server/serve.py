@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
-from .app import Server, ServerSettings, build_app
+from .app import Server, ServerSettings
+from .routes import build_app
 from ..protocol.shutdown import ABORT_WAIT_S, BRIDGE_STOP_S, RUNNER_SHUTDOWN_S
 from .bridge import EngineUnavailable
 

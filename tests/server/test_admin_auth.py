@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from pdrollout.engine.server.app import Server, ServerSettings, build_app, is_admin
+from pdrollout.engine.server.app import Server, ServerSettings, is_admin
+from pdrollout.engine.server.routes import build_app
 from serverproc import SERVE, ServerProcess
 
 TOKEN = "s3cret-admin-token"
