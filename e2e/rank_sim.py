@@ -4,7 +4,7 @@ cost from `rank_cost.RankModel`. Validates the old code's structure against the 
 docs/perf/one-stack/small-x2 (each seed's overheads fitted on the other seeds' logs), then projects
 the new code's structure on 2 GPUs and on 16 (EP16/ADP8, H20-class), the interference swept:
 
-    python e2e/rank_sim.py --out docs/perf/cost-model/cost-model.json
+    python e2e/rank_sim.py --out results/cost-model.json
 
 A model, not a measurement: the projection holds as far as the validation rows say it does.
 """

@@ -23,7 +23,7 @@ MAX_ROWS = 16   # one row tile; past it the GEMM's own tiles pay off
 
 # (block_n, block_k, num_warps, num_stages): narrow column tiles so that even o_proj's 2,048 columns
 # give a program to every SM. The H200's sweep preferred wider ones per shape (64/128 for q/k/v, 32/512
-# for o_proj and the router: docs/perf/one-gpu-e3af726/dense/dense.json), none beating cuBLAS enough
+# for o_proj and the router: docs/perf/HISTORY.md, twentieth session), none beating cuBLAS enough
 # to change the default, so these stay
 TILES = (16, 256, 4, 4)
 
