@@ -37,7 +37,7 @@ RUNS = "docs/perf/one-stack/small-x2"
 MODES = ("normal", "mixed", "pd")
 LAYERS = 12                      # the `small` preset
 # Two H200s, NVLink 4: 450 GB/s a direction (NVIDIA H200 datasheet); a gloo gather: 0.184 ms p50
-# (docs/PERF.md, "Rendezvous latency", two H200s, bench), the part of a step's exchange that grows
+# (docs/perf/HISTORY.md, "Rendezvous latency", two H200s, bench), the part of a step's exchange that grows
 # with the rank count.
 NVLINK_B_S, GATHER2_S = 450e9, 0.184e-3
 # 16 ranks over two nodes: DeepEP's low-latency kernels at EP16 on H800 + CX7 400 Gb/s, 128 tokens,

@@ -1,6 +1,8 @@
 """The docs' links and the result paths code quotes still resolve after results left the tree (issue 53):
 every relative link in README.md and docs/**/*.md names a file that exists and, with `#anchor`, a heading
-of that file; every `docs/perf/...` path quoted in tests/, e2e/ and engine/ exists (globs match)."""
+of that file; every `docs/perf/...` path quoted in tests/, e2e/ and engine/ exists (globs match); every
+citation of PERF.md or the history by a section's title ('PERF.md, "Defaults"') or by a session's
+ordinal ('HISTORY.md, nineteenth session') names a heading of that file."""
 from __future__ import annotations
 
 import re
@@ -9,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
+CITED_SECTION = re.compile(r'(PERF|HISTORY)\.md,?\s+"([^"]+)"|HISTORY\.md,?\s+([a-z-]+(?:th|st|nd|rd))\s+session')
 QUOTED_RESULT = re.compile(r"docs/perf/[A-Za-z0-9_.*?/{},-]*[A-Za-z0-9_*}/-]")
 
 
@@ -90,3 +93,24 @@ def test_every_results_path_quoted_in_code_exists():
     assert "e2e/rank_sim.py" in quoted.get("docs/perf/one-stack/small-x2", ()), "rank_sim's runs folder not found: the scan is broken"
     missing = {p: sorted(w) for p, w in quoted.items() if not resolves(p)}
     assert not missing, "quoted paths under docs/perf that do not exist: " + repr(missing)
+
+
+def headings(md: Path) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^#{1,6}\s+(.*?)\s*$", prose(md.read_text(encoding="utf-8")), re.M)]
+
+
+def test_every_cited_perf_section_exists():
+    titles = {"PERF": headings(ROOT / "docs" / "PERF.md"), "HISTORY": headings(ROOT / "docs" / "perf" / "HISTORY.md")}
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    sources += [f for top in ("engine", "e2e", "tests") for f in (ROOT / top).rglob("*") if f.suffix in {".py", ".sh"}]
+    cited, bad = 0, []
+    for f in sources:
+        for m in CITED_SECTION.finditer(re.sub(r"\s*\n\s*#?\s*", " ", f.read_text(encoding="utf-8"))):
+            doc, title, ordinal = m.group(1) or "HISTORY", m.group(2), m.group(3)
+            cited += 1
+            ok = (any(t.startswith(title) for t in titles[doc]) if title
+                  else any(f"{ordinal} session)" in t or f"{ordinal} session," in t for t in titles[doc]))
+            if not ok:
+                bad.append(f"{f.relative_to(ROOT)}: {m.group(0)}")
+    assert cited >= 10, f"only {cited} citations found: the scan is broken"
+    assert not bad, "citations of sections that do not exist:\n" + "\n".join(bad)

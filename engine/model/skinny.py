@@ -1,11 +1,11 @@
 """Dense projections of a few rows (a decode step's tail: 1-16 rows) in one Triton launch over the
 weight's output columns, for cuBLAS's GEMMs there. At one row on the H200 a layer's q/k/v, o_proj and
 router GEMMs took 7.8, 8.8 (split-K and its reduce) and 4.9 µs against 5.0, 4.0 and 0.1 µs of HBM
-for their weights (docs/PERF.md, nineteenth session): at this size a GEMM is a read of its weight,
+for their weights (docs/perf/HISTORY.md, nineteenth session): at this size a GEMM is a read of its weight,
 and what it costs beyond that is launch shape. Each program reads BN of the weight's rows once for
 all the step's rows (one 16-row tile, tl.dot's minimum) and accumulates in fp32, as cuBLAS does; only
 the order of the K sum differs. Opt-in (`EngineConfig.dense_kernel: skinny`): timed on the H200
-(e2e/gpu/dense_kernels.py, docs/PERF.md twentieth session) it matched cuBLAS on q/k/v, lost on o_proj
+(e2e/gpu/dense_kernels.py, docs/perf/HISTORY.md, twentieth session) it matched cuBLAS on q/k/v, lost on o_proj
 (9.1 against 7.5-8.3 µs) and gained < 1 µs on the router, and the one-row decode step was 2 % slower
 with it, so cuBLAS stays the default; kept for other shapes and devices, tested under Triton's
 interpreter on CPU and against cuBLAS on CUDA.
