@@ -1,12 +1,12 @@
 """What a busy P thread costs D's thread on the host: the GIL handoff, by switch interval.
 
 pd on one rank runs a P epoch on a thread of its own (runtime/solo_p.py) whose time goes to issuing
-an eager forward in Python (docs/PERF.md: ~85 % of its wall time on the CPU). D's step loop gives the
-GIL up whenever it blocks (a stream synchronize, a host copy) and needs it back at once; CPython
-hands it back only when the holder reaches its switch interval (5 ms by default), so each block
-can cost D up to one interval. This measures that, with no GPU: a thread spinning in Python (P) and
-a loop that blocks for `--block-ms` and times how late it resumes (D), for each interval, plus how
-much Python the busy thread still ran (P's share of the host).
+an eager forward in Python (~85 % of its wall time on the CPU: docs/perf/HISTORY.md, sixteenth
+session). D's step loop gives the GIL up whenever it blocks (a stream synchronize, a host copy) and
+needs it back at once; CPython hands it back only when the holder reaches its switch interval (5 ms
+by default), so each block can cost D up to one interval. This measures that, with no GPU: a thread
+spinning in Python (P) and a loop that blocks for `--block-ms` and times how late it resumes (D),
+for each interval, plus how much Python the busy thread still ran (P's share of the host).
 
     python3 e2e/gil_handoff.py [--block-ms 2] [--rounds 200] [--intervals 5,1,0.5,0.2] [--out OUT.json]
 """

@@ -1,4 +1,4 @@
-"""A step's cost on the multi-rank engine (docs/PERF.md, "A cost model of the multi-rank engine"):
+"""A step's cost on the multi-rank engine (docs/PERF.md, "The cost model of the multi-rank engine"):
 compute from the one-GPU fit (plan_sim.Cost), plus each collective's latency by bytes and rank count,
 plus what the code's structure adds per layer (host reads, turnstile rounds), plus P beside D on
 separate streams with an interference factor. `fit_old` fits the old code's collective floor and

@@ -4,7 +4,7 @@ cost from `rank_cost.RankModel`. Validates the old code's structure against the 
 docs/perf/one-stack/small-x2 (each seed's overheads fitted on the other seeds' logs), then projects
 the new code's structure on 2 GPUs and on 16 (EP16/ADP8, H20-class), the interference swept:
 
-    python e2e/rank_sim.py --out docs/perf/cost-model/cost-model.json
+    python e2e/rank_sim.py --out results/cost-model.json
 
 A model, not a measurement: the projection holds as far as the validation rows say it does.
 """
@@ -37,7 +37,7 @@ RUNS = "docs/perf/one-stack/small-x2"
 MODES = ("normal", "mixed", "pd")
 LAYERS = 12                      # the `small` preset
 # Two H200s, NVLink 4: 450 GB/s a direction (NVIDIA H200 datasheet); a gloo gather: 0.184 ms p50
-# (docs/PERF.md, "Rendezvous latency", two H200s, bench), the part of a step's exchange that grows
+# (docs/perf/HISTORY.md, "Rendezvous latency", two H200s, bench), the part of a step's exchange that grows
 # with the rank count.
 NVLINK_B_S, GATHER2_S = 450e9, 0.184e-3
 # 16 ranks over two nodes: DeepEP's low-latency kernels at EP16 on H800 + CX7 400 Gb/s, 128 tokens,

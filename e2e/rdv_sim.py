@@ -17,7 +17,7 @@
 --gpu-steplogs  step logs of that host's engine runs (rendezvous2's steplog-<transport>):
             replayed like --steplogs but with the GPU calibration and a core per rank.
 --skew-from the fleet's rank skew and D enqueue times (default: the last step-log directory).
---engine-figures  rendezvous latencies measured inside the engine on H200 hosts (docs/PERF.md),
+--engine-figures  rendezvous latencies measured inside the engine on H200s (docs/perf/HISTORY.md, "Rendezvous latency"),
             used until --gpu exists: the hop scaled so the 2-rank gather mean matches (everything
             taken as transport, an upper bound), checked against the 4-rank figure.
 Fleet: 8..256 ranks, 8 ranks per node, messages between nodes pay --inter-us more (assumed;

@@ -18,7 +18,7 @@ reads every rank's step log and the server's metrics:
 Writes a JSON result (meta: command, machine, commit) and prints a short table. Exit status 0
 only with >= N rounds, 0 stalls and 0 violations.
 
-  python e2e/soak.py --rounds 10000 --out docs/perf/soak/soak-10000.json
+  python e2e/soak.py --rounds 10000 --out results/soak-10000.json
 """
 from __future__ import annotations
 

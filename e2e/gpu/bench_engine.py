@@ -65,7 +65,7 @@ def measure_ceilings():
 
 
 # P forwards as a P epoch carries them (continuation turns over cached context), (segments, new
-# tokens each, context before): P1's epochs carried 160-320 new tokens (docs/PERF.md); and the 8k
+# tokens each, context before): P1's epochs carried 160-320 new tokens (HISTORY.md, fourth session); and the 8k
 # chunk of four fresh prompts alone (the forward inside `prefill_chunk_ms`' engine step)
 P_SHAPES = ((8, 32, 1792), (16, 16, 1024), (4, 256, 1536), (4, 2048, 0))
 

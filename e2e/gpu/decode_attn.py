@@ -4,7 +4,7 @@ measured in the same process. The engine's launch (kernels.decode_attention: a p
 head, 64-token tiles, 4 warps, 2 stages, one walk a row) and a sweep of tiles, warps, stages and context
 splits, each a CUDA graph replay. Why: FlashInfer's published GQA decode (32/4 heads, head dim 128,
 batch 64, 2k context) reads at ~73 % of an H100's peak; ours, from the profiles, at ~35 % of the
-H200's (docs/PERF.md, fourteenth session). Decides the decode launch's defaults.
+H200's (docs/perf/HISTORY.md, fourteenth session). Decides the decode launch's defaults.
 
     python3 e2e/gpu/decode_attn.py OUT.json [--shapes 32x2048,64x2048,64x4096] [--sweep [--small]]
     DEVICE=cpu python3 e2e/gpu/decode_attn.py OUT.json --sweep   # dry run: a tiny shape, the interpreter

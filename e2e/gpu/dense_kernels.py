@@ -2,7 +2,7 @@
 2,048 × 4,096, router 128 × 2,048; bf16): cuBLAS (F.linear) against model/skinny.py's launch and a
 sweep of its tiles, each a CUDA graph replay, beside the HBM floor of the weight. Decides
 `dense_kernel`'s default and skinny.TILES (issue 19: at one row the three GEMMs took 21.5 µs a layer
-against ~9 µs of floor, docs/PERF.md, nineteenth session).
+against ~9 µs of floor, docs/perf/HISTORY.md, nineteenth session).
 
     python3 e2e/gpu/dense_kernels.py OUT.json [--rows 1,2,4,8,16] [--sweep]
     DEVICE=cpu python3 e2e/gpu/dense_kernels.py OUT.json --sweep   # dry run: tiny shapes, the interpreter

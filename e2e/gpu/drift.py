@@ -3,7 +3,7 @@ GPU's temperatures, power and clocks sampled beside it.
 
 Identical servers running identical work (the same greedy tokens, same_tokens.py) end up to a few per
 cent apart, and their D steps' GPU time differs by as much; the SM clock sat at its maximum through
-those runs (docs/PERF.md, eighteenth to twenty-first sessions). What else moves a bandwidth-bound
+those runs (docs/perf/HISTORY.md, eighteenth to twenty-first sessions). What else moves a bandwidth-bound
 kernel's speed over tens of seconds: the memory's temperature (DRAM refreshes more often when hot),
 power capping below nvidia-smi's clock readings. This replays the `batch`-row decode graph at `ctx`
 in chunks for `hot` seconds, rests `rest` seconds, replays again for `again` seconds, and samples

@@ -2,7 +2,7 @@
 
 At P1 most steps that carry P fuse a continuation's few hundred new tokens into D's step (`mixed`,
 and pd below `solo_fuse_tokens`); the step log put such a step at ~24.5 ms against ~13 ms for a
-D-only graph replay and ~14.4 ms for a P-only step (docs/PERF.md). Both parts stream the same expert
+D-only graph replay and ~14.4 ms for a P-only step (HISTORY.md, thirteenth session). Both parts stream the same expert
 weights, so fused they should cost little more than the larger one. This times, on a `mixed`
 engine with `batch` rows decoding at `ctx` tokens:
   d        engine steps with D rows only (graph replays)

@@ -21,7 +21,7 @@ def replays_ms(graph, reps: int) -> float:
 def copy_bw(dev="cuda") -> float:
     """Device-to-device copy rate, bytes read + written per second, from eager copies of 2 GiB timed
     by CUDA events. Not a captured graph: a copy captured into a CUDA graph (a memcpy node) measured
-    2.71 TB/s on the H200 where eager copies measured 4.21 TB/s in the same call (docs/PERF.md,
+    2.71 TB/s on the H200 where eager copies measured 4.21 TB/s in the same call (docs/perf/HISTORY.md,
     twentieth session), so floors taken against it were 1.56x too long."""
     x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)

@@ -54,7 +54,7 @@ seeds_runs() {  # seeds_runs PRESSURE DEFAULT_SEEDS [EXTRA bench_seeds ARGS]
     --reuse-server --blocks "$blocks" --step-logs --skip-existing --variant 'base:normal,mixed,pd:{}' "$@" \
     2>&1 | tail -n 60
   python3 "$here/bench_seeds.py" "$dir" --summarize > /dev/null 2>&1
-  # P's share of each run and the bound it puts on any planner (docs/PERF.md, sixteenth session)
+  # P's share of each run and the bound it puts on any planner (docs/perf/HISTORY.md, sixteenth session)
   local logs=("$dir"/base/steps-*)
   [ -e "${logs[0]}" ] && python3 "$here/step_costs.py" --bound --json "$dir/bounds.json" "${logs[@]}" > "$dir/bounds.txt" 2>&1
 }

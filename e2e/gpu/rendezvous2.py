@@ -14,8 +14,8 @@ stdout, it is never left out silently):
   engine  `pdrollout generate --nproc 2 --adp 1 --ep 2 --device cuda --mode pd` (fine-grained,
           span 1) with each transport and --step-log OUT/steplog-<transport>: the GPU's rank skew
           and D enqueue times for the simulator (needs pydantic: carry .whl/ as for stall4.py)
-Then here: python e2e/rdv_sim.py --bench docs/perf/rendezvous/bench-cpu.json --gpu OUT/rendezvous2.json
-           --gpu-steplogs OUT/steplog-gather OUT/steplog-dissemination --out docs/perf/rendezvous
+Then here: python e2e/rdv_sim.py --bench results/rendezvous/bench-cpu.json --gpu OUT/rendezvous2.json
+           --gpu-steplogs OUT/steplog-gather OUT/steplog-dissemination --out results/rendezvous
            (the full command: docs/DISTRIBUTED.md, "The simulator")
 Prints a short table last. DEVICE=cpu: a dry run of the mechanics (gloo instead of NCCL);
 REQUESTS=32 (engine stage); PDROLLOUT_COMMIT=<sha> names the commit where the copy has no .git.

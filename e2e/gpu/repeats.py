@@ -3,7 +3,7 @@ summaries that ran the same configuration is one server of that mode; per seed a
 over its servers stands for the mode, and the ratios are taken between those medians.
 
 One server per mode decides nothing on one H200 below ~5 %: identical servers (same code, same seed,
-same plan step for step) end up to 6.6 % apart at P1 (docs/PERF.md, eighteenth session). So each seed
+same plan step for step) end up to 6.6 % apart at P1 (docs/PERF.md, "How to read these figures"). So each seed
 also shows how far its identical servers spread (max / min per mode) and the range of pd / `mixed`
 over every pair of servers, which is what a single-server table would have drawn from.
 

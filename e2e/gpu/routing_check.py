@@ -138,7 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--subset", type=int, default=26, help="rows of a typical P1 step (docs/PERF.md)")
+    ap.add_argument("--subset", type=int, default=26,
+                    help="rows of a typical P1 step (docs/perf/HISTORY.md, twenty-first session)")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)

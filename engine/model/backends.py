@@ -93,7 +93,7 @@ class PagedAttention:
 SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segments
 # Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA on cuDNN with their
 # lengths bucketed (kernels.fresh_prefill_attention): 4 fresh 2,048-token segments took 366 µs a
-# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md);
+# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md, "Defaults");
 # continuations and short segments stay on the launch. Steps of more fresh tokens than the cap stay
 # on the launch too: the gain was measured up to the 8k chunk, and every shape under the cap is built
 # at start (22 at 8,192 tokens, ~1 s on the H200; the gpu preset's 32,768-token budget was 174
@@ -148,7 +148,7 @@ class FusedExperts(_Experts):
 
 
 # AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py's sweeps on the
-# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): the fused kernels beat the grouped GEMMs at
+# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md, "Defaults"): the fused kernels beat the grouped GEMMs at
 # every size measured (64 tokens × top-8 0.62×, 256 0.63×, 1,024 0.59×, 8,192 0.51× of their time).
 # Tiles grow with the rows an expert sees: 16 rows at decode sizes (an expert gets a few rows), with
 # 128-deep K steps for 16-bit weights (64–192 tokens: 300–322 µs against 312–335 at 64); 32 rows from
@@ -272,7 +272,7 @@ def prefill_kernel(setting: str, dtype: torch.dtype, capability: tuple[int, int]
                    cudnn: bool = True) -> str:
     """EngineConfig.prefill_attention on CUDA. auto in bf16: `hybrid` where it was measured (SM90+ with
     cuDNN: the paged launch, and cuDNN for steps of long fresh prompts; the 8k chunk 0.959x the launch
-    alone on the H200, docs/PERF.md), else the launch (`triton`); other dtypes: SDPA per segment (the
+    alone on the H200, docs/PERF.md, "Defaults"), else the launch (`triton`); other dtypes: SDPA per segment (the
     launch is bf16 only; fp32 stays on the exact path)."""
     if setting != "auto":
         return setting

@@ -13,7 +13,7 @@ time, so no full-precision copy of the model is ever held.
   Hopper, opt-in         `linear_scaled_mm`: torch._scaled_mm per 128x128 weight block with dynamic
                          activation scales (PDROLLOUT_FP8_SCALED_MM=1); runs on the H200 (2.7 %
                          relative error from the e4m3 activations) but ~170x slower than the
-                         dequantize path at an expert's shape (PERF.md), see docs/ARCHITECTURE.md
+                         dequantize path at an expert's shape (docs/PERF.md, "Defaults"), see docs/ARCHITECTURE.md
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
 
 def linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """e4m3 x e4m3 through torch._scaled_mm (the Hopper path: runs on the H200, slow, see PERF.md).
+    """e4m3 x e4m3 through torch._scaled_mm (the Hopper path: runs on the H200, slow, see docs/PERF.md, "Defaults").
     For each 128-wide slice of the reduction dimension the activations are quantized (dynamic:
     the slice's amax over all rows / 448), and each 128-row block of the weight is one GEMM with
     two per-tensor scales (activation slice, weight block): the one scaling mode every backend of

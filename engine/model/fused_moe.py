@@ -83,7 +83,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
 # 1,536 pairs on the H200 (16.5 against 21.1 µs; at 1,024 pairs 14.2 against 14.9: moe_kernels.py)
 ALIGN_KERNEL_MAX_PAIRS = 1024
 # Up to here each pair is a block of its own, no layout made (`direct`): a shared expert is read twice
-# (~1.5 µs each), the layout's launch is ~6 µs on the H200 (docs/PERF.md); 2 rows share ~0.5 at top-8,
+# (~1.5 µs each), the layout's launch is ~6 µs on the H200 (docs/PERF.md, "Defaults"); 2 rows share ~0.5 at top-8,
 # 4 rows ~3 under uniform routing (still faster there), more under a skewed router: kept at 2 rows.
 DIRECT_MAX_PAIRS = 16
 

@@ -8,7 +8,7 @@ query's position, and keeps an online softmax: causal, aligned bottom-right (a s
 the last q_len of its ctx_len positions), GQA by index (query head h reads KV head h // group).
 Every step in bf16 on CUDA but those of long fresh prompts (`EngineConfig.prefill_attention: auto`,
 i.e. hybrid: those go to cuDNN): timed on the H200 at P1, pd's P epochs of many short segments were
-28 % shorter than with SDPA (docs/PERF.md); tested under Triton's interpreter on CPU and compiled on
+28 % shorter than with SDPA (docs/PERF.md, "Defaults"); tested under Triton's interpreter on CPU and compiled on
 the GPU.
 
 A step with few tiles (one continuation of a few hundred tokens fused into D's step: one tile per
@@ -29,7 +29,7 @@ from .kernels import triton_interpreting
 
 # The launch's tile shape and pipelining, swept by e2e/gpu/attn_kernels.py on the H200: 128 × 128 with
 # 8 warps was within 1.3 % of the best of 36 at both the 8k chunk (309 TFLOP/s) and a P1 epoch's 32
-# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md)
+# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md, "Defaults")
 TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 LOG2E = 1.4426950408889634
 

@@ -1,11 +1,11 @@
 """Dense projections of a few rows (a decode step's tail: 1-16 rows) in one Triton launch over the
 weight's output columns, for cuBLAS's GEMMs there. At one row on the H200 a layer's q/k/v, o_proj and
 router GEMMs took 7.8, 8.8 (split-K and its reduce) and 4.9 µs against 5.0, 4.0 and 0.1 µs of HBM
-for their weights (docs/PERF.md, nineteenth session): at this size a GEMM is a read of its weight,
+for their weights (docs/perf/HISTORY.md, nineteenth session): at this size a GEMM is a read of its weight,
 and what it costs beyond that is launch shape. Each program reads BN of the weight's rows once for
 all the step's rows (one 16-row tile, tl.dot's minimum) and accumulates in fp32, as cuBLAS does; only
 the order of the K sum differs. Opt-in (`EngineConfig.dense_kernel: skinny`): timed on the H200
-(e2e/gpu/dense_kernels.py, docs/PERF.md twentieth session) it matched cuBLAS on q/k/v, lost on o_proj
+(e2e/gpu/dense_kernels.py, docs/perf/HISTORY.md, twentieth session) it matched cuBLAS on q/k/v, lost on o_proj
 (9.1 against 7.5-8.3 µs) and gained < 1 µs on the router, and the one-row decode step was 2 % slower
 with it, so cuBLAS stays the default; kept for other shapes and devices, tested under Triton's
 interpreter on CPU and against cuBLAS on CUDA.
@@ -23,7 +23,7 @@ MAX_ROWS = 16   # one row tile; past it the GEMM's own tiles pay off
 
 # (block_n, block_k, num_warps, num_stages): narrow column tiles so that even o_proj's 2,048 columns
 # give a program to every SM. The H200's sweep preferred wider ones per shape (64/128 for q/k/v, 32/512
-# for o_proj and the router: docs/perf/one-gpu-e3af726/dense/dense.json), none beating cuBLAS enough
+# for o_proj and the router: docs/perf/HISTORY.md, twentieth session), none beating cuBLAS enough
 # to change the default, so these stay
 TILES = (16, 256, 4, 4)
 

@@ -145,7 +145,7 @@ def load_preset(name_or_path: str) -> dict:
 
 KV_SPLITS_MAX = 16   # decode attention's context splits (model/kernels.py)
 SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
-SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md)
+SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md, "Defaults")
 DEFAULT_KV_CACHE_BYTES = 256 << 20   # kv_cache_bytes where nothing measures free memory (CPU, several ranks)
 # The rest of the measured free memory is the margin for what the start-up probe does not run:
 # sampling, NCCL buffers, cuDNN plans, allocator fragmentation (docs/ENGINE_API.md)
@@ -216,7 +216,7 @@ class EngineConfig(BaseModel):
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
     # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (the
-    # decode step 1.9 ms faster on the H200, docs/PERF.md), the torch ops elsewhere
+    # decode step 1.9 ms faster on the H200, docs/PERF.md, "Defaults"), the torch ops elsewhere
     add_norm: Literal["auto", "torch", "fused"] = "auto"
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
     # per (row, KV head), or "auto" from the batch and the SM count (2 at 32 rows on an H200, 1 from
@@ -227,43 +227,43 @@ class EngineConfig(BaseModel):
     router: Literal["auto", "torch", "fused"] = "auto"
     # bias-free projections (q/k/v, o_proj, the router) of up to 16 rows: cuBLAS (torch) or one Triton
     # launch over the weight's columns (model/skinny.py); auto: torch, which the launch did not beat on
-    # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/PERF.md, twentieth session)
+    # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/perf/HISTORY.md, twentieth session)
     dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context (sdpa), or every segment
     # of a step in one Triton launch straight from the paged cache (triton, bf16; model/paged_prefill.py).
     # SDPA costs ~6 launches and a Python dispatch per segment and layer: a P epoch of 30 continuation
-    # turns spent ~130 ms of host time issuing them (docs/PERF.md). hybrid: a step of at most 8,192
+    # turns spent ~130 ms of host time issuing them (docs/PERF.md, "Defaults"). hybrid: a step of at most 8,192
     # tokens whose segments are all fresh prompts of >= 2,048 runs SDPA on cuDNN (the 8k chunk 0.959x
-    # the launch on the H200, docs/PERF.md), lengths rounded up to 512 and batched per length so cuDNN
+    # the launch on the H200, docs/PERF.md, "Defaults"), lengths rounded up to 512 and batched per length so cuDNN
     # builds a bounded set of plans (22, ~1 s, all at start); any other step runs the launch.
     # auto: hybrid in bf16 on SM90+ with cuDNN, triton in bf16 before SM90, sdpa in other dtypes
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # the paged launch's walks split along the context into n stretches, merged by a second launch;
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one
     # program per SM (model/paged_prefill.walk_splits: 128 new tokens over 4k, 97 → 60 µs a layer on
-    # the H200, docs/PERF.md); 1: every walk whole
+    # the H200, docs/PERF.md, "Defaults"); 1: every walk whole
     prefill_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
-    # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
+    # issuing its kernels (docs/PERF.md, "Defaults"). None: 4096 on CUDA with one rank, off elsewhere; 0 or
     # `cuda_graphs: false`: off. On CPU a number runs the same pieces eagerly (the padding and
     # buffers, for tests). Several ranks: off (P stops at each MoE boundary there).
     prefill_graph_tokens: int | None = Field(default=None, ge=0)
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
-    # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
+    # (measured: docs/PERF.md, "Defaults"), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
     # pd on one rank with solo_overlap: a step whose P is at most this many tokens runs as one fused
     # P+D forward instead of an epoch beside D. A P of a few hundred tokens reads nearly every
     # expert's weights, as a D step does: fused, they are read once and P's first tokens come a step
     # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (measured
     # at P1 on the H200: p50 TTFT 54 ms against 80 with every P beside D, makespan level or lower;
-    # docs/PERF.md), 0 elsewhere; 0: every P beside D. Not on several ranks (their P spans D through
+    # docs/PERF.md, "Defaults"), 0 elsewhere; 0: every P beside D. Not on several ranks (their P spans D through
     # the turnstile).
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
     # first; "none": equal priorities. None: "d" on one rank (measured at P1: the makespan session's
-    # D steps run beside others' P epochs, and D first took ~3 % off pd's makespan; docs/PERF.md),
+    # D steps run beside others' P epochs, and D first took ~3 % off pd's makespan; docs/PERF.md, "Defaults"),
     # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
     # their thread issuing kernels, not by SMs.
     priority_stream: Literal["p", "d", "none"] | None = None
@@ -275,12 +275,12 @@ class EngineConfig(BaseModel):
     # spends most of an epoch in Python issuing kernels; each time D's loop blocks (a synchronize)
     # it gets the GIL back only when P's thread reaches the interval: ~5 ms late per block
     # (e2e/gil_handoff.py). Off: on the H200 0.2 ms changed neither D's steps beside real P forwards
-    # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/PERF.md).
+    # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/perf/HISTORY.md, twelfth session).
     switch_interval_ms: float | None = Field(default=None, gt=0)
     # pd: an idle engine (nothing decoding or prefilling) holds arriving requests while they keep
     # coming less than policy.IDLE_QUIET_MS apart, up to this long after the first. A rollout's first
     # turns reach the server over ~8 ms; the first one alone took a 30-44 ms step on the H200 that the
-    # other 31 waited out, ~10 % of their TTFT (docs/PERF.md). None: off (opt-in until measured)
+    # other 31 waited out, ~10 % of their TTFT (HISTORY.md, sixteenth session). None: off (opt-in until measured)
     p_idle_gather_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in

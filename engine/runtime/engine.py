@@ -73,7 +73,7 @@ class Engine(EngineOps):
         if self._solo_overlap:
             # P epochs beside D's graphs no longer stall D, so a long-waiting P may take the whole
             # budget, and a burst of first turns runs alone as under `normal`: both on unless the
-            # config says otherwise (docs/PERF.md)
+            # config says otherwise (docs/PERF.md, "Defaults")
             c = self.control
             self.control = c.model_copy(update={
                 "p_wait_bound_ms": SOLO_P_WAIT_BOUND_MS if c.p_wait_bound_ms is None else c.p_wait_bound_ms,

@@ -3,7 +3,7 @@ epoch, `normal`'s P step, `mixed`'s fused step) replays captured pieces instead 
 kernels a layer from Python.
 
 Why: a P epoch at P1 carries 160-320 new tokens, and its thread spent 50-90 ms issuing an eager
-forward whose kernels take ~27 ms (docs/PERF.md); every first token in the epoch waited for that
+forward whose kernels take ~27 ms (docs/PERF.md, "Defaults"); every first token in the epoch waited for that
 host time. D has had graphs from the start because its shapes are fixed; P's are not, in two ways:
 - the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
   null slot, so padding writes no real K/V; `live` 0, so its stale tokens route to no expert, as a

@@ -27,7 +27,7 @@ class StepLog:
     def timed_d(self, stream):
         """CUDA events around what is enqueued inside on `stream` (the D graph replay and its inputs'
         copy): the step's line gets its time on the GPU as `d_gpu_s`, and the wall less it is the
-        host's part (docs/PERF.md, eighteenth session)."""
+        host's part (docs/perf/HISTORY.md, eighteenth session)."""
         import torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)

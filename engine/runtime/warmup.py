@@ -1,4 +1,5 @@
-"""First uses before P and D can overlap on CUDA (issue 8, docs/PERF.md).
+"""First uses before P and D can overlap on CUDA (issue 8; docs/PERF.md,
+"The crossed-group stall on four H200s").
 
 Native stacks of the crossed stall on two H200s showed the other path's thread blocked in the
 driver at a *first use*: cuBLASLt setting a new kernel's attributes (cuKernelSetAttribute) and a

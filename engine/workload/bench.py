@@ -258,7 +258,8 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
     every other round (a drift over the run falls on every mode alike); each mode's median server
     (the lower one of an even count) stands for it in the table and plots, and results.json's
     `repeats` holds every server's makespan and the ratios between the modes' medians. Identical
-    servers on one GPU end up to ~7 % apart (docs/PERF.md), more than pd and mixed differ."""
+    servers on one GPU end up to ~7 % apart (docs/PERF.md, "How to read these figures"), more than pd and
+    mixed differ."""
     import os
 
     from .measures import check_same_work, format_repeats, format_table, repeat_spread

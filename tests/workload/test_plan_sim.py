@@ -1,5 +1,5 @@
 """e2e/plan_sim.py: the engine's Scheduler and policies on a virtual clock, step times from a fitted
-cost model (docs/PERF.md, "The planner on a virtual clock")."""
+cost model (docs/perf/HISTORY.md, "The planner on a virtual clock")."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -57,7 +57,7 @@ def test_overlap_lets_d_go_on_while_a_p_epoch_is_in_flight():
     assert overlap["makespan_s"] == pytest.approx(0.05 + 5 * 0.01)
 
 
-# ---- the multi-rank engine's cost model (e2e/rank_cost.py, e2e/rank_sim.py; docs/PERF.md, "A cost
+# ---- the multi-rank engine's cost model (e2e/rank_cost.py, e2e/rank_sim.py; docs/PERF.md, "The cost
 # model of the multi-rank engine") --------------------------------------------------------------
 sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
 import rank_cost  # noqa: E402
