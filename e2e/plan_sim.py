@@ -70,6 +70,60 @@ def fit(steps: list[dict]) -> Cost:
     return Cost((float(ag), float(max(bg, 0.0))), (float(ae), float(max(be, 0.0)), float(ce)))
 
 
+class Clients:
+    """The closed loop's clients on a virtual clock: a session's next turn is released once its last one
+    finished plus the trace's wait (scaled by the pressure); its context grows by what the engine answered."""
+
+    def __init__(self, rows: list[dict], pressure: str, seed: int, vocab: int, now: list[float]) -> None:
+        self.trajs = list(sessions(rows).values())
+        self.scale, self.seed, self.vocab, self.now = PRESSURE[pressure], seed, vocab, now
+        self.ready = [(0.0, i, 0) for i in range(len(self.trajs))]   # (release time, session, turn)
+        self.context: dict[int, list[int]] = {i: [] for i in range(len(self.trajs))}
+        self.live: dict[str, tuple[int, int, float]] = {}          # rid -> (session, turn, release)
+        self.first: dict[str, float] = {}
+        self.ttft: list[float] = []
+        self.end = 0.0
+
+    def released(self):
+        """(rid, prompt ids, trace row, session, turn) of each turn due by now."""
+        for item in sorted(x for x in self.ready if x[0] <= self.now[0]):
+            self.ready.remove(item)
+            t, i, k = item
+            row = self.trajs[i][k]
+            ids = self.context[i] + synthetic_ids(self.seed, i, row["turn"], row["input_length"], self.vocab)
+            self.context[i] = ids
+            rid = f"{i}-{k}"
+            self.live[rid] = (i, k, t)
+            yield rid, ids, row, i, k
+
+    def answered(self, outputs) -> None:
+        for out in outputs:
+            i, k, t = self.live[out.rid]
+            if out.new_token_ids:
+                self.context[i] = self.context[i] + out.new_token_ids
+                self.first.setdefault(out.rid, self.now[0])
+            if out.finished:
+                del self.live[out.rid]
+                self.ttft.append(1000 * (self.first[out.rid] - t))
+                self.end = self.now[0]
+                if k + 1 < len(self.trajs[i]):
+                    wait = self.trajs[i][k + 1].get("delay_ms", 0) * self.scale / 1000.0
+                    self.ready.append((self.now[0] + wait, i, k + 1))
+
+    def idle(self, mode: str, flight_end: float | None) -> bool:
+        """Nothing ran this step: jump the clock to the next release or epoch end; False when all is done."""
+        if flight_end is None and not self.ready:
+            if not self.live:
+                return False
+            raise RuntimeError(f"{mode}: nothing runs and nothing is released: {sorted(self.live)}")
+        self.now[0] = max(self.now[0], min([x[0] for x in self.ready] + ([flight_end] if flight_end else [])))
+        return True
+
+    def summary(self, d_wait: list[float], steps: int) -> dict:
+        return {"makespan_s": self.end, "p99_ttft_ms": float(np.percentile(self.ttft, 99)),
+                "mean_decode_wait_ms": 1000 * statistics.fmean(d_wait) if d_wait else 0.0, "steps": steps}
+
+
 def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: str = "P1",
              control: dict | None = None, priority: str = "none", vocab: int = 151936,
              max_running: int = 64, num_blocks: int = 1 << 16, overlap: bool = False) -> dict:
@@ -79,51 +133,25 @@ def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: st
     mcfg = ModelConfig.from_dict(load_preset("qwen3-30b-a3b"))
     sched = Scheduler(cfg, mcfg, num_blocks, clock=lambda: now[0])
     ctl = ControlSettings.model_validate(control or {})
-    scale = PRESSURE[pressure]
-    trajs = list(sessions(rows).values())
-    ready = [(0.0, i, 0) for i in range(len(trajs))]          # (release time, session, turn)
-    context: dict[int, list[int]] = {i: [] for i in range(len(trajs))}
-    live: dict[str, tuple[int, int, float]] = {}               # rid -> (session, turn, release)
-    first: dict[str, float] = {}
-    ttft, d_wait, n_steps, end = [], [], 0, 0.0
+    clients = Clients(rows, pressure, seed, vocab, now)
+    d_wait, n_steps = [], 0
     flight = None      # overlap: (when the P epoch in flight ends, its launched P rows)
 
     def finish(launched) -> None:
-        nonlocal end
         sched.apply_result(launched, {r.req.rid: (1, None) for r in launched.rows if r.samples}, now[0])
-        for out in sched.outputs():
-            i, k, t = live[out.rid]
-            if out.new_token_ids:
-                context[i] = context[i] + out.new_token_ids
-                first.setdefault(out.rid, now[0])
-            if out.finished:
-                del live[out.rid]
-                ttft.append(1000 * (first[out.rid] - t))
-                end = now[0]
-                if k + 1 < len(trajs[i]):
-                    ready.append((now[0] + trajs[i][k + 1].get("delay_ms", 0) * scale / 1000.0, i, k + 1))
+        clients.answered(sched.outputs())
 
-    while ready or live:
-        for item in sorted(x for x in ready if x[0] <= now[0]):
-            ready.remove(item)
-            t, i, k = item
-            row = trajs[i][k]
-            ids = context[i] + synthetic_ids(seed, i, row["turn"], row["input_length"], vocab)
-            context[i] = ids
-            rid = f"{i}-{k}"
-            left = work_left(trajs[i], k) if priority == "critical-path" else 0
+    while clients.ready or clients.live:
+        for rid, ids, row, i, k in clients.released():
+            left = work_left(clients.trajs[i], k) if priority == "critical-path" else 0
             sched.submit(rid, ids, SamplingParams(max_new_tokens=row["output_length"], ignore_eos=True),
                          priority=left)
-            live[rid] = (i, k, t)
         if flight is not None and now[0] >= flight[0]:
             flight = finish(flight[1])
         launched = sched.plan_step(ctl, p_busy=flight is not None)
         if launched is None:
-            if flight is None and not ready:
-                if not live:
-                    break       # the epoch that just finished was the last work
-                raise RuntimeError(f"{mode}: nothing runs and nothing is released: {sorted(live)}")
-            now[0] = max(now[0], min([x[0] for x in ready] + ([flight[0]] if flight else [])))
+            if not clients.idle(mode, flight[0] if flight else None):
+                break       # the epoch that just finished was the last work
             continue
         d_wait += launched.decode_waits
         n_steps += 1
@@ -138,8 +166,7 @@ def simulate(rows: list[dict], mode: str, cost: Cost, *, seed: int, pressure: st
             continue
         now[0] += cost.step_s(len(plan.decode), plan.prefill_tokens)
         finish(launched)
-    return {"makespan_s": end, "p99_ttft_ms": float(np.percentile(ttft, 99)),
-            "mean_decode_wait_ms": 1000 * statistics.fmean(d_wait) if d_wait else 0.0, "steps": n_steps}
+    return clients.summary(d_wait, n_steps)
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,6 @@ A model, not a measurement: the projection holds as far as the validation rows s
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import platform
 import statistics
@@ -20,7 +19,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plan_sim   # noqa: E402
@@ -30,8 +28,7 @@ from rank_cost import H20, Links, RankModel, fit_old, joint_steps, new_structure
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset   # noqa: E402
 from pdrollout.engine.scheduler.request import SamplingParams   # noqa: E402
 from pdrollout.engine.scheduler.scheduler import Scheduler   # noqa: E402
-from pdrollout.engine.workload.bench import synthetic_ids   # noqa: E402
-from pdrollout.engine.workload.trace import PRESSURE, generate, sessions   # noqa: E402
+from pdrollout.engine.workload.trace import generate   # noqa: E402
 
 RUNS = "docs/perf/one-stack/small-x2"
 MODES = ("normal", "mixed", "pd")
@@ -55,52 +52,28 @@ def simulate(rows: list[dict], mode: str, model: RankModel, *, seed: int, pressu
     cfg = EngineConfig(model="sim", mode=mode, block_size=16, max_running=max_running)
     mcfg = ModelConfig.from_dict(load_preset("qwen3-30b-a3b"))
     scheds = [Scheduler(cfg, mcfg, num_blocks, clock=lambda: now[0]) for _ in range(model.adp)]
-    ctl, scale = ControlSettings(), PRESSURE[pressure]
-    trajs = list(sessions(rows).values())
-    ready = [(0.0, i, 0) for i in range(len(trajs))]
-    context: dict[int, list[int]] = {i: [] for i in range(len(trajs))}
-    live: dict[str, tuple[int, int, float]] = {}
-    first: dict[str, float] = {}
-    ttft, d_wait, n_steps, p_steps, end = [], [], 0, 0, 0.0
+    ctl = ControlSettings()
+    clients = plan_sim.Clients(rows, pressure, seed, vocab, now)
+    d_wait, n_steps, p_steps = [], 0, 0
     flight = None   # (when the P epoch in flight ends, its launched P parts per replica)
 
     def finish(parts) -> None:
-        nonlocal end
         for s, x in zip(scheds, parts):
             if x is not None:
                 s.apply_result(x, {r.req.rid: (1, None) for r in x.rows if r.samples}, now[0])
-        for out in (o for s in scheds for o in s.outputs()):
-            i, k, t = live[out.rid]
-            if out.new_token_ids:
-                context[i] = context[i] + out.new_token_ids
-                first.setdefault(out.rid, now[0])
-            if out.finished:
-                del live[out.rid]
-                ttft.append(1000 * (first[out.rid] - t))
-                end = now[0]
-                if k + 1 < len(trajs[i]):
-                    ready.append((now[0] + trajs[i][k + 1].get("delay_ms", 0) * scale / 1000.0, i, k + 1))
+        clients.answered(o for s in scheds for o in s.outputs())
 
-    while ready or live:
-        for item in sorted(x for x in ready if x[0] <= now[0]):
-            ready.remove(item)
-            t, i, k = item
-            ids = context[i] + synthetic_ids(seed, i, trajs[i][k]["turn"], trajs[i][k]["input_length"], vocab)
-            context[i] = ids
-            rid = f"{i}-{k}"
+    while clients.ready or clients.live:
+        for rid, ids, row, _, _ in clients.released():
             r = min(range(len(scheds)), key=lambda j: (len(scheds[j].reqs), j))   # engine.py's routing
-            scheds[r].submit(rid, ids, SamplingParams(max_new_tokens=trajs[i][k]["output_length"], ignore_eos=True))
-            live[rid] = (i, k, t)
+            scheds[r].submit(rid, ids, SamplingParams(max_new_tokens=row["output_length"], ignore_eos=True))
         if flight is not None and now[0] >= flight[0]:
             parts, flight = flight[1], None
             finish(parts)
         launched = [s.plan_step(ctl, p_busy=flight is not None) for s in scheds]
         if all(x is None for x in launched):
-            if flight is None and not ready:
-                if not live:
-                    break
-                raise RuntimeError(f"{mode}: nothing runs and nothing is released: {sorted(live)}")
-            now[0] = max(now[0], min([x[0] for x in ready] + ([flight[0]] if flight else [])))
+            if not clients.idle(mode, flight[0] if flight else None):
+                break
             continue
         n_steps += 1
         d_wait += [w for x in launched if x for w in x.decode_waits]
@@ -120,8 +93,7 @@ def simulate(rows: list[dict], mode: str, model: RankModel, *, seed: int, pressu
         else:
             now[0] += model.d_step_s(rows_r, beside_p=flight is not None)
             finish(launched)
-    return {"makespan_s": end, "p99_ttft_ms": float(np.percentile(ttft, 99)),
-            "mean_decode_wait_ms": 1000 * statistics.fmean(d_wait) if d_wait else 0.0, "steps": n_steps, "p_steps": p_steps}
+    return {**clients.summary(d_wait, n_steps), "p_steps": p_steps}
 
 
 def measured(root: str, seed: int) -> dict:
