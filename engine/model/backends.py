@@ -211,19 +211,10 @@ class Backends:
     experts: object
     add_norm: object = None     # (x, y|None, weight, eps) -> (x+y, rms_norm(x+y)); None: the torch ops
     router: object = None       # (logits, top_k, norm, dtype) -> (weights, ids); None: ops.route
-    linear: object = None       # (x, weight) -> x @ weight.T for a few rows (skinny.py); None: F.linear
 
     def residual_norm(self, x, y, weight, eps: float):
         from . import norms
         return (self.add_norm or norms.torch_add_norm)(x, y, weight, eps)
-
-    def dense(self, x, weight):
-        """A bias-free projection: `linear` for up to skinny.MAX_ROWS rows (from the shapes alone, so a
-        captured graph keeps its choice), F.linear otherwise."""
-        from .skinny import MAX_ROWS
-        if self.linear is not None and 0 < x.shape[0] <= MAX_ROWS:
-            return self.linear(x, weight)
-        return torch.nn.functional.linear(x, weight)
 
     def route(self, router_logits, top_k: int, norm_topk_prob: bool, dtype: torch.dtype, live=None):
         return (self.router or ops.route)(router_logits, top_k, norm_topk_prob, dtype, live)
@@ -232,19 +223,17 @@ class Backends:
     def name(self) -> str:
         norm = "+FusedAddNorm" if self.add_norm is not None else ""
         router = "+FusedRouter" if self.router is not None else ""
-        dense = "+SkinnyDense" if self.linear is not None else ""
-        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}{dense}"
+        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}"
 
 
 def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
                   prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
-                  router: str = "auto", prefill: str = "auto", prefill_splits: int | str = "auto",
-                  dense: str = "auto") -> Backends:
+                  router: str = "auto", prefill: str = "auto", prefill_splits: int | str = "auto") -> Backends:
     """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
     (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
     decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
     `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention); `prefill_splits`: the paged
-    launch's (EngineConfig.prefill_kv_splits); `dense`: auto|torch|skinny (EngineConfig.dense_kernel);
+    launch's (EngineConfig.prefill_kv_splits);
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
@@ -262,9 +251,6 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
     if router == "fused":
         from .router import fused_route
         backends = replace(backends, router=fused_route)
-    if dense == "skinny":   # auto: cuBLAS, faster on the H200 at these shapes (e2e/gpu/dense_kernels.py)
-        from .skinny import linear_rows
-        backends = replace(backends, linear=linear_rows)
     return backends
 
 

@@ -9,6 +9,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from . import turnstile
+from .removed import refuse_removed, refuse_removed_env
+
 PRESETS_DIR = Path(__file__).parent.parent / "presets"   # engine/presets (package data)
 
 
@@ -151,8 +154,9 @@ DEFAULT_KV_CACHE_BYTES = 256 << 20   # kv_cache_bytes where nothing measures fre
 # sampling, NCCL buffers, cuDNN plans, allocator fragmentation (docs/ENGINE_API.md)
 KV_MEM_FRACTION = 0.9
 
-Activation = Literal["on", "off", "auto"]
-Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
+# the values of turnstile's enums, defined there once
+Activation = Literal[tuple(a.value for a in turnstile.Activation)]
+Ordering = Literal[tuple(o.value for o in turnstile.Ordering)]
 Mode = Literal["normal", "mixed", "pd"]
 
 
@@ -225,10 +229,6 @@ class EngineConfig(BaseModel):
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
     # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
-    # bias-free projections (q/k/v, o_proj, the router) of up to 16 rows: cuBLAS (torch) or one Triton
-    # launch over the weight's columns (model/skinny.py); auto: torch, which the launch did not beat on
-    # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/PERF.md, twentieth session)
-    dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context (sdpa), or every segment
     # of a step in one Triton launch straight from the paged cache (triton, bf16; model/paged_prefill.py).
     # SDPA costs ~6 launches and a Python dispatch per segment and layer: a P epoch of 30 continuation
@@ -262,21 +262,9 @@ class EngineConfig(BaseModel):
     # the turnstile).
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
-    # first; "none": equal priorities. None: "d" on one rank (measured at P1: the makespan session's
-    # D steps run beside others' P epochs, and D first took ~3 % off pd's makespan; docs/PERF.md),
-    # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
-    # their thread issuing kernels, not by SMs.
-    priority_stream: Literal["p", "d", "none"] | None = None
-    # pd on one CUDA rank: a P epoch that starts beside D launches on a green context of this many SMs
-    # (D keeps every SM: its kernels always find the others free of P's); an epoch with no D beside
-    # it keeps every SM. 0: off. Not on several ranks (their streams follow `--sm-partition`).
-    p_sms: int = Field(default=0, ge=0)
-    # The interpreter's GIL switch interval for this process (None: Python's, 5 ms). pd's P thread
-    # spends most of an epoch in Python issuing kernels; each time D's loop blocks (a synchronize)
-    # it gets the GIL back only when P's thread reaches the interval: ~5 ms late per block
-    # (e2e/gil_handoff.py). Off: on the H200 0.2 ms changed neither D's steps beside real P forwards
-    # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/PERF.md).
-    switch_interval_ms: float | None = Field(default=None, gt=0)
+    # first; "none": equal priorities. None: "d" on one rank (D first shortened pd's makespan at P1:
+    # docs/PERF.md), "none" on several (not measured there).
+    priority_stream: Literal["d", "none"] | None = None
     # pd: an idle engine (nothing decoding or prefilling) holds arriving requests while they keep
     # coming less than policy.IDLE_QUIET_MS apart, up to this long after the first. A rollout's first
     # turns reach the server over ~8 ms; the first one alone took a 30-44 ms step on the H200 that the
@@ -315,19 +303,18 @@ class EngineConfig(BaseModel):
             return self.solo_fuse_tokens
         return SOLO_FUSE_TOKENS_CUDA if device_type == "cuda" else 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data):
+        refuse_removed_env()
+        return refuse_removed(data)
+
     @field_validator("speculative_k")
     @classmethod
     def _spec_k(cls, v):
         if not 1 <= v <= SPEC_K_MAX:
             raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
         return v
-
-    @model_validator(mode="after")
-    def _p_sms(self):
-        if self.p_sms and (self.mode != "pd" or self.solo_overlap is False):
-            raise ValueError(f"p_sms={self.p_sms} narrows P epochs beside D: mode 'pd' with solo_overlap "
-                             f"(got mode {self.mode!r}, solo_overlap {self.solo_overlap})")
-        return self
 
     @model_validator(mode="after")
     def _draft(self):

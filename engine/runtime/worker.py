@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 
 import torch
@@ -80,7 +79,7 @@ class Worker:
             resolve_dtype(config.dtype, self.cfg)
         self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
                                       config.add_norm, config.decode_kv_splits, config.router,
-                                      config.prefill_attention, config.prefill_kv_splits, config.dense_kernel)
+                                      config.prefill_attention, config.prefill_kv_splits)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
         # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). One rank's D
@@ -123,8 +122,6 @@ class Worker:
             self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
             self.p_graphs.capture()
         self.kv_sizing = settle(self, sized)   # the probe's cache measured and resized (kv_sizing.py), logged
-        if config.switch_interval_ms:   # a busy P thread hands the GIL to D's loop sooner (e2e/gil_handoff.py)
-            sys.setswitchinterval(config.switch_interval_ms / 1e3)
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
