@@ -189,7 +189,7 @@ def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
 
 class AutoExperts(_Experts):
     # FP8 experts too: each weight tile dequantized in registers (the grouped GEMMs would need the
-    # layer's experts dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms)
+    # layer's experts dequantized each forward, an order of magnitude slower: docs/PERF.md)
     fp8_in_kernel = True
 
     def fn(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0, fp8=None):
@@ -257,9 +257,9 @@ def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto
 def prefill_kernel(setting: str, dtype: torch.dtype, capability: tuple[int, int] = (9, 0),
                    cudnn: bool = True) -> str:
     """EngineConfig.prefill_attention on CUDA. auto in bf16: `hybrid` where it was measured (SM90+ with
-    cuDNN: the paged launch, and cuDNN for steps of long fresh prompts; the 8k chunk 0.959x the launch
-    alone on the H200, docs/PERF.md), else the launch (`triton`); other dtypes: SDPA per segment (the
-    launch is bf16 only; fp32 stays on the exact path)."""
+    cuDNN: the paged launch, and cuDNN for steps of long fresh prompts, faster there: docs/PERF.md),
+    else the launch (`triton`); other dtypes: SDPA per segment (the launch is bf16 only; fp32 stays
+    on the exact path)."""
     if setting != "auto":
         return setting
     if dtype != torch.bfloat16:

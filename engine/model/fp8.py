@@ -77,8 +77,8 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights dequantized once per (storage, dtype), not per call: dequantizing the
-        attention linears in every forward cost 9 ms of a 40 ms decode step of the 30B-A3B shape on
-        the H200, and these linears are ~3 % of its weights (the experts stay e4m3, fused_moe.py).
+        attention linears in every forward was a large share of a decode step (docs/PERF.md), and
+        these linears are a small share of the weights (the experts stay e4m3, fused_moe.py).
         Keyed by the tensors' addresses, so weights moved by a memory resume are dequantized again."""
         key = (self.weight.data_ptr(), self.weight_scale_inv.data_ptr(), dtype)
         if self._dequantized is None or self._dequantized[0] != key:

@@ -30,8 +30,8 @@ def _kernel(interpret: bool):
                      skc_t, skc_h, svc_t, svc_h, sc_t, HQ, HK, QP,
                      D: tl.constexpr, BH: tl.constexpr):
         # One launch a layer: programs [0, QP) take BH of q's heads (in place), the rest BH of k's,
-        # written to the cache at the token's slot with v's same heads (at decode, 3 launches had
-        # been 5.4 µs of a 1-row layer's ~80 on the H200, two of them launch latency: docs/PERF.md)
+        # written to the cache at the token's slot with v's same heads (at decode the separate
+        # launches were mostly launch latency: docs/PERF.md)
         t = tl.program_id(0)
         j = tl.program_id(1)
         half = tl.arange(0, D // 2)

@@ -213,38 +213,36 @@ class EngineConfig(BaseModel):
     seed: int = 0
     cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     # routed experts on CUDA: grouped GEMMs, the fused Triton path (model/fused_moe.py), or auto: fused
-    # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (measured on the H200:
-    # backends.fused_tiles)
+    # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (backends.fused_tiles)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
     # q/k norm + RoPE + KV write: torch ops, one Triton launch a layer (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
-    # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (the
-    # decode step 1.9 ms faster on the H200, docs/PERF.md), the torch ops elsewhere
+    # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (a
+    # faster decode step, docs/PERF.md), the torch ops elsewhere
     add_norm: Literal["auto", "torch", "fused"] = "auto"
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
-    # per (row, KV head), or "auto" from the batch and the SM count (2 at 32 rows on an H200, 1 from
-    # 33: a wave of programs); 1: always one pass
+    # per (row, KV head), or "auto" from the batch and the SM count (splits only while the batch's
+    # programs fill less than a wave); 1: always one pass
     decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
-    # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
+    # auto: fused in bf16 on CUDA (a faster decode step, docs/PERF.md), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context (sdpa), or every segment
     # of a step in one Triton launch straight from the paged cache (triton, bf16; model/paged_prefill.py).
-    # SDPA costs ~6 launches and a Python dispatch per segment and layer: a P epoch of 30 continuation
-    # turns spent ~130 ms of host time issuing them (docs/PERF.md). hybrid: a step of at most 8,192
-    # tokens whose segments are all fresh prompts of >= 2,048 runs SDPA on cuDNN (the 8k chunk 0.959x
-    # the launch on the H200, docs/PERF.md), lengths rounded up to 512 and batched per length so cuDNN
-    # builds a bounded set of plans (22, ~1 s, all at start); any other step runs the launch.
+    # SDPA costs several launches and a Python dispatch per segment and layer, which bound P epochs of
+    # many continuation turns (docs/PERF.md). hybrid: a step of at most 8,192 tokens whose segments
+    # are all fresh prompts of >= 2,048 runs SDPA on cuDNN (faster than the launch on long fresh
+    # prompts, docs/PERF.md), lengths rounded up to 512 and batched per length so cuDNN builds a
+    # bounded set of plans, all at start; any other step runs the launch.
     # auto: hybrid in bf16 on SM90+ with cuDNN, triton in bf16 before SM90, sdpa in other dtypes
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # the paged launch's walks split along the context into n stretches, merged by a second launch;
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one
-    # program per SM (model/paged_prefill.walk_splits: 128 new tokens over 4k, 97 → 60 µs a layer on
-    # the H200, docs/PERF.md); 1: every walk whole
+    # program per SM (model/paged_prefill.walk_splits); 1: every walk whole
     prefill_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
-    # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
+    # bucket, cut at each layer's attention (runtime/prefill_graphs.py): an eager P epoch is bound by
     # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
     # `cuda_graphs: false`: off. On CPU a number runs the same pieces eagerly (the padding and
     # buffers, for tests). Several ranks: off (P stops at each MoE boundary there).
@@ -256,10 +254,9 @@ class EngineConfig(BaseModel):
     # pd on one rank with solo_overlap: a step whose P is at most this many tokens runs as one fused
     # P+D forward instead of an epoch beside D. A P of a few hundred tokens reads nearly every
     # expert's weights, as a D step does: fused, they are read once and P's first tokens come a step
-    # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (measured
-    # at P1 on the H200: p50 TTFT 54 ms against 80 with every P beside D, makespan level or lower;
-    # docs/PERF.md), 0 elsewhere; 0: every P beside D. Not on several ranks (their P spans D through
-    # the turnstile).
+    # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (lower
+    # TTFT at P1 than every P beside D, makespan level or lower: docs/PERF.md), 0 elsewhere; 0: every
+    # P beside D. Not on several ranks (their P spans D through the turnstile).
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
     # first; "none": equal priorities. None: "d" on one rank (D first shortened pd's makespan at P1:
@@ -267,8 +264,8 @@ class EngineConfig(BaseModel):
     priority_stream: Literal["d", "none"] | None = None
     # pd: an idle engine (nothing decoding or prefilling) holds arriving requests while they keep
     # coming less than policy.IDLE_QUIET_MS apart, up to this long after the first. A rollout's first
-    # turns reach the server over ~8 ms; the first one alone took a 30-44 ms step on the H200 that the
-    # other 31 waited out, ~10 % of their TTFT (docs/PERF.md). None: off (opt-in until measured)
+    # turns reach the server over a few ms; otherwise the first one alone takes a step the others wait
+    # out (docs/PERF.md). None: off (opt-in until measured)
     p_idle_gather_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
