@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ops
+from ..protocol.config import KernelPicks
 
 
 def torch_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slot_mapping):
@@ -226,25 +227,19 @@ class Backends:
         return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}"
 
 
-def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
-                  router: str = "auto", prefill: str = "auto", prefill_splits: int | str = "auto") -> Backends:
-    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
-    (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
-    decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
-    `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention); `prefill_splits`: the paged
-    launch's (EngineConfig.prefill_kv_splits);
+def make_backends(device: torch.device, dtype: torch.dtype, picks: KernelPicks = KernelPicks()) -> Backends:
+    """The kernels of `picks` (protocol/config.KernelPicks; an EngineConfig is one) on this device.
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
     bf16 = dtype == torch.bfloat16
     prologue, add_norm, router = (("fused" if bf16 else "torch") if k == "auto" else k
-                                  for k in (prologue, add_norm, router))
-    prefill = prefill_kernel(prefill, dtype, torch.cuda.get_device_capability(device),
+                                  for k in (picks.qk_prologue, picks.add_norm, picks.router))
+    prefill = prefill_kernel(picks.prefill_attention, dtype, torch.cuda.get_device_capability(device),
                              torch.backends.cudnn.is_available())
-    attention = PagedAttention(prologue, kv_splits, prefill, prefill_splits)
-    backends = _cuda_backends(device, dtype, experts, attention)
+    attention = PagedAttention(prologue, picks.decode_kv_splits, prefill, picks.prefill_kv_splits)
+    backends = _cuda_backends(device, dtype, picks.experts_kernel, attention)
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = replace(backends, add_norm=fused_add_norm)

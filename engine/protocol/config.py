@@ -192,26 +192,9 @@ class ControlSettings(BaseModel):
         return ControlSettings.model_validate({**self.model_dump(), **changes})
 
 
-class EngineConfig(BaseModel):
-    """Static engine settings (fixed for the life of an engine)."""
+class KernelPicks(BaseModel):
+    """The kernels a CUDA forward runs (model/backends.make_backends); CPU always runs the reference."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    mode: Mode = "pd"
-    block_size: int = Field(default=16, gt=0)
-    num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
-    # None: on one CUDA rank, kv_mem_fraction of the memory free once the weights, the graphs and the
-    # largest step hold theirs (runtime/kv_sizing.py); elsewhere DEFAULT_KV_CACHE_BYTES
-    kv_cache_bytes: int | None = Field(default=None, gt=0)
-    kv_mem_fraction: float = Field(default=KV_MEM_FRACTION, gt=0, le=1)
-    max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
-    max_context_len: int | None = None                   # None: the model's max_position_embeddings
-    mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
-    seed: int = 0
-    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     # routed experts on CUDA: grouped GEMMs, the fused Triton path (model/fused_moe.py), or auto: fused
     # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (backends.fused_tiles)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
@@ -241,6 +224,11 @@ class EngineConfig(BaseModel):
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one
     # program per SM (model/paged_prefill.walk_splits); 1: every walk whole
     prefill_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
+
+
+class PDTuning(BaseModel):
+    """How P and D share one device: P's graphs, P epochs beside D, stream priority, gathering."""
+
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): an eager P epoch is bound by
     # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
@@ -271,20 +259,6 @@ class EngineConfig(BaseModel):
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)
     prefill_warmup: bool | None = None
-    random_weights: bool = False                          # init on the device; `model` needs only config.json
-    control: ControlSettings = ControlSettings()
-    # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
-    speculative: Literal["ngram", "draft", "mtp"] | None = None
-    speculative_k: int = 4                                # draft tokens proposed per decode row
-    draft_model: str | None = None                        # checkpoint of speculative="draft"
-
-    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
-        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
-        if multi:
-            return 0
-        if self.prefill_graph_tokens is not None:
-            return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0
-        return 4096 if device_type == "cuda" and self.cuda_graphs else 0
 
     def solo_overlap_on(self, device_type: str) -> bool:
         return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"
@@ -300,11 +274,13 @@ class EngineConfig(BaseModel):
             return self.solo_fuse_tokens
         return SOLO_FUSE_TOKENS_CUDA if device_type == "cuda" else 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _removed(cls, data):
-        refuse_removed_env()
-        return refuse_removed(data)
+
+class Speculation(BaseModel):
+    """Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off."""
+
+    speculative: Literal["ngram", "draft", "mtp"] | None = None
+    speculative_k: int = 4                                # draft tokens proposed per decode row
+    draft_model: str | None = None                        # checkpoint of speculative="draft"
 
     @field_validator("speculative_k")
     @classmethod
@@ -312,6 +288,50 @@ class EngineConfig(BaseModel):
         if not 1 <= v <= SPEC_K_MAX:
             raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
         return v
+
+
+class MemorySizing(BaseModel):
+    """The KV cache's blocks and budget (docs/ENGINE_API.md, "The engine sized for its GPU")."""
+
+    block_size: int = Field(default=16, gt=0)
+    num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
+    # None: on one CUDA rank, kv_mem_fraction of the memory free once the weights, the graphs and the
+    # largest step hold theirs (runtime/kv_sizing.py); elsewhere DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    kv_mem_fraction: float = Field(default=KV_MEM_FRACTION, gt=0, le=1)
+
+
+class EngineConfig(KernelPicks, PDTuning, Speculation, MemorySizing):
+    """Static engine settings (fixed for the life of an engine): its groups' fields and these, one
+    flat set of keys as --engine-config takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mode: Mode = "pd"
+    max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
+    max_context_len: int | None = None                   # None: the model's max_position_embeddings
+    mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
+    seed: int = 0
+    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
+    random_weights: bool = False                          # init on the device; `model` needs only config.json
+    control: ControlSettings = ControlSettings()
+
+    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
+        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
+        if multi:
+            return 0
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0
+        return 4096 if device_type == "cuda" and self.cuda_graphs else 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data):
+        refuse_removed_env()
+        return refuse_removed(data)
 
     @model_validator(mode="after")
     def _draft(self):

@@ -77,9 +77,7 @@ class Worker:
         # random weights stand for a benchmark shape: bf16 unless told otherwise
         dtype = torch.bfloat16 if config.random_weights and config.dtype == "auto" else \
             resolve_dtype(config.dtype, self.cfg)
-        self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
-                                      config.add_norm, config.decode_kv_splits, config.router,
-                                      config.prefill_attention, config.prefill_kv_splits)
+        self.backends = make_backends(self.device, dtype, config)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
         # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). One rank's D
