@@ -70,9 +70,9 @@ class Worker:
         self.compiles = compile_watch(self.cuda)   # Triton compiles per step (the interpreter compiles none)
         if self.cuda:   # before any CUDA or NCCL work of this process (the current device is per thread)
             torch.cuda.set_device(self.device)
-            # SDPA's cuDNN backend builds a plan per new (q_len, ctx_len): every prefill row of a
-            # new length paid ~45 ms on the H200 (a 31-prompt burst: 1.6 s for 0.4 s of kernels,
-            # docs/PERF.md). Flash / memory-efficient attention need no per-shape plan.
+            # SDPA's cuDNN backend builds a plan per new (q_len, ctx_len): a burst of new lengths
+            # spent most of its time building plans (docs/PERF.md). Flash / memory-efficient
+            # attention need no per-shape plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
         # random weights stand for a benchmark shape: bf16 unless told otherwise
         dtype = torch.bfloat16 if config.random_weights and config.dtype == "auto" else \
