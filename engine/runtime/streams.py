@@ -69,7 +69,8 @@ class StreamDevice:
         pass
 
 
-def make_streams(device: torch.device, sm_partition: int = 0, priority: str | None = None) -> dict[str, torch.cuda.Stream]:
+def make_streams(device: torch.device, sm_partition: int = 0,
+                 priority: str | None = None) -> dict[str, torch.cuda.Stream]:
     """P's and D's streams; `priority` ("d", EngineConfig.priority_stream) creates that
     phase's stream at the device's highest priority, so the block scheduler gives SMs that free up
     to its waiting kernels first. With `sm_partition` S both live in green contexts of the same S
