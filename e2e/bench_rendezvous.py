@@ -1,5 +1,5 @@
 """Benchmark (not a test): the turnstile rendezvous transports side by side, in real rank
-processes over gloo on this host, plus the calibration the simulator needs (engine/workload/rdvsim.py).
+processes over gloo on this host, plus the calibration the simulator needs (e2e/rdvsim.py).
 
     python e2e/bench_rendezvous.py [--worlds 2 4 8] [--impls gather dissemination] [--rounds 500]
                                    [--reps 3] [--calib] [--out DIR]

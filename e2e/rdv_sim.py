@@ -37,9 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rendezvous import commit, machine  # noqa: E402
-from pdrollout.engine.workload.rdvrounds import StepTimes, logged_calls, turnstile  # noqa: E402
-from pdrollout.engine.workload.rdvsim import (TRANSPORTS, Calibration, Net, fit_fixed, fit_wake_p,  # noqa: E402
-                                                 quantiles, simulate)
+from rdvrounds import StepTimes, logged_calls, turnstile  # noqa: E402
+from rdvsim import TRANSPORTS, Calibration, Net, fit_fixed, fit_wake_p, quantiles, simulate  # noqa: E402
 
 SIZES = [8, 16, 32, 64, 128, 256]
 MS = 1e3

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rendezvous import commit, machine  # noqa: E402
-from pdrollout.engine.workload.rdvrounds import logged_calls, round_times  # noqa: E402
-from pdrollout.engine.workload.rdvsim import quantiles  # noqa: E402
+from rdvrounds import logged_calls, round_times  # noqa: E402
+from rdvsim import quantiles  # noqa: E402
 
 IDLE_EDGES_S = [0.0, 50e-6, 1e-3, 5e-3, float("inf")]
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
+from .protocol.config import Mode
 from .runtime.options import add_layout_args, add_rank_args, add_spec_args
 
 
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="run a JSONL file of /generate-shaped requests")
     g.add_argument("--model", required=True)
     g.add_argument("--requests", required=True, help="JSONL file, or - for stdin")
-    g.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
+    g.add_argument("--mode", choices=get_args(Mode), default="pd")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: --engine-config's, else auto)")
     g.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget (default: --engine-config's, else on one CUDA "

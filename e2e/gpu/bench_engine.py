@@ -158,8 +158,6 @@ def main():
     ap.add_argument("--add-norm", choices=["auto", "torch", "fused"], default="auto")
     ap.add_argument("--kv-splits", default="auto", help="decode attention's context splits: N or auto (the engine's)")
     ap.add_argument("--router", choices=["auto", "torch", "fused"], default="auto")
-    ap.add_argument("--dense-kernel", choices=["auto", "torch", "skinny"], default="auto",
-                    help="q/k/v, o_proj and router GEMMs of <= 16 rows (model/skinny.py)")
     ap.add_argument("--prefill-attention", choices=["auto", "sdpa", "triton", "hybrid"], default="auto")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--speculative-k", type=int, default=0, help="speculation with K drafts (0: off)")
@@ -168,7 +166,7 @@ def main():
     # includes the end of the prefill riding beside D: compare it under normal)
     ap.add_argument("--mode", choices=["normal", "pd"], default="normal")
     ap.add_argument("--temperature", type=float, default=0.0, help="1.0: every row samples (an RL rollout)")
-    ap.add_argument("--priority-stream", choices=["p", "d", "none"], default=None)
+    ap.add_argument("--priority-stream", choices=["d", "none"], default=None)
     ap.add_argument("--align", choices=["auto", "torch"], default="auto",
                     help="torch: the MoE align as torch ops at every size (the one-launch kernel's A/B)")
     ap.add_argument("--qkv", choices=["fused", "separate"], default="fused",
@@ -202,7 +200,6 @@ def main():
                             experts_kernel=a.experts_kernel, qk_prologue=a.qk_prologue, add_norm=a.add_norm,
                             decode_kv_splits=a.kv_splits if a.kv_splits == "auto" else int(a.kv_splits),
                             router=a.router, prefill_attention=a.prefill_attention, priority_stream=a.priority_stream,
-                            dense_kernel=a.dense_kernel,
                             prefill_graph_tokens=a.prefill_graph_tokens,
                             **({"speculative": a.speculative, "speculative_k": a.speculative_k}
                                if a.speculative_k else {}),
@@ -280,7 +277,7 @@ def main():
            "gpu": torch.cuda.get_device_name(), "layers": a.layers, "batch": a.batch, "ctx": a.ctx,
            "fp8": a.fp8, **spec,
            "experts": e.worker.backends.name, "qk_prologue": a.qk_prologue, "add_norm": a.add_norm,
-           "kv_splits": a.kv_splits, "router": a.router, "dense_kernel": a.dense_kernel, "align": a.align, "qkv": a.qkv, "prefill_attention": a.prefill_attention,
+           "kv_splits": a.kv_splits, "router": a.router, "align": a.align, "qkv": a.qkv, "prefill_attention": a.prefill_attention,
            "prefill_kernel": e.worker.backends.attention.prefill,   # what auto resolved to
            "mode": a.mode, "priority_stream": a.priority_stream, "temperature": a.temperature,
            "copy_bw_tbs": bw / 1e12, "bf16_tflops": peak / 1e12, "weights_gb": weight_bytes / 1e9,

@@ -11,8 +11,6 @@
 #                    step_costs.py --bound over the step logs
 #     trace          the same at trace pressure (SEEDS default 0,1: ~4 min a seed)
 #     decode         bench_engine.py decode steps at batch 1, 8 and 64 (graph replays) beside their floors
-#     dense          dense_kernels.py --sweep (cuBLAS against model/skinny.py at 1-16 rows, its tiles swept), then
-#                    bench_engine.py decode steps at batch 1, 2, 8, 16 with dense_kernel torch and skinny
 #     profiles       the copy rate eager and graph-captured (hbm.py), then profile_decode.py of one decode step
 #                    at batch 64 and of one 8k prefill chunk (the kernels by GPU time, wall beside them)
 #     spread         identical servers on the same seeds (SEEDS default 0,1,2): two `normal`, three `mixed`
@@ -24,8 +22,8 @@
 # Each part stops itself PART_BUDGET_S seconds in (default 540) so that packing always happens.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="${1:?usage: issue19.sh OUT tests|p1|trace|decode|dense|profiles|spread [SEEDS]}"
-part="${2:?usage: issue19.sh OUT tests|p1|trace|decode|dense|profiles|spread [SEEDS]}"
+out="${1:?usage: issue19.sh OUT tests|p1|trace|decode|profiles|spread [SEEDS]}"
+part="${2:?usage: issue19.sh OUT tests|p1|trace|decode|profiles|spread [SEEDS]}"
 seeds="${3:-}"
 shift $(( $# < 3 ? $# : 3 ))
 [ "${1:-}" = "--" ] && shift
@@ -72,17 +70,6 @@ case "$part" in
         --out "$dir/decode-b$b.json" > "$dir/decode-b$b.log" 2>&1
       tail -n 4 "$dir/decode-b$b.log"
     done ;;
-  dense)
-    timeout --signal=INT "$(left)" python3 "$here/dense_kernels.py" "$dir/dense.json" --sweep > "$dir/dense.log" 2>&1
-    tail -n 30 "$dir/dense.log"
-    for b in 1 2 8 16; do
-      for k in torch skinny; do
-        [ "$(left)" -gt 45 ] || break 2
-        timeout --signal=INT "$(left)" python3 "$here/bench_engine.py" --batch "$b" --ctx 2048 --steps 30 \
-          --dense-kernel "$k" --out "$dir/decode-b$b-$k.json" > "$dir/decode-b$b-$k.log" 2>&1
-        echo "b=$b $k $(grep -E '^decode_replay_ms ' "$dir/decode-b$b-$k.log" | tr -s ' ')"
-      done
-    done ;;
   profiles)
     python3 "$here/hbm.py" > "$dir/copy_bw.json" 2>&1; cat "$dir/copy_bw.json"
     timeout --signal=INT "$(left)" python3 "$here/profile_decode.py" --batch 64 --out "$dir/profile_b64.txt" > "$dir/profile_b64.log" 2>&1
@@ -109,5 +96,5 @@ case "$part" in
     done 2>&1 | tee "$dir/d_speed.txt"
     # the modes against each other over the repeated servers (the median server of each mode)
     python3 "$here/repeats.py" --json "$dir/repeats.json" "$dir/summary.json" 2>&1 | tee "$dir/repeats.md" ;;
-  *) echo "unknown part $part: tests, p1, trace, decode, dense, profiles or spread" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, p1, trace, decode, profiles or spread" >&2; exit 2 ;;
 esac

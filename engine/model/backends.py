@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ops
+from ..protocol.config import KernelPicks
 
 
 def torch_prologue(q, k, v, q_weight, k_weight, eps: float, cos, sin, k_cache, v_cache, slot_mapping):
@@ -93,7 +94,7 @@ class PagedAttention:
 SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segments
 # Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA on cuDNN with their
 # lengths bucketed (kernels.fresh_prefill_attention): 4 fresh 2,048-token segments took 366 µs a
-# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md, "Defaults");
+# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md);
 # continuations and short segments stay on the launch. Steps of more fresh tokens than the cap stay
 # on the launch too: the gain was measured up to the 8k chunk, and every shape under the cap is built
 # at start (22 at 8,192 tokens, ~1 s on the H200; the gpu preset's 32,768-token budget was 174
@@ -148,7 +149,7 @@ class FusedExperts(_Experts):
 
 
 # AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py's sweeps on the
-# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md, "Defaults"): the fused kernels beat the grouped GEMMs at
+# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): the fused kernels beat the grouped GEMMs at
 # every size measured (64 tokens × top-8 0.62×, 256 0.63×, 1,024 0.59×, 8,192 0.51× of their time).
 # Tiles grow with the rows an expert sees: 16 rows at decode sizes (an expert gets a few rows), with
 # 128-deep K steps for 16-bit weights (64–192 tokens: 300–322 µs against 312–335 at 64); 32 rows from
@@ -189,7 +190,7 @@ def fused_regime_tokens(top_k: int) -> tuple[int, ...]:
 
 class AutoExperts(_Experts):
     # FP8 experts too: each weight tile dequantized in registers (the grouped GEMMs would need the
-    # layer's experts dequantized each forward: 6.8 ms a layer at 64 tokens on the H200, against 0.42 ms)
+    # layer's experts dequantized each forward, an order of magnitude slower: docs/PERF.md)
     fp8_in_kernel = True
 
     def fn(self, x, topk_ids, topk_weights, gate_up, down, expert_offset: int = 0, fp8=None):
@@ -211,19 +212,10 @@ class Backends:
     experts: object
     add_norm: object = None     # (x, y|None, weight, eps) -> (x+y, rms_norm(x+y)); None: the torch ops
     router: object = None       # (logits, top_k, norm, dtype) -> (weights, ids); None: ops.route
-    linear: object = None       # (x, weight) -> x @ weight.T for a few rows (skinny.py); None: F.linear
 
     def residual_norm(self, x, y, weight, eps: float):
         from . import norms
         return (self.add_norm or norms.torch_add_norm)(x, y, weight, eps)
-
-    def dense(self, x, weight):
-        """A bias-free projection: `linear` for up to skinny.MAX_ROWS rows (from the shapes alone, so a
-        captured graph keeps its choice), F.linear otherwise."""
-        from .skinny import MAX_ROWS
-        if self.linear is not None and 0 < x.shape[0] <= MAX_ROWS:
-            return self.linear(x, weight)
-        return torch.nn.functional.linear(x, weight)
 
     def route(self, router_logits, top_k: int, norm_topk_prob: bool, dtype: torch.dtype, live=None):
         return (self.router or ops.route)(router_logits, top_k, norm_topk_prob, dtype, live)
@@ -232,48 +224,37 @@ class Backends:
     def name(self) -> str:
         norm = "+FusedAddNorm" if self.add_norm is not None else ""
         router = "+FusedRouter" if self.router is not None else ""
-        dense = "+SkinnyDense" if self.linear is not None else ""
-        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}{dense}"
+        return f"{type(self.attention).__name__}+{type(self.experts).__name__}{norm}{router}"
 
 
-def make_backends(device: torch.device, dtype: torch.dtype, experts: str = "auto",
-                  prologue: str = "auto", add_norm: str = "auto", kv_splits: int | str = 1,
-                  router: str = "auto", prefill: str = "auto", prefill_splits: int | str = "auto",
-                  dense: str = "auto") -> Backends:
-    """`experts`: auto|grouped|fused (EngineConfig.experts_kernel); `prologue`: auto|torch|fused
-    (EngineConfig.qk_prologue); `add_norm`: auto|torch|fused (EngineConfig.add_norm); `kv_splits`: the
-    decode attention's (EngineConfig.decode_kv_splits); `router`: auto|torch|fused (EngineConfig.router);
-    `prefill`: auto|sdpa|triton|hybrid (EngineConfig.prefill_attention); `prefill_splits`: the paged
-    launch's (EngineConfig.prefill_kv_splits); `dense`: auto|torch|skinny (EngineConfig.dense_kernel);
+def make_backends(device: torch.device, dtype: torch.dtype, picks: KernelPicks = KernelPicks()) -> Backends:
+    """The kernels of `picks` (protocol/config.KernelPicks; an EngineConfig is one) on this device.
     CPU always runs the reference. Auto picks the fused kernels only in bf16: fp32 on CUDA stays on
     the exact paths (gathered experts; the torch prologue, add + norm and routing)."""
     if device.type != "cuda":
         return Backends(ReferenceAttention(), ReferenceExperts())
     bf16 = dtype == torch.bfloat16
     prologue, add_norm, router = (("fused" if bf16 else "torch") if k == "auto" else k
-                                  for k in (prologue, add_norm, router))
-    prefill = prefill_kernel(prefill, dtype, torch.cuda.get_device_capability(device),
+                                  for k in (picks.qk_prologue, picks.add_norm, picks.router))
+    prefill = prefill_kernel(picks.prefill_attention, dtype, torch.cuda.get_device_capability(device),
                              torch.backends.cudnn.is_available())
-    attention = PagedAttention(prologue, kv_splits, prefill, prefill_splits)
-    backends = _cuda_backends(device, dtype, experts, attention)
+    attention = PagedAttention(prologue, picks.decode_kv_splits, prefill, picks.prefill_kv_splits)
+    backends = _cuda_backends(device, dtype, picks.experts_kernel, attention)
     if add_norm == "fused":
         from .norms import fused_add_norm
         backends = replace(backends, add_norm=fused_add_norm)
     if router == "fused":
         from .router import fused_route
         backends = replace(backends, router=fused_route)
-    if dense == "skinny":   # auto: cuBLAS, faster on the H200 at these shapes (e2e/gpu/dense_kernels.py)
-        from .skinny import linear_rows
-        backends = replace(backends, linear=linear_rows)
     return backends
 
 
 def prefill_kernel(setting: str, dtype: torch.dtype, capability: tuple[int, int] = (9, 0),
                    cudnn: bool = True) -> str:
     """EngineConfig.prefill_attention on CUDA. auto in bf16: `hybrid` where it was measured (SM90+ with
-    cuDNN: the paged launch, and cuDNN for steps of long fresh prompts; the 8k chunk 0.959x the launch
-    alone on the H200, docs/PERF.md, "Defaults"), else the launch (`triton`); other dtypes: SDPA per segment (the
-    launch is bf16 only; fp32 stays on the exact path)."""
+    cuDNN: the paged launch, and cuDNN for steps of long fresh prompts, faster there: docs/PERF.md),
+    else the launch (`triton`); other dtypes: SDPA per segment (the launch is bf16 only; fp32 stays
+    on the exact path)."""
     if setting != "auto":
         return setting
     if dtype != torch.bfloat16:

@@ -10,14 +10,8 @@ time, so no full-precision copy of the model is ever held.
                          the reference path, equal to a checkpoint holding the dequantized values;
                          experts: one routed expert at a time on CPU, a layer's experts at once
                          into the grouped GEMM on CUDA (qwen3_moe.MoEBlock; graph-capturable)
-  Hopper, opt-in         `linear_scaled_mm`: torch._scaled_mm per 128x128 weight block with dynamic
-                         activation scales (PDROLLOUT_FP8_SCALED_MM=1); runs on the H200 (2.7 %
-                         relative error from the e4m3 activations) but ~170x slower than the
-                         dequantize path at an expert's shape (docs/PERF.md, "Defaults"), see docs/ARCHITECTURE.md
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -59,47 +53,9 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q.to(FP8).contiguous(), scale.float().contiguous()
 
 
-def _scaled_mm_wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # cuBLASLt's FP8 GEMMs want dimensions divisible by 16 (so every partial block must be too)
-    return (x.is_cuda and os.environ.get("PDROLLOUT_FP8_SCALED_MM") == "1"
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and all(d % 16 == 0 for d in weight.shape))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _scaled_mm_wanted(x, weight):
-        return linear_scaled_mm(x, weight, scale_inv, block, bias)
     return F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
-
-
-def linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """e4m3 x e4m3 through torch._scaled_mm (the Hopper path: runs on the H200, slow, see docs/PERF.md, "Defaults").
-    For each 128-wide slice of the reduction dimension the activations are quantized (dynamic:
-    the slice's amax over all rows / 448), and each 128-row block of the weight is one GEMM with
-    two per-tensor scales (activation slice, weight block): the one scaling mode every backend of
-    torch._scaled_mm takes, CPU included. fp32 sums. One GEMM per block: correct by
-    construction, not fast (a grouped Triton kernel is the follow-up)."""
-    rows, cols = weight.shape
-    out = torch.zeros(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    scale = scale_inv.float()
-    for j in range(_ceil(cols, block[1])):
-        lo, hi = j * block[1], min(cols, (j + 1) * block[1])
-        xs = x[:, lo:hi].float()
-        a_scale = (xs.abs().amax() / FP8_MAX).clamp(min=1e-12)
-        xq = (xs / a_scale).to(FP8)
-        for i in range(_ceil(rows, block[0])):
-            r0, r1 = i * block[0], min(rows, (i + 1) * block[0])
-            # cuBLASLt's FP8 GEMM refuses a strided block view (ld = the full row): a dense block
-            wb = weight[r0:r1, lo:hi].contiguous()
-            # the scale a fresh scalar too: cuBLASLt wants aligned scale pointers, and scale[i, j]
-            # of a strided table is not (CUBLAS_STATUS_NOT_SUPPORTED on the H200)
-            out[:, r0:r1] += torch._scaled_mm(xq, wb.t(), scale_a=a_scale,
-                                              scale_b=scale[i, j].clone(), out_dtype=torch.float32)
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -115,14 +71,14 @@ class Fp8Linear(nn.Module):
         self._dequantized = None   # (key, weights): CUDA's copy in the activations' dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not _scaled_mm_wanted(x, self.weight):
+        if x.is_cuda:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         return linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights dequantized once per (storage, dtype), not per call: dequantizing the
-        attention linears in every forward cost 9 ms of a 40 ms decode step of the 30B-A3B shape on
-        the H200, and these linears are ~3 % of its weights (the experts stay e4m3, fused_moe.py).
+        attention linears in every forward was a large share of a decode step (docs/PERF.md), and
+        these linears are a small share of the weights (the experts stay e4m3, fused_moe.py).
         Keyed by the tensors' addresses, so weights moved by a memory resume are dequantized again."""
         key = (self.weight.data_ptr(), self.weight_scale_inv.data_ptr(), dtype)
         if self._dequantized is None or self._dequantized[0] != key:

@@ -193,7 +193,7 @@ def prefill_attention(q, k_cache, v_cache, seqs, scale: float, out=None):
 
 
 # Fresh segments are padded up to a multiple of this many tokens: cuDNN builds an execution plan
-# per new shape (~45 ms on the H200, docs/PERF.md, "Defaults"), so rounding bounds the plans a process builds.
+# per new shape (docs/PERF.md), so rounding bounds the plans a process builds.
 FRESH_BUCKET = 512
 
 

@@ -2,8 +2,9 @@
 do in ~7 element-wise kernels per norm (the add, the fp32 cast, square, mean, rsqrt, two products),
 each a trip through HBM. The same rounding points as the reference (`x + y` rounded to the
 activations' dtype; normalize in fp32; weight × normalized in the activations' dtype), so the two
-differ only by the order of the fp32 sum of squares. Opt-in (`EngineConfig.add_norm: fused`) until
-timed on the H200; tested under Triton's interpreter on CPU and compiled on the GPU.
+differ only by the order of the fp32 sum of squares. The default in bf16 on CUDA
+(`EngineConfig.add_norm: auto`, timed: docs/PERF.md); tested under Triton's interpreter on CPU and
+compiled on the GPU.
 """
 from __future__ import annotations
 

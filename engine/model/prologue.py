@@ -3,7 +3,7 @@ and k's and v's writes into the paged cache, in place of the ~15 element-wise ke
 take per layer at decode. The same rounding points as the reference ops (normalize in
 fp32; weight, each RoPE product and the sum in the activations' dtype), so the reference and this
 path differ only by the order of the fp32 sum of squares. Tested under Triton's
-interpreter on CPU and compiled on the GPU; on by default in bf16 on CUDA (`qk_prologue: auto`; PERF.md, "Defaults").
+interpreter on CPU and compiled on the GPU; on by default in bf16 on CUDA (`qk_prologue: auto`, docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .kernels import triton_interpreting
 
 
 # Heads per program: a (token, head) program moved 2·D elements with 128 threads and re-read the
-# token's cos/sin per head; prefill's q (8k tokens × 32 heads) ran at ~0.7 TB/s (docs/PERF.md, "Defaults").
+# token's cos/sin per head; prefill's q (8k tokens × 32 heads) ran at ~0.7 TB/s (docs/PERF.md).
 HEADS_PER_PROGRAM = 16
 
 
@@ -30,8 +30,8 @@ def _kernel(interpret: bool):
                      skc_t, skc_h, svc_t, svc_h, sc_t, HQ, HK, QP,
                      D: tl.constexpr, BH: tl.constexpr):
         # One launch a layer: programs [0, QP) take BH of q's heads (in place), the rest BH of k's,
-        # written to the cache at the token's slot with v's same heads (at decode, 3 launches had
-        # been 5.4 µs of a 1-row layer's ~80 on the H200, two of them launch latency: docs/PERF.md, "Defaults")
+        # written to the cache at the token's slot with v's same heads (at decode the separate
+        # launches were mostly launch latency: docs/PERF.md)
         t = tl.program_id(0)
         j = tl.program_id(1)
         half = tl.arange(0, D // 2)

@@ -132,8 +132,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self._qkv_weight()
         if qkv is not None:
-            q, k, v = self.backends.dense(x, qkv).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                              self.kv_heads * self.head_dim], dim=-1)
+            q, k, v = F.linear(x, qkv).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                               self.kv_heads * self.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.heads, self.head_dim)
@@ -144,9 +144,7 @@ class Attention(nn.Module):
                                                 k_cache, v_cache, slot_mapping)
 
     def out(self, o) -> torch.Tensor:
-        """o_proj: the backends' dense projection when it is a plain bias-free linear (FP8 keeps its own)."""
-        if type(self.o_proj) is nn.Linear and self.o_proj.bias is None:
-            return self.backends.dense(o, self.o_proj.weight)
+        """o_proj (FP8 checkpoints: Fp8Linear)."""
         return self.o_proj(o)
 
     def attend(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
@@ -280,7 +278,7 @@ class MoEBlock(nn.Module):
         return batch.live
 
     def forward(self, x, batch, collectives: Collectives):
-        weights, ids = self.backends.route(self.backends.dense(x, self.gate.weight), self.top_k, self.norm_topk_prob,
+        weights, ids = self.backends.route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob,
                                            x.dtype, self._padding(x, batch))
         if batch.routes is not None:
             batch.routes.append(ids)

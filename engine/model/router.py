@@ -1,9 +1,9 @@
 """Qwen3-MoE routing in one pass per token (Triton): softmax over the experts in fp32, the top k,
 their renormalized weights. The torch ops take ~6 kernels for it (softmax, a top-k gather and its
-sort, the sum, the division, the cast), ~0.8 ms of a batch-64 decode step of the 30B-A3B shape on
-the H200 (48 layers). The default in bf16 (`EngineConfig.router: auto`); tested under Triton's
-interpreter on CPU and compiled on the GPU. A row whose live count is 0 (a decode graph's padding
-row: `ForwardBatch.live`) gets no expert (ids -1, weights 0) in the same pass.
+sort, the sum, the division, the cast), a measurable share of a decode step (docs/PERF.md). The
+default in bf16 (`EngineConfig.router: auto`); tested under Triton's interpreter on CPU and
+compiled on the GPU. A row whose live count is 0 (a decode graph's padding row: `ForwardBatch.live`)
+gets no expert (ids -1, weights 0) in the same pass.
 
 Ties: experts are picked by the highest probability, the lower expert id first among equals (the
 reference's torch.topk leaves the order of equal values unspecified).

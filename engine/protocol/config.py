@@ -9,6 +9,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from . import turnstile
+from .removed import refuse_removed, refuse_removed_env
+
 PRESETS_DIR = Path(__file__).parent.parent / "presets"   # engine/presets (package data)
 
 
@@ -145,14 +148,15 @@ def load_preset(name_or_path: str) -> dict:
 
 KV_SPLITS_MAX = 16   # decode attention's context splits (model/kernels.py)
 SPEC_K_MAX = 8        # verify rows carry k + 1 tokens; D's expert buffers are sized for this many
-SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md, "Defaults")
+SOLO_FUSE_TOKENS_CUDA = 512   # EngineConfig.solo_fuse_tokens' default on CUDA (docs/PERF.md)
 DEFAULT_KV_CACHE_BYTES = 256 << 20   # kv_cache_bytes where nothing measures free memory (CPU, several ranks)
 # The rest of the measured free memory is the margin for what the start-up probe does not run:
 # sampling, NCCL buffers, cuDNN plans, allocator fragmentation (docs/ENGINE_API.md)
 KV_MEM_FRACTION = 0.9
 
-Activation = Literal["on", "off", "auto"]
-Ordering = Literal["normal", "isolation-only", "global-complete", "global-enqueue", "fine-grained"]
+# the values of turnstile's enums, defined there once
+Activation = Literal[tuple(a.value for a in turnstile.Activation)]
+Ordering = Literal[tuple(o.value for o in turnstile.Ordering)]
 Mode = Literal["normal", "mixed", "pd"]
 
 
@@ -188,118 +192,73 @@ class ControlSettings(BaseModel):
         return ControlSettings.model_validate({**self.model_dump(), **changes})
 
 
-class EngineConfig(BaseModel):
-    """Static engine settings (fixed for the life of an engine)."""
+class KernelPicks(BaseModel):
+    """The kernels a CUDA forward runs (model/backends.make_backends); CPU always runs the reference."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    mode: Mode = "pd"
-    block_size: int = Field(default=16, gt=0)
-    num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
-    # None: on one CUDA rank, kv_mem_fraction of the memory free once the weights, the graphs and the
-    # largest step hold theirs (runtime/kv_sizing.py); elsewhere DEFAULT_KV_CACHE_BYTES
-    kv_cache_bytes: int | None = Field(default=None, gt=0)
-    kv_mem_fraction: float = Field(default=KV_MEM_FRACTION, gt=0, le=1)
-    max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
-    max_context_len: int | None = None                   # None: the model's max_position_embeddings
-    mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
-    seed: int = 0
-    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
     # routed experts on CUDA: grouped GEMMs, the fused Triton path (model/fused_moe.py), or auto: fused
-    # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (measured on the H200:
-    # backends.fused_tiles)
+    # at every size, with 16-, 64- or 128-row tiles by the rows an expert sees (backends.fused_tiles)
     experts_kernel: Literal["auto", "grouped", "fused"] = "auto"
     # q/k norm + RoPE + KV write: torch ops, one Triton launch a layer (model/prologue.py), or auto:
     # fused in bf16 on CUDA, the torch ops elsewhere (fp32 stays on the exact reference ops)
     qk_prologue: Literal["auto", "torch", "fused"] = "auto"
-    # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (the
-    # decode step 1.9 ms faster on the H200, docs/PERF.md, "Defaults"), the torch ops elsewhere
+    # residual add + RMSNorm in one Triton pass (model/norms.py), or auto: fused in bf16 on CUDA (a
+    # faster decode step, docs/PERF.md), the torch ops elsewhere
     add_norm: Literal["auto", "torch", "fused"] = "auto"
     # decode attention on CUDA split along the context (flash-decoding, model/kernels.py): n programs
-    # per (row, KV head), or "auto" from the batch and the SM count (2 at 32 rows on an H200, 1 from
-    # 33: a wave of programs); 1: always one pass
+    # per (row, KV head), or "auto" from the batch and the SM count (splits only while the batch's
+    # programs fill less than a wave); 1: always one pass
     decode_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
     # MoE routing (softmax, top-k, renormalize) in one Triton pass per token (model/router.py), or
-    # auto: fused in bf16 on CUDA (0.9 ms off the decode step), the torch ops elsewhere
+    # auto: fused in bf16 on CUDA (a faster decode step, docs/PERF.md), the torch ops elsewhere
     router: Literal["auto", "torch", "fused"] = "auto"
-    # bias-free projections (q/k/v, o_proj, the router) of up to 16 rows: cuBLAS (torch) or one Triton
-    # launch over the weight's columns (model/skinny.py); auto: torch, which the launch did not beat on
-    # the H200 at 1-16 rows (decode step equal or 0.4-2 % slower; docs/perf/HISTORY.md, twentieth session)
-    dense_kernel: Literal["auto", "torch", "skinny"] = "auto"
     # prefill attention on CUDA: SDPA per segment over its gathered context (sdpa), or every segment
     # of a step in one Triton launch straight from the paged cache (triton, bf16; model/paged_prefill.py).
-    # SDPA costs ~6 launches and a Python dispatch per segment and layer: a P epoch of 30 continuation
-    # turns spent ~130 ms of host time issuing them (docs/PERF.md, "Defaults"). hybrid: a step of at most 8,192
-    # tokens whose segments are all fresh prompts of >= 2,048 runs SDPA on cuDNN (the 8k chunk 0.959x
-    # the launch on the H200, docs/PERF.md, "Defaults"), lengths rounded up to 512 and batched per length so cuDNN
-    # builds a bounded set of plans (22, ~1 s, all at start); any other step runs the launch.
+    # SDPA costs several launches and a Python dispatch per segment and layer, which bound P epochs of
+    # many continuation turns (docs/PERF.md). hybrid: a step of at most 8,192 tokens whose segments
+    # are all fresh prompts of >= 2,048 runs SDPA on cuDNN (faster than the launch on long fresh
+    # prompts, docs/PERF.md), lengths rounded up to 512 and batched per length so cuDNN builds a
+    # bounded set of plans, all at start; any other step runs the launch.
     # auto: hybrid in bf16 on SM90+ with cuDNN, triton in bf16 before SM90, sdpa in other dtypes
     prefill_attention: Literal["auto", "sdpa", "triton", "hybrid"] = "auto"
     # the paged launch's walks split along the context into n stretches, merged by a second launch;
     # auto: when a step's tiles leave SMs idle (one continuation fused into D's step), up to one
-    # program per SM (model/paged_prefill.walk_splits: 128 new tokens over 4k, 97 → 60 µs a layer on
-    # the H200, docs/PERF.md, "Defaults"); 1: every walk whole
+    # program per SM (model/paged_prefill.walk_splits); 1: every walk whole
     prefill_kv_splits: Annotated[int, Field(ge=1, le=KV_SPLITS_MAX)] | Literal["auto"] = "auto"
+
+
+class PDTuning(BaseModel):
+    """How P and D share one device: P's graphs, P epochs beside D, stream priority, gathering."""
+
     # Forwards that carry P of up to this many tokens replay piecewise CUDA graphs, one set per token
-    # bucket, cut at each layer's attention (runtime/prefill_graphs.py): a P epoch at P1 spent ~90 ms
-    # issuing its kernels (docs/PERF.md, "Defaults"). None: 4096 on CUDA with one rank, off elsewhere; 0 or
+    # bucket, cut at each layer's attention (runtime/prefill_graphs.py): an eager P epoch is bound by
+    # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
     # `cuda_graphs: false`: off. On CPU a number runs the same pieces eagerly (the padding and
     # buffers, for tests). Several ranks: off (P stops at each MoE boundary there).
     prefill_graph_tokens: int | None = Field(default=None, ge=0)
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
-    # (measured: docs/PERF.md, "Defaults"), off on CPU, where P and D would only take turns on the same cores
+    # (measured: docs/PERF.md), off on CPU, where P and D would only take turns on the same cores
     solo_overlap: bool | None = None
     # pd on one rank with solo_overlap: a step whose P is at most this many tokens runs as one fused
     # P+D forward instead of an epoch beside D. A P of a few hundred tokens reads nearly every
     # expert's weights, as a D step does: fused, they are read once and P's first tokens come a step
-    # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (measured
-    # at P1 on the H200: p50 TTFT 54 ms against 80 with every P beside D, makespan level or lower;
-    # docs/PERF.md, "Defaults"), 0 elsewhere; 0: every P beside D. Not on several ranks (their P spans D through
-    # the turnstile).
+    # sooner; beside D, the epoch slows D's steps for two steps or more. None: 512 on CUDA (lower
+    # TTFT at P1 than every P beside D, makespan level or lower: docs/PERF.md), 0 elsewhere; 0: every
+    # P beside D. Not on several ranks (their P spans D through the turnstile).
     solo_fuse_tokens: int | None = Field(default=None, ge=0)
     # pd on CUDA: the phase whose stream runs at high priority, so SMs that free up go to its kernels
-    # first; "none": equal priorities. None: "d" on one rank (measured at P1: the makespan session's
-    # D steps run beside others' P epochs, and D first took ~3 % off pd's makespan; docs/PERF.md, "Defaults"),
-    # "none" on several (not measured there). "p" did not shorten P epochs, which were bound by
-    # their thread issuing kernels, not by SMs.
-    priority_stream: Literal["p", "d", "none"] | None = None
-    # pd on one CUDA rank: a P epoch that starts beside D launches on a green context of this many SMs
-    # (D keeps every SM: its kernels always find the others free of P's); an epoch with no D beside
-    # it keeps every SM. 0: off. Not on several ranks (their streams follow `--sm-partition`).
-    p_sms: int = Field(default=0, ge=0)
-    # The interpreter's GIL switch interval for this process (None: Python's, 5 ms). pd's P thread
-    # spends most of an epoch in Python issuing kernels; each time D's loop blocks (a synchronize)
-    # it gets the GIL back only when P's thread reaches the interval: ~5 ms late per block
-    # (e2e/gil_handoff.py). Off: on the H200 0.2 ms changed neither D's steps beside real P forwards
-    # nor pd at P1 (their slowdown is the GPU's: e2e/gpu/d_beside_p.py, docs/perf/HISTORY.md, twelfth session).
-    switch_interval_ms: float | None = Field(default=None, gt=0)
+    # first; "none": equal priorities. None: "d" on one rank (D first shortened pd's makespan at P1:
+    # docs/PERF.md), "none" on several (not measured there).
+    priority_stream: Literal["d", "none"] | None = None
     # pd: an idle engine (nothing decoding or prefilling) holds arriving requests while they keep
     # coming less than policy.IDLE_QUIET_MS apart, up to this long after the first. A rollout's first
-    # turns reach the server over ~8 ms; the first one alone took a 30-44 ms step on the H200 that the
-    # other 31 waited out, ~10 % of their TTFT (HISTORY.md, sixteenth session). None: off (opt-in until measured)
+    # turns reach the server over a few ms; otherwise the first one alone takes a step the others wait
+    # out (docs/PERF.md). None: off (opt-in until measured)
     p_idle_gather_ms: float | None = Field(default=None, gt=0)
     # Run every prefill kernel regime once before serving (Triton loads and tile choices by size,
     # cuBLAS picks, allocator growth): otherwise a cold first burst pays for them in its TTFT, in
     # every mode, differently each run. None: on CUDA with one rank (runtime/engine.py)
     prefill_warmup: bool | None = None
-    random_weights: bool = False                          # init on the device; `model` needs only config.json
-    control: ControlSettings = ControlSettings()
-    # Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off.
-    speculative: Literal["ngram", "draft", "mtp"] | None = None
-    speculative_k: int = 4                                # draft tokens proposed per decode row
-    draft_model: str | None = None                        # checkpoint of speculative="draft"
-
-    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
-        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
-        if multi:
-            return 0
-        if self.prefill_graph_tokens is not None:
-            return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0
-        return 4096 if device_type == "cuda" and self.cuda_graphs else 0
 
     def solo_overlap_on(self, device_type: str) -> bool:
         return self.solo_overlap if self.solo_overlap is not None else device_type == "cuda"
@@ -315,6 +274,14 @@ class EngineConfig(BaseModel):
             return self.solo_fuse_tokens
         return SOLO_FUSE_TOKENS_CUDA if device_type == "cuda" else 0
 
+
+class Speculation(BaseModel):
+    """Speculative decoding inside D (docs/ARCHITECTURE.md, "Speculation"): None = off."""
+
+    speculative: Literal["ngram", "draft", "mtp"] | None = None
+    speculative_k: int = 4                                # draft tokens proposed per decode row
+    draft_model: str | None = None                        # checkpoint of speculative="draft"
+
     @field_validator("speculative_k")
     @classmethod
     def _spec_k(cls, v):
@@ -322,12 +289,49 @@ class EngineConfig(BaseModel):
             raise ValueError(f"speculative_k must be in 1..{SPEC_K_MAX}, got {v}")
         return v
 
-    @model_validator(mode="after")
-    def _p_sms(self):
-        if self.p_sms and (self.mode != "pd" or self.solo_overlap is False):
-            raise ValueError(f"p_sms={self.p_sms} narrows P epochs beside D: mode 'pd' with solo_overlap "
-                             f"(got mode {self.mode!r}, solo_overlap {self.solo_overlap})")
-        return self
+
+class MemorySizing(BaseModel):
+    """The KV cache's blocks and budget (docs/ENGINE_API.md, "The engine sized for its GPU")."""
+
+    block_size: int = Field(default=16, gt=0)
+    num_blocks: int | None = Field(default=None, gt=0)  # None: sized from kv_cache_bytes
+    # None: on one CUDA rank, kv_mem_fraction of the memory free once the weights, the graphs and the
+    # largest step hold theirs (runtime/kv_sizing.py); elsewhere DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    kv_mem_fraction: float = Field(default=KV_MEM_FRACTION, gt=0, le=1)
+
+
+class EngineConfig(KernelPicks, PDTuning, Speculation, MemorySizing):
+    """Static engine settings (fixed for the life of an engine): its groups' fields and these, one
+    flat set of keys as --engine-config takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mode: Mode = "pd"
+    max_running: int = Field(default=64, gt=0)          # decode batch limit, same for every mode
+    max_context_len: int | None = None                   # None: the model's max_position_embeddings
+    mixed_chunk_tokens: int = Field(default=8192, gt=0)  # chunk size of the `mixed` baseline
+    seed: int = 0
+    cuda_graphs: bool = True                              # decode graphs per batch bucket (CUDA only)
+    random_weights: bool = False                          # init on the device; `model` needs only config.json
+    control: ControlSettings = ControlSettings()
+
+    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
+        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
+        if multi:
+            return 0
+        if self.prefill_graph_tokens is not None:
+            return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0
+        return 4096 if device_type == "cuda" and self.cuda_graphs else 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data):
+        refuse_removed_env()
+        return refuse_removed(data)
 
     @model_validator(mode="after")
     def _draft(self):

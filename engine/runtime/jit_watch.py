@@ -2,11 +2,11 @@
 
 Triton compiles a kernel once per specialization: its constexprs, and by default whether each int
 argument is 1 or a multiple of 16 and each pointer 16-byte aligned. A compile of a large-tile MoE
-kernel takes ~0.5 s, so a step that meets a new specialization mid-run stalls (an H200 step log: a
-19,579-token burst step took 1.30 s where the same step took 0.26 s in a process that had compiled
-its kernels; docs/PERF.md, "Defaults"). The kernels leave their per-step sizes unspecialized and the warm-up runs
-each tile regime once, so past warm-up none should happen; this counts what still does, for the
-step log (`jit_compiles`) and /metrics (`pdrollout:jit_compiles_total`).
+kernel takes a large fraction of a second, so a step that meets a new specialization mid-run stalls
+(a burst step several times slower than in a process that had compiled its kernels: docs/PERF.md).
+The kernels leave their per-step sizes unspecialized and the warm-up runs each tile regime once, so
+past warm-up none should happen; this counts what still does, for the step log (`jit_compiles`)
+and /metrics (`pdrollout:jit_compiles_total`).
 
 A kernel found in Triton's on-disk cache still counts: loading it is a compile in this process.
 """

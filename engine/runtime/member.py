@@ -48,9 +48,6 @@ class GroupMember:
         self.dev = StreamDevice(progress, self._on_enqueue) if cuda else \
             CpuDevice(opt.slots, on_progress=progress, on_enqueue=self._on_enqueue)
         cfg, config = w.cfg, w.config
-        if config.p_sms:
-            raise ValueError(f"p_sms={config.p_sms}: one rank only (several ranks' P and D streams follow "
-                             f"--sm-partition)")
         # a verify row carries k + 1 tokens through D's (or a fused forward's) collectives
         d_tokens = config.max_running * (1 + (config.speculative_k if config.speculative else 0))
         p_rows = min(max(config.control.prefill_budget_tokens, config.mixed_chunk_tokens) + d_tokens, 4096)

@@ -7,7 +7,7 @@ forward whose kernels take ~27 ms (docs/PERF.md, "Defaults"); every first token 
 host time. D has had graphs from the start because its shapes are fixed; P's are not, in two ways:
 - the token count: rows are padded up to a bucket (ids and positions stale, slots the KV cache's
   null slot, so padding writes no real K/V; `live` 0, so its stale tokens route to no expert, as a
-  decode graph's padding does: P forwards 1.6-4.3 % faster on the H200, the real rows' logits
+  decode graph's padding does: P forwards faster (docs/PERF.md), the real rows' logits
   bitwise those of routed padding and of the eager forward; `qwen3_moe.SKIP_P_PADDING_ROUTES`), and
   one set of pieces is captured per bucket;
 - the segments (how many, how long, how much context): only the attention reads them, so the

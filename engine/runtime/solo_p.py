@@ -22,23 +22,13 @@ class SoloEpochs:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="P")
         self.flight: tuple[StepPlan, Future] | None = None   # the plan whose P is running, and it
         self.finished: PEpoch | None = None   # the timing of the epoch the last run() finished
-        self.narrow_epochs = 0                # epochs launched on P's green context (`p_sms`)
-        if config.p_sms and not worker.cuda:
-            raise ValueError(f"p_sms={config.p_sms}: green contexts are CUDA's (device {worker.device})")
         if worker.cuda:
             from .streams import make_streams
-            worker.streams = make_streams(worker.device, priority=config.priority_stream_on(multi=False),
-                                          p_sms=config.p_sms)
-            self._p_full = worker.streams["p"]
+            worker.streams = make_streams(worker.device, priority=config.priority_stream_on(multi=False))
 
     def _epoch(self, plan: StepPlan, planned: float):
         """On the P thread: the forward, then its stream drained, timed (PEpoch)."""
         w = self.w
-        if w.cuda and "p_narrow" in w.streams:
-            # only this thread issues on "p", one epoch at a time, each drained before the next: the
-            # epoch's stream can change between epochs. D beside it: P on its green context's SMs.
-            w.streams["p"] = w.streams["p_narrow"] if plan.d_any else self._p_full
-            self.narrow_epochs += plan.d_any
         t0, c0 = time.monotonic(), time.thread_time()
         logits = w.forward(Phase.PREFILL, plan, lambda r: r.prefill, wait=False)
         t1, c1 = time.monotonic(), time.thread_time()

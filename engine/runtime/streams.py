@@ -69,24 +69,16 @@ class StreamDevice:
         pass
 
 
-def make_streams(device: torch.device, sm_partition: int = 0, priority: str | None = None,
-                 p_sms: int = 0) -> dict[str, torch.cuda.Stream]:
-    """P's and D's streams; `priority` ("p" or "d", EngineConfig.priority_stream) creates that
+def make_streams(device: torch.device, sm_partition: int = 0,
+                 priority: str | None = None) -> dict[str, torch.cuda.Stream]:
+    """P's and D's streams; `priority` ("d", EngineConfig.priority_stream) creates that
     phase's stream at the device's highest priority, so the block scheduler gives SMs that free up
     to its waiting kernels first. With `sm_partition` S both live in green contexts of the same S
     SMs (the split of the device's SM resource is deterministic), so P and D compete for one
-    partition's residency: the device condition under which crossed orders stall (issue 8).
-    `p_sms` N (EngineConfig.p_sms) adds "p_narrow": a stream of a green context of N SMs, for P
-    epochs beside D."""
+    partition's residency: the device condition under which crossed orders stall (issue 8)."""
     if not sm_partition:
         # torch maps a priority below the device's range to its highest
-        out = {k: torch.cuda.Stream(device, priority=-100 if k == priority else 0) for k in ("p", "d")}
-        if p_sms:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            if p_sms >= sms:
-                raise ValueError(f"p_sms={p_sms}: the device has {sms} SMs; P beside D needs fewer")
-            out["p_narrow"] = _green_stream(p_sms, device)
-        return out
+        return {k: torch.cuda.Stream(device, priority=-100 if k == priority else 0) for k in ("p", "d")}
     if priority is not None:
         raise ValueError("priority_stream with sm_partition: a green context's streams have one priority")
     return {k: _green_stream(sm_partition, device) for k in ("p", "d")}

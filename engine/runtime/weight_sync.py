@@ -175,8 +175,8 @@ class RankWeights:
     def _host_copy(self, params) -> dict[str, torch.Tensor]:
         """The weights into one pinned host arena, allocated at the first release and kept: an RL
         loop releases every step, and pinning tens of GiB per tensor (what `.pin_memory()` per
-        parameter did) cost ~100 s on the H200 for the 30B-A3B shape; one arena and asynchronous
-        copies run at the link's rate."""
+        parameter did) took minutes for the 30B-A3B shape (docs/PERF.md); one arena and
+        asynchronous copies run at the link's rate."""
         align = 64
         sizes = [-(-p.data.numel() * p.data.element_size() // align) * align for _, p in params]
         if self._arena is None or self._arena.numel() < sum(sizes):

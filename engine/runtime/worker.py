@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 
 import torch
@@ -21,6 +20,7 @@ from ..model.backends import make_backends
 from ..model.checkpoint import random_model
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model, resolve_dtype
+from ..model.qwen3_moe import Shard
 from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
@@ -28,8 +28,7 @@ from .batch import BatchBuilder, forward_order
 from .jit_watch import compile_watch
 from .kv_sizing import settle, start_blocks
 from .mtp import HiddenStates
-from .options import RankOptions, options_from_args
-from .shard import shard_of
+from .options import RankOptions
 from .sampler import accept_greedy, make_generator, request_seed, sample, verify
 from .steplog import StepLog
 
@@ -44,6 +43,11 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
         return dev
     local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     return torch.device("cuda", local)
+
+
+def shard_of(topo: Topology, rank: int) -> Shard:
+    # ETP>1 replicates each expert shard over its ETP group (no expert tensor parallelism).
+    return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
 
 
 class Worker:
@@ -66,16 +70,14 @@ class Worker:
         self.compiles = compile_watch(self.cuda)   # Triton compiles per step (the interpreter compiles none)
         if self.cuda:   # before any CUDA or NCCL work of this process (the current device is per thread)
             torch.cuda.set_device(self.device)
-            # SDPA's cuDNN backend builds a plan per new (q_len, ctx_len): every prefill row of a
-            # new length paid ~45 ms on the H200 (a 31-prompt burst: 1.6 s for 0.4 s of kernels,
-            # docs/PERF.md, "Defaults"). Flash / memory-efficient attention need no per-shape plan.
+            # SDPA's cuDNN backend builds a plan per new (q_len, ctx_len): a burst of new lengths
+            # spent most of its time building plans (docs/PERF.md). Flash / memory-efficient
+            # attention need no per-shape plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
         # random weights stand for a benchmark shape: bf16 unless told otherwise
         dtype = torch.bfloat16 if config.random_weights and config.dtype == "auto" else \
             resolve_dtype(config.dtype, self.cfg)
-        self.backends = make_backends(self.device, dtype, config.experts_kernel, config.qk_prologue,
-                                      config.add_norm, config.decode_kv_splits, config.router,
-                                      config.prefill_attention, config.prefill_kv_splits, config.dense_kernel)
+        self.backends = make_backends(self.device, dtype, config)
         shard = shard_of(topo, rank)
         # --speculative mtp: replica leaders keep their rows' final hidden states for the proposer on
         # rank 0 (self.hidden; the other ranks of an ATP group hold the same ones). One rank's D
@@ -118,8 +120,6 @@ class Worker:
             self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
             self.p_graphs.capture()
         self.kv_sizing = settle(self, sized)   # the probe's cache measured and resized (kv_sizing.py), logged
-        if config.switch_interval_ms:   # a busy P thread hands the GIL to D's loop sooner (e2e/gil_handoff.py)
-            sys.setswitchinterval(config.switch_interval_ms / 1e3)
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
         if not self.multi and config.mode == "pd" and config.solo_overlap_on(self.device.type):
             from .solo_p import SoloEpochs
@@ -410,8 +410,3 @@ def worker_loop(worker: Worker) -> int:
             traceback.print_exc()
             worker.exit_now(e)
         dist.gather_object(report, None, dst=0)
-
-
-def single_worker(a, cfg, layout):
-    """The world of one, with the rank options the flags give (e.g. --step-log)."""
-    return Worker(cfg, Topology(1), 0, options=options_from_args(a, layout))

@@ -150,8 +150,8 @@ class Req:
     @property
     def tokens(self) -> list[int]:
         """prompt + output as one list, extended as the output list grows, not rebuilt: the planner
-        reads it several times per row per step, and concatenating a long context each time cost
-        ~2 ms a step at batch 64 on the H200's host. Read it; never mutate it."""
+        reads it several times per row per step, and concatenating a long context each time was a
+        measurable share of a large batch's step on the host. Read it; never mutate it."""
         t, n = self._tokens, len(self.prompt)
         if self._tokens_of is not self.output or len(t) > n + len(self.output):   # a new output list
             t[:] = self.prompt

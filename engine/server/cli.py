@@ -9,8 +9,10 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import get_args
 
 from ..protocol.auth import ADMIN_TOKEN_FILE_ENV
+from ..protocol.config import Mode
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -20,7 +22,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory (config.json + *.safetensors)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
-    p.add_argument("--mode", choices=["normal", "mixed", "pd"], default="pd")
+    p.add_argument("--mode", choices=get_args(Mode), default="pd")
     p.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: --model)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or a directory holding one; enables text prompts and text output")

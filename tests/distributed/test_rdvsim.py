@@ -8,8 +8,10 @@ import pytest
 import os
 import sys
 
-from pdrollout.engine.workload.rdvrounds import StepTimes, logged_calls, turnstile
-from pdrollout.engine.workload.rdvsim import Calibration, Net, fit_wake_p, simulate
+# the simulator and its drivers are tools beside their scripts in e2e/, not part of the package
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
+from rdvrounds import StepTimes, logged_calls, turnstile  # noqa: E402
+from rdvsim import Calibration, Net, fit_wake_p, simulate  # noqa: E402
 
 L = 10e-6
 
@@ -134,7 +136,6 @@ def test_logged_calls_split_the_wait_for_the_peer_from_the_transport(tmp_path):
 
 def test_replay_of_a_gpu_host_log_uses_the_given_calibration_without_a_core_pool(tmp_path):
     # a log the model can reproduce: dissemination at 2 ranks = 2 crossings after the last arrival
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
     from rdv_sim import replay
     d = _skewed_log(tmp_path / "g", tr=2 * L)
     out = replay(str(d), _const(), None, "gpu")
@@ -166,7 +167,6 @@ def test_fit_wake_p_recovers_the_probability_behind_a_tail():
 def test_engine_fitted_adds_the_logged_excess_after_the_last_arrival(tmp_path):
     # the log's transport is 2 crossings + 100 us that the model lacks; the fitted constant
     # puts the replay's after-last-arrival p50 onto the logged one
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
     from rdv_sim import engine_fitted, replay
     d = _skewed_log(tmp_path / "e", tr=2 * L + 100e-6)
     eng = {"dissemination": replay(str(d), _const(), None, "gpu")}
@@ -179,7 +179,6 @@ def test_engine_fitted_adds_the_logged_excess_after_the_last_arrival(tmp_path):
 
 
 def test_steplog_tail_blames_the_late_rank_s_p_wait(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
     from rdv_steplog_tail import analyse
     r = analyse(str(_skewed_log(tmp_path / "t", late=2e-3, p=2e-3)))
     assert r["ranks"] == 2 and r["impl"] == "dissemination"

@@ -123,46 +123,13 @@ def test_priority_stream_names_a_phase_and_needs_no_green_context():
     from pdrollout.engine.runtime.streams import make_streams
     with pytest.raises(ValidationError, match="priority_stream"):
         EngineConfig(model="m", priority_stream="high")
-    assert EngineConfig(model="m", priority_stream="p").priority_stream == "p"
     # unset: D's stream first on one rank (measured at P1), equal on several (not measured there)
     assert EngineConfig(model="m").priority_stream_on(multi=False) == "d"
     assert EngineConfig(model="m").priority_stream_on(multi=True) is None
     assert EngineConfig(model="m", priority_stream="none").priority_stream_on(multi=False) is None
-    assert EngineConfig(model="m", priority_stream="p").priority_stream_on(multi=True) == "p"
+    assert EngineConfig(model="m", priority_stream="d").priority_stream_on(multi=True) == "d"
     with pytest.raises(ValueError, match="sm_partition"):
-        make_streams(torch.device("cuda", 0), 8, "p")
-
-
-def test_p_sms_needs_pd_beside_d_on_one_cuda_rank(tiny_model):
-    """P's green context of `p_sms` SMs narrows pd's P epochs beside D: elsewhere it is an error,
-    said at config time (modes) or when the worker starts (device), never ignored."""
-    from pydantic import ValidationError
-    for bad in ({"mode": "mixed"}, {"mode": "pd", "solo_overlap": False}):
-        with pytest.raises(ValidationError, match="p_sms=32 narrows P epochs beside D"):
-            EngineConfig(model=str(tiny_model), p_sms=32, **bad)
-    with pytest.raises(ValidationError, match="p_sms"):
-        EngineConfig(model=str(tiny_model), p_sms=-1)
-    cfg = EngineConfig(model=str(tiny_model), mode="pd", solo_overlap=True, p_sms=32, block_size=4, num_blocks=64)
-    with pytest.raises(ValueError, match="p_sms=32: green contexts are CUDA's"):
-        Engine(cfg)
-
-
-def test_switch_interval_is_set_for_the_process_when_given(tiny_model):
-    """The GIL switch interval (pd's P thread beside D's loop): set by the worker when given, left
-    alone otherwise; not a positive number is refused."""
-    import sys
-
-    from pydantic import ValidationError
-    before = sys.getswitchinterval()
-    try:
-        Engine(EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64))
-        assert sys.getswitchinterval() == before
-        Engine(EngineConfig(model=str(tiny_model), mode="pd", block_size=4, num_blocks=64, switch_interval_ms=0.5))
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)
-    with pytest.raises(ValidationError, match="switch_interval_ms"):
-        EngineConfig(model=str(tiny_model), switch_interval_ms=0)
+        make_streams(torch.device("cuda", 0), 8, "d")
 
 
 def test_an_idle_engine_holds_a_burst_of_arrivals_and_prefills_it_in_one_step(tiny_model):

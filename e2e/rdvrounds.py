@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rdvsim import Calibration, Net, Result, quantiles, simulate
+from rdvsim import Calibration, Net, Result, quantiles, simulate
 
 
 def round_times(paths: list[str]) -> tuple[np.ndarray, str]:
