@@ -20,7 +20,6 @@ from ..model.backends import make_backends
 from ..model.checkpoint import random_model
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model, resolve_dtype
-from ..model.qwen3_moe import Shard
 from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
@@ -28,7 +27,8 @@ from .batch import BatchBuilder, forward_order
 from .jit_watch import compile_watch
 from .kv_sizing import settle, start_blocks
 from .mtp import HiddenStates
-from .options import RankOptions
+from .options import RankOptions, options_from_args
+from .shard import shard_of
 from .sampler import accept_greedy, make_generator, request_seed, sample, verify
 from .steplog import StepLog
 
@@ -43,11 +43,6 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
         return dev
     local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     return torch.device("cuda", local)
-
-
-def shard_of(topo: Topology, rank: int) -> Shard:
-    # ETP>1 replicates each expert shard over its ETP group (no expert tensor parallelism).
-    return Shard(topo.local_index(rank), topo.atp, rank // topo.etp, topo.ep)
 
 
 class Worker:
@@ -410,3 +405,8 @@ def worker_loop(worker: Worker) -> int:
             traceback.print_exc()
             worker.exit_now(e)
         dist.gather_object(report, None, dst=0)
+
+
+def single_worker(a, cfg, layout):
+    """The world of one, with the rank options the flags give (e.g. --step-log)."""
+    return Worker(cfg, Topology(1), 0, options=options_from_args(a, layout))
