@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
-import procs
+import checkout_guard
 
-from pdrollout.engine.model.checkpoint import write_checkpoint
-from pdrollout.engine.protocol.config import load_preset
+checkout_guard.check(Path(__file__).resolve().parent.parent)
+
+import procs  # noqa: E402
+
+from pdrollout.engine.model.checkpoint import write_checkpoint  # noqa: E402
+from pdrollout.engine.protocol.config import load_preset  # noqa: E402
 
 TINY = load_preset("tiny")
 

@@ -47,17 +47,22 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def stats(self) -> dict:
-        return self.http.get("/get_server_info").json()["internal_states"][0]
+    def info(self) -> dict:
+        return self.http.get("/get_server_info").json()
 
-    def wait_for(self, pred, timeout=60, what="condition"):
+    def stats(self) -> dict:
+        return self.info()["internal_states"][0]
+
+    def wait_for(self, pred, timeout=60, what="condition", read=None):
+        """Until `pred` holds of the engine's stats (or of what `read` returns, e.g. self.info)."""
+        read = read or self.stats
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s = self.stats()
+            s = read()
             if pred(s):
                 return s
             time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last stats {s}")
+        raise AssertionError(f"timed out waiting for {what}; last read {s}")
 
     def stop(self, timeout=60) -> int:
         if self.proc.poll() is None:

@@ -69,6 +69,7 @@ class Server:
         self.unpaused.set()
         self.admitting = asyncio.Event()     # cleared while an update waits for in-flight requests
         self.admitting.set()
+        self.held = 0                        # requests waiting at the door (paused, or an update waits)
         self.update_lock = asyncio.Lock()    # one weight update (or memory op) at a time
         self.weight_version = "default"      # the engine's, mirrored for responses with no tokens
         self._background: set[asyncio.Task] = set()
@@ -88,9 +89,13 @@ class Server:
             except RequestError as e:
                 raise BadRequest(_where(i, len(items)) + str(e)) from None
             stops.append(stop)
-        while not (self.unpaused.is_set() and self.admitting.is_set()):
-            await self.unpaused.wait()       # SGLang: requests wait while generation is paused
-            await self.admitting.wait()      # ... and while an update waits for in-flight ones
+        self.held += 1
+        try:
+            while not (self.unpaused.is_set() and self.admitting.is_set()):
+                await self.unpaused.wait()       # SGLang: requests wait while generation is paused
+                await self.admitting.wait()      # ... and while an update waits for in-flight ones
+        finally:
+            self.held -= 1
         if self.draining:
             raise EngineUnavailable("server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()

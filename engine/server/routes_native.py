@@ -192,7 +192,8 @@ async def get_server_info(request: web.Request) -> web.Response:
                           **sglang_server_args(server.settings, facts, tok), "version": _version(),
                           "weight_version": server.weight_version, "memory": memory,
                           "status": server.health()[1]["status"], "paused": not server.unpaused.is_set(),
-                          "in_flight": server.in_flight, "uptime_s": time.time() - server.started,
+                          "in_flight": server.in_flight, "held": server.held,
+                          "admitting": server.admitting.is_set(), "uptime_s": time.time() - server.started,
                           "control": control, "internal_states": [stats]})
 
 

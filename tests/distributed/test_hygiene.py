@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from pdrollout.engine.protocol.exits import EXIT_OK, EXIT_PEER_LOST
@@ -105,7 +106,10 @@ def test_bench_takes_its_server_down_on_a_signal(tiny_model, tmp_path, sig):
         while not (log.exists() and "ready on http://" in log.read_text()):
             assert time.monotonic() < deadline and proc.poll() is None, f"bench's server never ready\n{tail()}"
             time.sleep(0.1)
-        time.sleep(1.0)   # the replay is under way
+        url = re.search(r"ready on (http://\S+)", log.read_text()).group(1)
+        while httpx.get(url + "/get_server_info", timeout=10).json()["in_flight"] == 0:   # the replay is under way
+            assert time.monotonic() < deadline and proc.poll() is None, f"no request reached the server\n{tail()}"
+            time.sleep(0.05)
         tree = [proc.pid, *descendants(proc.pid)]
         assert any(" serve " in open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in tree[1:]), tree
         t0 = time.monotonic()

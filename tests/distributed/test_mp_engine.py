@@ -185,7 +185,15 @@ def test_serve_control_change_lands_at_the_same_step_on_every_rank(setup):
               for i in range(3)]
         for t in ts:
             t.start()
-        time.sleep(1.0)
+        # the change lands while all three run, a few steps after they started under the old control
+        deadline, started = time.monotonic() + 120, None
+        while True:
+            st = json.loads(_http(url + "/get_server_info"))["internal_states"][0]
+            started = started if started is not None else (st["step"] if st["num_running_reqs"] == 3 else None)
+            if started is not None and st["step"] >= started + 2:
+                break
+            assert time.monotonic() < deadline, f"the three requests never ran together: {st}"
+            time.sleep(0.02)
         _http(url + "/control", {"span": 2, "ordering": "global-enqueue"}, "PUT")
         after = json.loads(_http(url + "/generate", body(3, 4)))   # steps after the change, surely
         for t in ts:

@@ -2,6 +2,9 @@
 in every planner mode, for prompts of different lengths and for multi-turn prefix reuse."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from conftest import tiny_config
@@ -43,14 +46,42 @@ def test_batch_matches_transformers(variant_model, mode):
         assert_matches_reference(out[f"r{i}"], ref, margins, f"{mode} prompt {i} (len {len(p)})")
 
 
+EOS_PROMPTS = [[(i * 13 + k) % 500 + 2 for i in range(5 + k)] for k in range(6)]
+EOS_MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model, tmp_path_factory):
+    """The tiny checkpoint with eos_token_id set to tokens of transformers' own greedy paths (prompt
+    k's token at step 2 + 2k), so greedy decoding of every prompt reaches EOS before the length limit."""
+    eos = []
+    for k, p in enumerate(EOS_PROMPTS):
+        path, _ = hf_greedy(tiny_model, p, EOS_MAX_NEW)
+        eos.append(path[2 + 2 * k])
+    out = tmp_path_factory.mktemp("tiny-eos") / "model"
+    shutil.copytree(tiny_model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "eos_token_id": sorted(set(eos))}))
+    return out
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_stops_at_eos_like_transformers(tiny_model, mode):
-    # With EOS honoured, both stop on the same token (or run to max_new_tokens).
-    prompts = [[(i * 13 + k) % 500 + 2 for i in range(5 + k)] for k in range(6)]
-    out = run_all(engine_for(tiny_model, mode), prompts, max_new=24)
-    for i, p in enumerate(prompts):
-        ref, margins = hf_greedy(tiny_model, p, 24, stop_at_eos=True)
-        assert_matches_reference(out[f"r{i}"], ref, margins, f"{mode} eos prompt {i}")
+def test_stops_at_eos_like_transformers(eos_model, mode):
+    eos = set(json.loads((eos_model / "config.json").read_text())["eos_token_id"])
+    engine = engine_for(eos_model, mode)
+    for i, p in enumerate(EOS_PROMPTS):
+        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=EOS_MAX_NEW, temperature=0.0))
+    out, reasons = {}, {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.rid] = o.finish_reason
+    for i, p in enumerate(EOS_PROMPTS):
+        ref, margins = hf_greedy(eos_model, p, EOS_MAX_NEW, stop_at_eos=True)
+        assert len(ref) < EOS_MAX_NEW and ref[-1] in eos, f"the reference must stop on EOS: {ref}"
+        assert out[f"r{i}"] == ref, f"{mode} eos prompt {i}: ours {out[f'r{i}']}, transformers {ref}"
+        assert reasons[f"r{i}"] == {"type": "stop", "matched": ref[-1]}, (mode, i, reasons[f"r{i}"])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -417,12 +417,16 @@ async def _stream_then_vanish(url: str, path: str, body: dict) -> bool:
     return False
 
 
-async def _vanish_before_answer(host: str, port: int, body: dict) -> None:
-    r, w = await asyncio.open_connection(host, port)
+async def _send_unanswered(host: str, port: int, body: dict) -> asyncio.StreamWriter:
+    """A non-streaming request sent; its connection, to be closed before the answer comes."""
+    _, w = await asyncio.open_connection(host, port)
     data = json.dumps(body).encode()
     w.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
     await w.drain()
-    await asyncio.sleep(0.3)
+    return w
+
+
+async def _vanish(w: asyncio.StreamWriter) -> None:
     w.close()
 
 
@@ -437,8 +441,11 @@ def test_clients_that_disconnect_mid_stream_leave_nothing(hostile, capsys):
         streams += [_stream_then_vanish(hostile.url, "/v1/completions",
                                         {"prompt": [[2, 7], [1, 8]], "max_tokens": 3000, "ignore_eos": True,
                                          "stream": True}) for _ in range(n)]
-        quiet = [_vanish_before_answer(host, int(port), {**LONG, "rid": f"q{i}"}) for i in range(n)]
-        return await asyncio.gather(*streams, *quiet)
+        # the quiet ones first, each in flight on the server (the server is idle before), then all leave
+        quiet = await asyncio.gather(*[_send_unanswered(host, int(port), {**LONG, "rid": f"q{i}"}) for i in range(n)])
+        await asyncio.to_thread(hostile.wait_for, lambda i: i["in_flight"] == n, what="quiet requests in flight",
+                                read=hostile.info)
+        return await asyncio.gather(*streams, *[_vanish(w) for w in quiet])
 
     got = asyncio.run(main())
     assert all(got[:2 * n])

@@ -57,8 +57,9 @@ def test_areal_shaped_generate_with_interruption(server):
     tokens, logprobs, reasons = [], [], []
     with cf.ThreadPoolExecutor(1) as pool:
         first = pool.submit(server.http.post, "/generate", json=payload)
-        server.wait_for(lambda s: s["num_running_reqs"] == 1, what="request running")
-        time.sleep(0.1)
+        running = server.wait_for(lambda s: s["num_running_reqs"] == 1, what="request running")
+        # a few steps in, so the pause cuts a partial output
+        server.wait_for(lambda s: s["step"] >= running["step"] + 3, what="request decoding")
         assert server.http.post("/pause_generation", json={}).json()["success"]
         res = first.result().json()
     assert server.http.post("/continue_generation").status_code == 200
@@ -142,8 +143,8 @@ def test_pause_in_place_keeps_request_and_kv(server):
         assert still["paused"] and still["step"] == paused["step"]      # no steps while paused
         assert still["kv_blocks_used"] > 0 and still["num_running_reqs"] == 1
         queued = pool.submit(server.http.post, "/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
-        time.sleep(0.2)
-        assert not queued.done()                                     # new requests wait for continue
+        server.wait_for(lambda i: i["held"] == 1, what="new request held at the door", read=server.info)
+        assert not queued.done() and server.stats()["num_queue_reqs"] == 0   # it waits for continue
         assert server.http.post("/continue_generation", json={}).status_code == 200
         out = running.result().json()
         assert queued.result().status_code == 200

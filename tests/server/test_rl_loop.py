@@ -99,9 +99,10 @@ def test_in_flight_requests_during_updates(servers):
     late: dict = {}
     t_update = threading.Thread(target=lambda: late.setdefault("u", update(live, s1, "v1")))
     t_update.start()
-    time.sleep(0.05)
+    live.wait_for(lambda i: not i["admitting"], what="update waiting for in-flight requests", read=live.info)
     t_late = threading.Thread(target=lambda: late.setdefault("r", generate(live, PROMPTS[0])))
     t_late.start()
+    live.wait_for(lambda i: i["held"] == 1, what="late request held behind the update", read=live.info)
     finals = st.finals()
     t_update.join(120)
     t_late.join(120)
