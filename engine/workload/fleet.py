@@ -10,12 +10,18 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
-def continuation_hits(records) -> dict:
-    """Continuation turns (every turn after its session's first): the share with cached_tokens > 0,
-    and cached over prompt tokens. A sticky route keeps both high; a scattered one loses the prefix."""
+def _first_turns(records) -> dict[str, int]:
     first: dict[str, int] = {}
     for r in records:
         first[r.session_id] = min(first.get(r.session_id, r.turn), r.turn)
+    return first
+
+
+def continuation_hits(records, first: dict[str, int] | None = None) -> dict:
+    """Continuation turns (every turn after its session's first, over the whole run: `first`): the
+    share with cached_tokens > 0, and cached over prompt tokens. A sticky route keeps both high; a
+    scattered one loses the prefix."""
+    first = first or _first_turns(records)
     cont = [r for r in records if r.turn > first[r.session_id]]
     prompt = sum(r.prompt_tokens for r in cont)
     return {"continuation_turns": len(cont),
@@ -27,6 +33,7 @@ def group_measures(records) -> dict[str, dict]:
     """Per engine that answered: requests, its makespan (first release to last completion of its own
     requests) and TTFT. Records without served_by (an older server) fall in one group, "unknown"."""
     groups: dict[str, list] = {}
+    first = _first_turns(records)
     for r in records:
         groups.setdefault(r.served_by or "unknown", []).append(r)
     out = {}
@@ -34,7 +41,7 @@ def group_measures(records) -> dict[str, dict]:
         ttft = [1000 * (r.first_token_s - r.release_s) for r in rs if r.first_token_s is not None]
         out[name] = {"requests": len(rs), "makespan_s": max(r.done_s for r in rs) - min(r.release_s for r in rs),
                      "median_ttft_ms": _pct(ttft, 50), "p99_ttft_ms": _pct(ttft, 99),
-                     **continuation_hits(rs)}
+                     **continuation_hits(rs, first)}
     return out
 
 
