@@ -13,6 +13,7 @@
 #   deps      the package's own dependencies (pyproject.toml) / the operator's pins (images/operator.Dockerfile)
 #   app       our package (engine + operator) and its two commands
 #   model     the tiny random checkpoint from `pdrollout checkpoint --config tiny` at /models/tiny
+#   router    sglang-router (PyPI, its pin in engine/protocol/router.py): the fleet's load balancer
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -157,6 +158,12 @@ app="$(layer app "$( (echo "$src_key"; declare -f build_app) | hash)" build_app)
 build_model() { "$PDROLLOUT_VENV/bin/pdrollout" checkpoint --config tiny --out "$1/models/tiny" --seed 0 >/dev/null; }
 model="$(layer model "$src_key" build_model)"
 
+# --- the router: PyPI's sglang-router wheel (a Rust binary under a Python launcher) and what it needs --
+router_pin="sglang-router==$("$py" -c 'import runpy, sys; print(runpy.run_path(sys.argv[1])["SGLANG_ROUTER_VERSION"])' \
+  "$root/engine/protocol/router.py")"
+build_router() { "${pip[@]}" --target "$1/opt/pdrollout/lib" "$router_pin"; }
+router="$(layer router "$(echo "$router_pin py$pyver" | hash)" build_router)"
+
 # --- images -----------------------------------------------------------------------------------------
 version="$("$py" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$root/pyproject.toml")"
 env_py='["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1"]'
@@ -167,6 +174,7 @@ image() {
   local key ref out
   key="$( (echo "$cfg"; cat "${@/%/.sha256}") | hash)"
   ref="pdrollout.local/$name:$version-${key:0:12}"
+  case "$name" in *:*) ref="pdrollout.local/$name"; name="${name%%:*}" ;; esac  # NAME:TAG: a fixed tag
   out="$IMAGES_DIR/$name.image.json"
   "$py" - "$ref" "$cfg" "$out" "$@" <<'PY'
 import json, sys
@@ -183,10 +191,14 @@ read -r op_ref op_recipe < <(image operator '{"architecture": "amd64", "os": "li
 read -r eng_ref eng_recipe < <(image engine-cpu '{"architecture": "amd64", "os": "linux", "config": {
   "Entrypoint": ["pdrollout"], "Cmd": ["serve", "--help"], "Env": '"$env_py"',
   "ExposedPorts": {"30000/tcp": {}, "29500/tcp": {}}}}' "$base" "$torch" "$edeps" "$app" "$model")
+# The router's tag is its release (ROUTER_IMAGE in engine/protocol/router.py, the operator's default).
+read -r router_ref router_recipe < <(image "pdrollout-router:${router_pin#*==}" '{"architecture": "amd64", "os": "linux",
+  "config": {"Entrypoint": ["python3", "-m", "sglang_router.launch_router"], "Env": '"$env_py"',
+  "User": "65532:65532", "ExposedPorts": {"30000/tcp": {}, "29000/tcp": {}}}}' "$base" "$router")
 
 # The layer digests: a node keeps only the unpacked snapshots after importing (half the disk).
 layers=""
-for l in "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model"; do layers+="$(cat "$l.sha256") "; done
+for l in "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model" "$router"; do layers+="$(cat "$l.sha256") "; done
 cat >"$IMAGES_DIR/refs.env" <<EOF
 PAUSE_IMAGE=$pause_ref
 PAUSE_RECIPE=$pause_recipe
@@ -195,6 +207,8 @@ OPERATOR_RECIPE=$op_recipe
 ENGINE_IMAGE=$eng_ref
 ENGINE_RECIPE=$eng_recipe
 ENGINE_MODEL=/models/tiny
+ROUTER_IMAGE=$router_ref
+ROUTER_RECIPE=$router_recipe
 LAYER_DIGESTS="${layers% }"
 EOF
 log "images ready in $((SECONDS - t_all)) s ($IMAGES_DIR/refs.env)"

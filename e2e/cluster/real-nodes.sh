@@ -42,7 +42,7 @@ for p in bridge host-local loopback; do
 done
 [ -f "$IMAGES_DIR/refs.env" ] || fail "no images; run: bash e2e/cluster/images.sh"
 source "$IMAGES_DIR/refs.env"
-for r in "$PAUSE_RECIPE" "$OPERATOR_RECIPE" "$ENGINE_RECIPE"; do
+for r in "$PAUSE_RECIPE" "$OPERATOR_RECIPE" "$ENGINE_RECIPE" "$ROUTER_RECIPE"; do
   [ -f "$r" ] || fail "image recipe $r is gone; run: bash e2e/cluster/images.sh"
 done
 [ -d /sys/fs/cgroup ] || fail "no /sys/fs/cgroup: a kubelet needs cgroups"
@@ -79,6 +79,7 @@ SERVICE_CIDR=10.96.0.0/16
 PAUSE_IMAGE=$PAUSE_IMAGE
 OPERATOR_IMAGE=$OPERATOR_IMAGE
 ENGINE_IMAGE=$ENGINE_IMAGE
+ROUTER_IMAGE=$ROUTER_IMAGE
 ENGINE_MODEL=$ENGINE_MODEL
 EOF
 
@@ -199,12 +200,13 @@ for ((i = 0; i < nodes; i++)); do
      # --sync: the GC is done before the imports below start. Asynchronous, it removed a base-layer
      # snapshot that an import had just found present and was unpacking onto ("parent snapshot ...
      # does not exist").
-     case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE " in
+     case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE $ROUTER_IMAGE " in
        *" $ref "*) ;;
        *) "${ctr[@]}" images rm --sync "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
      esac
    done
-   for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE"; do
+   for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE" \
+              "$ROUTER_IMAGE=$ROUTER_RECIPE"; do
      mark="${roots[$i]}/.imported-$(echo "${img%%=*}" | tr '/:' '__')"
      if [ -f "$mark" ] && grep -qx "${img%%=*}" <<<"$have"; then echo "${img%%=*}: present"; continue; fi
      python3 "$here/oci.py" image --recipe "${img#*=}" --out - | "${ctr[@]}" images import -

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ class Server:
         self.update_lock = asyncio.Lock()    # one weight update (or memory op) at a time
         self.weight_version = "default"      # the engine's, mirrored for responses with no tokens
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def served_by(self) -> str:
+        """This engine's name in a fleet: its host (a pod's name) and the port it bound."""
+        return f"{socket.gethostname()}:{self.settings.port}"
 
     # --- request lifecycle ------------------------------------------------------------------
     async def submit(self, items: list[GenerateItem], *, rollout_id: Optional[str] = None,

@@ -68,6 +68,12 @@ class GenerateRequest(_Strict):
     data_parallel_rank: Optional[StrictInt] = None
     rollout_id: Optional[str] = None
     priority: Optional[Union[StrictInt, list[StrictInt]]] = None   # admission order, higher first
+    # sglang-router re-sends the body with every GenerateReqInput field it knows, at their defaults
+    model: Optional[str] = None
+    background: StrictBool = False
+    no_logs: StrictBool = False
+    return_bytes: StrictBool = False
+    return_entropy: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -77,7 +83,8 @@ class GenerateRequest(_Strict):
             raise ValueError("input_ids is empty")
         for name, allowed in (("image_data", (None, [])), ("lora_path", (None,)),
                               ("token_ids_logprob", (None,)), ("custom_logit_processor", (None,)),
-                              ("return_hidden_states", (False,))):
+                              ("return_hidden_states", (False,)), ("background", (False,)),
+                              ("return_bytes", (False,)), ("return_entropy", (False,))):
             _neutral(name, getattr(self, name), allowed)
         tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
         if any(t not in (None, 0) for t in tops):

@@ -45,6 +45,7 @@ def item_body(server: Server, t: Tracked, *, since: int = 0) -> dict:
                              routed_experts=t.routed_experts if t.finished else None)
     body["meta_info"]["completion_tokens"] = len(t.output_ids)
     body["meta_info"].update(t.spec_meta)
+    body["meta_info"]["served_by"] = server.served_by   # which engine of a fleet answered (bench's groups)
     return body
 
 
@@ -218,6 +219,15 @@ async def loads(request: web.Request) -> web.Response:
     return json_response({"timestamp": time.time(), "dp_rank_count": len(loads), "loads": loads})
 
 
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's older per-replica shape of the same loads: sglang-router's load monitor polls it."""
+    loads = await server_of(request).bridge.call(_loads)
+    return json_response([{"dp_rank": x["dp_rank"], "num_reqs": x["num_running_reqs"] + x["num_waiting_reqs"],
+                           "num_waiting_reqs": x["num_waiting_reqs"], "num_tokens": x["num_total_tokens"],
+                           "num_pending_tokens": x["num_total_tokens"] - x["num_used_tokens"],
+                           "ts_tic": time.perf_counter()} for x in loads])
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_post("/generate", generate)
@@ -229,6 +239,7 @@ def add_routes(app: web.Application) -> None:
         r.add_get(path, flush_cache)
     r.add_get("/health_generate", health_generate)
     r.add_get("/v1/loads", loads)
+    r.add_get("/get_load", get_load)
     for path in ("/get_model_info", "/model_info"):      # newer SGLang names without get_
         r.add_get(path, get_model_info)
     for path in ("/get_server_info", "/server_info"):

@@ -16,6 +16,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
+from ..protocol.router import ROUTING_KEY_HEADER
 from .measures import BenchError, RequestRecord, metric_sums, summarize
 from .trace import PRESSURE, PRIORITY_HINTS, sessions, work_left
 
@@ -109,8 +110,10 @@ class Replay:
         status, body = await self._get(http, "/metrics")
         return metric_sums(body) if status == 200 else {}
 
-    async def _generate(self, http, rid: str, ids: list[int], out_len: int, priority: int | None = None) -> dict:
-        """POST /generate with stream=true; returns first-token time, output ids and meta_info."""
+    async def _generate(self, http, rid: str, ids: list[int], out_len: int, priority: int | None = None,
+                        session: str = "") -> dict:
+        """POST /generate with stream=true; returns first-token time, output ids and meta_info. The
+        session is the routing key: behind sglang-router's manual policy its turns stay on one engine."""
         payload = {
             "rid": rid,
             "input_ids": ids,
@@ -121,7 +124,7 @@ class Replay:
         if priority is not None:
             payload["priority"] = priority
         first, cum, cat, meta = None, [], [], {}
-        async with http.post(self.url + "/generate", json=payload) as resp:
+        async with http.post(self.url + "/generate", json=payload, headers={ROUTING_KEY_HEADER: session}) as resp:
             if resp.status != 200:
                 raise BenchError(f"POST /generate {rid} -> {resp.status}: {(await resp.text())[:300]}")
             buf, done = bytearray(), False
@@ -158,7 +161,7 @@ class Replay:
                                           self.vocab_size)
             rid = f"{self.rollout_id}-{row['session_id']}-{row['turn']}"
             release = self.now()
-            res = await self._generate(http, rid, ids, row["output_length"], left)
+            res = await self._generate(http, rid, ids, row["output_length"], left, str(row["session_id"]))
             done = self.now()
             meta = res["meta"]
             reason = (meta.get("finish_reason") or {}).get("type")
@@ -175,6 +178,7 @@ class Replay:
                 release_s=release, first_token_s=res["first"], done_s=done,
                 prompt_tokens=n_in, completion_tokens=n_out,
                 cached_tokens=int(meta.get("cached_tokens", 0) or 0), finish_reason=reason,
+                served_by=meta.get("served_by"),
                 **{k: int(meta[k]) for k in ("spec_verify_ct", "spec_proposed_drafts", "spec_accepted_drafts")
                    if meta.get(k) is not None},
                 output_ids=res["ids"]))
@@ -262,6 +266,7 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
     mixed differ."""
     import os
 
+    from .fleet import format_groups
     from .measures import check_same_work, format_repeats, format_table, repeat_spread
     from .report import write_plots, write_results
     from .servers import serve
@@ -316,6 +321,9 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
                          {f"{m}-r{s['repeat']}": recs for m, done in runs.items() for s, recs in done})
     plots = write_plots(out_dir, results, records)
     print(format_table(results))
+    for mode, summary in results.items():
+        if summary["engines"] > 1:      # a fleet behind a router: its engines one by one
+            print(f"[bench] mode {mode}, per engine:\n{format_groups(summary)}")
     if spread is not None:
         print(format_repeats(spread))
     print(f"[bench] wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")

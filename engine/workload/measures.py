@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..protocol import metrics as metric
+from .fleet import fleet_measures
 
 # Server metrics scraped before and after a run (docs/SERVER.md).
 DECODE_WAIT, RENDEZVOUS, ROLLOUT_MAKESPAN = metric.DECODE_WAIT, metric.RENDEZVOUS, metric.ROLLOUT_MAKESPAN
@@ -36,6 +37,7 @@ class RequestRecord:
     completion_tokens: int
     cached_tokens: int = 0
     finish_reason: str | None = None
+    served_by: str | None = None    # the engine that answered (meta_info.served_by), behind a router
     # speculation (meta_info's spec_* keys; absent without it): D iterations, drafts proposed, accepted
     spec_verify_ct: int | None = None
     spec_proposed_drafts: int | None = None
@@ -158,6 +160,7 @@ def summarize(records: list[RequestRecord], before: dict | None = None,
         "mean_client_wait_ms": _mean([1000 * w for w in waits]),
     }
     out.update(server_measures(before or {}, after or {}))
+    out.update(fleet_measures(records))
     return out
 
 
@@ -176,6 +179,9 @@ TABLE_ROWS = (
     ("rendezvous mean (ms)", "mean_rendezvous_ms", "{:.3f}"),
     ("stalls", "stalls", "{:d}"),
     ("kernel compiles", "jit_compiles", "{:d}"),
+    ("continuations cached", "continuation_cached_share", "{:.3f}"),
+    ("cont. cached/prompt", "continuation_cached_ratio", "{:.3f}"),
+    ("engines", "engines", "{:d}"),
     ("input tokens", "total_input_tokens", "{:d}"),
     ("output tokens", "total_output_tokens", "{:d}"),
 )

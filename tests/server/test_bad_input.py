@@ -38,6 +38,8 @@ def test_malformed_bodies(server, raw, status, needle):
     ({"input_ids": [1, 2], "priority": True}, "priority"),
     ({"input_ids": [1, 2], "priority": 2**31}, "priority must be an integer in"),
     ({"input_ids": [[1, 2], [3]], "priority": [1]}, "priority is a list of 1"),
+    ({"input_ids": [1, 2], "background": True}, "background"),          # sglang-router's fields: defaults only
+    ({"input_ids": [1, 2], "return_entropy": True}, "return_entropy"),
 ])
 def test_invalid_generate_requests(server, body, needle):
     r = server.http.post("/generate", json=body)

@@ -187,3 +187,19 @@ def test_priority_orders_admission(start_server):
     r = srv.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "priority": "urgent"})
     assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
     assert srv.stop() == 0
+
+
+def test_router_fields_served_by_and_get_load(server):
+    """What sglang-router sends and polls: its re-sent GenerateReqInput fields at their defaults, the
+    older /get_load list beside /v1/loads; meta_info.served_by names this engine."""
+    import socket
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+            "model": "tiny", "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+    r = server.http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["served_by"] == f"{socket.gethostname()}:{server.url.rsplit(':', 1)[1]}"
+    old, new = server.http.get("/get_load").json(), server.http.get("/v1/loads").json()["loads"]
+    assert [x["dp_rank"] for x in old] == [x["dp_rank"] for x in new]
+    for o, n in zip(old, new):
+        assert o["num_reqs"] == n["num_running_reqs"] + n["num_waiting_reqs"] == 0     # idle again
+        assert o["num_tokens"] == n["num_total_tokens"] and isinstance(o["ts_tic"], float)

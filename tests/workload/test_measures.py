@@ -6,10 +6,10 @@ from pdrollout.engine.workload.measures import (BenchError, RequestRecord, check
                                                 summarize)
 
 
-def rec(sid, turn, release, first, done, wait_start=None, pin=10, pout=5, cached=0):
+def rec(sid, turn, release, first, done, wait_start=None, pin=10, pout=5, cached=0, by=None):
     return RequestRecord(session_id=sid, turn=turn, wait_start_s=wait_start, release_s=release,
                          first_token_s=first, done_s=done, prompt_tokens=pin,
-                         completion_tokens=pout, cached_tokens=cached)
+                         completion_tokens=pout, cached_tokens=cached, served_by=by)
 
 
 RECORDS = [
@@ -141,3 +141,23 @@ def test_repeat_spread_takes_ratios_between_the_modes_median_servers():
     assert "makespan_vs_normal" not in out["normal"] and "makespan_vs_mixed" not in out["mixed"]
     table = format_repeats(out)
     assert "16.00-17.00" in table and "x0.786" in table
+
+
+def test_fleet_groups_and_continuation_hits():
+    """Per engine that answered, and the continuation turns' cache hits (a session's first turn is
+    never a continuation, whatever its number)."""
+    recs = [rec("a", 0, 1.0, 1.1, 2.0, by="e1"), rec("a", 1, 2.5, 2.7, 4.0, pin=20, cached=16, by="e1"),
+            rec("b", 3, 1.0, 1.4, 1.5, by="e2"), rec("b", 4, 1.8, 1.9, 6.0, pin=30, by="e1"),
+            rec("b", 5, 6.5, 6.6, 7.0, pin=40, cached=32, by="e2")]
+    s = summarize(recs)
+    assert s["engines"] == 2 and s["continuation_turns"] == 3
+    assert s["continuation_cached_share"] == pytest.approx(2 / 3)
+    assert s["continuation_cached_ratio"] == pytest.approx((16 + 32) / (20 + 30 + 40))
+    e1, e2 = s["groups"]["e1"], s["groups"]["e2"]
+    assert (e1["requests"], e2["requests"]) == (3, 2)
+    assert e1["makespan_s"] == pytest.approx(6.0 - 1.0) and e2["makespan_s"] == pytest.approx(7.0 - 1.0)
+    assert e2["median_ttft_ms"] == pytest.approx((400 + 100) / 2)
+    assert e1["continuation_cached_share"] == pytest.approx(1 / 2) and e2["continuation_cached_share"] == 1.0
+    assert "continuations cached" in format_table({"fleet": s})
+    # records from an older server (no served_by): one group, so the bench prints no per-engine table
+    assert summarize(RECORDS)["engines"] == 1 and list(summarize(RECORDS)["groups"]) == ["unknown"]
