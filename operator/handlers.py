@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import kopf
 from pydantic import ValidationError
 
-from pdrollout.operator import builders, engine_client, group, kube, metrics
+from pdrollout.operator import builders, engine_client, group, kube, metrics, router
 from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
@@ -228,6 +228,10 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
             logger.error(message)
             return
         logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
+    if not s.router:   # turned off (or never on): remove what this rollout's router left, never another's
+        for obj in router.stale(name, namespace):
+            if not kube.foreign(obj, meta["uid"]) and kube.delete(obj):
+                logger.info(f"deleted {obj['kind']} {obj['metadata']['name']}: spec.router is unset")
     if len(conditions) != len((status or {}).get("conditions") or []):
         patch.status["conditions"] = conditions       # the spec is runnable again
         patch.status["phase"] = Phase.STARTING.value

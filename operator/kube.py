@@ -87,17 +87,41 @@ def _apply_custom(obj: dict, what: str) -> None:
         raise retry_semantics(e, what) from None
 
 
+def _calls(kind: str) -> tuple:
+    """(patch, delete) of a namespaced kind the operator writes."""
+    core, apps = _clients()
+    net, rbac = client.NetworkingV1Api(api_client()), client.RbacAuthorizationV1Api(api_client())
+    return {"ConfigMap": (core.patch_namespaced_config_map, core.delete_namespaced_config_map),
+            "Service": (core.patch_namespaced_service, core.delete_namespaced_service),
+            "Secret": (core.patch_namespaced_secret, core.delete_namespaced_secret),
+            "ServiceAccount": (core.patch_namespaced_service_account, core.delete_namespaced_service_account),
+            "StatefulSet": (apps.patch_namespaced_stateful_set, apps.delete_namespaced_stateful_set),
+            "Deployment": (apps.patch_namespaced_deployment, apps.delete_namespaced_deployment),
+            "NetworkPolicy": (net.patch_namespaced_network_policy, net.delete_namespaced_network_policy),
+            "Role": (rbac.patch_namespaced_role, rbac.delete_namespaced_role),
+            "RoleBinding": (rbac.patch_namespaced_role_binding, rbac.delete_namespaced_role_binding)}[kind]
+
+
+def delete(obj: dict) -> bool:
+    """Delete this object if it exists; True when a delete was sent."""
+    kind, meta = obj["kind"], obj["metadata"]
+    try:
+        _calls(kind)[1](meta["name"], meta["namespace"])
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise retry_semantics(e, f"delete {kind} {meta['namespace']}/{meta['name']}") from None
+    return True
+
+
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
-    core, apps = _clients()
     kind, meta = obj["kind"], obj["metadata"]
     if kind == "PodGroup":
         return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
-    fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-          "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-          "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
     try:
-        fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+        _calls(kind)[0](meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
+                        _content_type=_APPLY)
     except ApiException as e:
         raise retry_semantics(e, f"apply {kind} {meta['namespace']}/{meta['name']}") from None
 
@@ -120,11 +144,7 @@ def foreign(obj: dict, owner_uid: str) -> bool:
             client.CustomObjectsApi(api_client()).patch_namespaced_custom_object(
                 group, version, meta["namespace"], "podgroups", meta["name"], **args)
         else:
-            core, apps = _clients()
-            fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-                  "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-                  "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
-            fn(meta["name"], meta["namespace"], **args)
+            _calls(kind)[0](meta["name"], meta["namespace"], **args)
     except ApiException as e:
         if e.status == 404:      # absent (or, for PodGroup, not served: apply says which)
             return False

@@ -18,7 +18,9 @@ from pdrollout.operator import network as net
 from pdrollout.operator.network import Network
 from pdrollout.operator.storage import MODEL_VOLUME, SOURCE_VOLUME
 from pdrollout.operator.podspec import ENGINE_CONTAINER, EngineSizing, EnvVar, Lifecycle, ModelSource, PodTemplateSpec
-from pdrollout.operator.podspec import _Named as _Open   # a pass-through object with a checked name
+from pdrollout.operator.podspec import QUANTITY
+from pdrollout.operator.podspec import _Named as _Open
+from pdrollout.operator.router import Router   # a pass-through object with a checked name
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"
@@ -151,7 +153,6 @@ class Speculative(_Model):
 
 # Kubernetes' quantity syntax (the API server's own message quotes it): checked at admission, since a
 # bad quantity in a built StatefulSet is only refused later, as an HTTP 500 on apply.
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
 
 class Resources(_Model):
@@ -353,6 +354,8 @@ class PDRolloutSpec(_Model):
     access: Access = Field(default_factory=Access)
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
+    router: Router | None = Field(default=None, description="sglang-router in front of the API pods; the client "
+                                                            "Service points at it. Unset: at node 0.")
 
     @model_validator(mode="before")
     @classmethod
