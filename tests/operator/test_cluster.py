@@ -112,6 +112,9 @@ def test_operator_runs_with_least_privilege(cluster, installed):
     assert can("create", "secrets") and can("patch", "networkpolicies.networking.k8s.io")
     assert not can("get", "secrets") and not can("delete", "statefulsets.apps")
     assert not can("list", "nodes") and not can("update", "configmaps") and not can("create", "pods")
+    # spec.router: what the operator creates for it, and no way to grant more than it holds
+    assert can("create", "roles.rbac.authorization.k8s.io") and can("delete", "deployments.apps")
+    assert not can("escalate", "roles.rbac.authorization.k8s.io") and not can("bind", "roles.rbac.authorization.k8s.io")
 
 
 def test_invalid_resources_rejected(cluster, installed, namespace):
