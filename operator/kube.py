@@ -117,7 +117,7 @@ def delete(obj: dict) -> bool:
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
     kind, meta = obj["kind"], obj["metadata"]
-    if kind == "PodGroup":
+    if kind in ("PodGroup", "PDRollout"):   # a fleet's groups are PDRollouts (fleet_sync.py)
         return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
     try:
         _calls(kind)[0](meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
@@ -176,3 +176,23 @@ def delete_pods(namespace: str, pods: list[dict]) -> None:
                 continue
             raise retry_semantics(e, f"delete pod {namespace}/{meta['name']}") from None
 
+
+
+def list_custom(group: str, version: str, plural: str, namespace: str, selector: str) -> list[dict]:
+    try:
+        got = client.CustomObjectsApi(api_client()).list_namespaced_custom_object(
+            group, version, namespace, plural, label_selector=selector)
+    except ApiException as e:
+        raise retry_semantics(e, f"list {plural} {namespace} {selector}") from None
+    return got["items"]
+
+
+def delete_custom(group: str, version: str, plural: str, namespace: str, name: str, uid: str) -> None:
+    """Delete exactly this object (UID precondition); gone already is fine."""
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    try:
+        client.CustomObjectsApi(api_client()).delete_namespaced_custom_object(
+            group, version, namespace, plural, name, body=body)
+    except ApiException as e:
+        if e.status not in (404, 409):
+            raise retry_semantics(e, f"delete {plural} {namespace}/{name}") from None

@@ -115,6 +115,9 @@ def test_operator_runs_with_least_privilege(cluster, installed):
     # spec.router: what the operator creates for it, and no way to grant more than it holds
     assert can("create", "roles.rbac.authorization.k8s.io") and can("delete", "deployments.apps")
     assert not can("escalate", "roles.rbac.authorization.k8s.io") and not can("bind", "roles.rbac.authorization.k8s.io")
+    # spec.replicas: a fleet creates and deletes its groups (PDRollouts), nothing else more
+    assert can("create", "pdrollouts.pdrollout.io") and can("delete", "pdrollouts.pdrollout.io")
+    assert not can("update", "pdrollouts.pdrollout.io") and not can("deletecollection", "pdrollouts.pdrollout.io")
 
 
 def test_invalid_resources_rejected(cluster, installed, namespace):
@@ -142,6 +145,13 @@ def test_unusable_names_refused_at_admission(cluster, installed, namespace):
         doc["metadata"]["name"] = bad
         r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
         assert r.returncode != 0 and why in r.stderr, f"{bad}: {r.stderr}"
+    # a fleet's groups are '<name>-<index>': 50 characters and group index 10 is one too many
+    doc["metadata"]["name"], doc["spec"]["replicas"] = "f" * 50, 11
+    r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert r.returncode != 0 and "spec.replicas: the groups' names" in r.stderr, r.stderr
+    doc["spec"]["replicas"] = 10
+    assert cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                           input=yaml.safe_dump(doc), check=False).returncode == 0
     assert not cluster.get("pdrollouts", "-n", namespace)["items"]
 
 
