@@ -107,5 +107,5 @@ def summary(fleet: str, children: list[dict], ready: dict[int, bool], replicas: 
 
     return {"replicas": len(mine), "readyGroups": sum(g.ready for g in groups),
             "selector": f"{LABEL_FLEET}={fleet}",
-            "groups": [g.model_dump(by_alias=True) for g in groups],
+            "groups": [g.model_dump(by_alias=True, exclude_none=True) for g in groups],
             "makespanSeconds": worst("makespanSeconds"), "recentTtftP99Seconds": worst("recentTtftP99Seconds")}

@@ -51,10 +51,11 @@ def front(name: str, namespace: str, s: PDRolloutSpec, body, uid: str, logger) -
         for obj in router.stale(name, namespace):
             if not kube.foreign(obj, uid) and kube.delete(obj):
                 logger.info(f"deleted {obj['kind']} {obj['metadata']['name']}: spec.router is unset")
-    # a rollout that was one group before: its StatefulSet goes (the groups are the children now)
+    # a rollout that was one group before: its StatefulSet is scaled to 0 (the groups are the children
+    # now); deleting it is the garbage collector's job, with the rollout (the chart grants no delete)
     own = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "namespace": namespace}}
-    if not kube.foreign(own, uid) and kube.delete(own):
-        logger.info(f"deleted StatefulSet {name}: spec.replicas makes the groups child PDRollouts")
+    if not kube.foreign(own, uid) and kube.scale_to_zero(own):
+        logger.debug(f"StatefulSet {name} at 0: spec.replicas makes the groups child PDRollouts")
 
 
 def leave(name: str, namespace: str, uid: str, logger) -> None:

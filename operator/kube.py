@@ -114,6 +114,18 @@ def delete(obj: dict) -> bool:
     return True
 
 
+def scale_to_zero(obj: dict) -> bool:
+    """Set this workload's replicas to 0; False when it does not exist."""
+    kind, meta = obj["kind"], obj["metadata"]
+    try:
+        _calls(kind)[0](meta["name"], meta["namespace"], {"spec": {"replicas": 0}})
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise retry_semantics(e, f"scale {kind} {meta['namespace']}/{meta['name']}") from None
+    return True
+
+
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
     kind, meta = obj["kind"], obj["metadata"]
