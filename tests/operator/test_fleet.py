@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdrollout.operator import builders, fleet
+from pdrollout.operator import builders, fleet, router
 from pdrollout.operator.models import PDRolloutSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +128,20 @@ def test_replicas_scale_and_one_group_at_a_time(cluster, operator, namespace, wa
     wait("its StatefulSet gone", lambda: cluster.kubectl(
         "get", "statefulset", fleet.child_name(name, 2), "-n", namespace, check=False).returncode != 0, timeout=60)
     pdr = wait("two groups ready again", fleet_ready(2), timeout=60)
+    assert {i: (c["metadata"]["uid"], c["metadata"]["generation"])
+            for i, c in _groups(cluster, namespace, name).items()} == {i: kept[i] for i in (0, 1)}
+
+    # the router discovers every group's API pod; a fleet-only field rolls no group
+    cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"router": {"policy": "round_robin"}}}))
+    dep = wait("the router Deployment", lambda: json.loads(r.stdout) if (r := cluster.kubectl(
+        "get", "deployment", router.name_of(name), "-n", namespace, "-o", "json", check=False)).returncode == 0
+        else None, timeout=60)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    selector = args[args.index("--selector") + 1:args.index("--service-discovery-port")]
+    assert len(cluster.get("pods", "-n", namespace, "-l", ",".join(selector))["items"]) == 2, selector
+    wait("the client Service on the router", lambda: cluster.get(
+        "service", builders.api_service_name(name), "-n", namespace)["spec"]["selector"] == {router.LABEL_ROUTER: name})
     assert {i: (c["metadata"]["uid"], c["metadata"]["generation"])
             for i, c in _groups(cluster, namespace, name).items()} == {i: kept[i] for i in (0, 1)}
 
