@@ -163,3 +163,26 @@ def test_replicas_scale_and_one_group_at_a_time(cluster, operator, namespace, wa
     assert first[0] == (True, True), f"group 1 got the image before group 0 served on it: {first}"
     pdr = wait("the fleet Running on the new image", fleet_ready(2), timeout=60)
     assert cluster.get("pdrollouts", "-n", namespace, "-o", "wide")   # printer columns accepted
+
+
+@pytest.mark.cluster
+def test_one_group_becomes_a_fleet_and_back(cluster, operator, namespace, wait):
+    """Setting spec.replicas on a running group parks its StatefulSet at 0 (the chart grants no delete)
+    and starts the groups; unsetting it deletes the groups and the StatefulSet runs the group again."""
+    doc = yaml.safe_load((ROOT / "examples/pdrollout-cpu.yaml").read_text())
+    name, nodes = doc["metadata"]["name"], doc["spec"]["topology"]["nodes"]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+    def replicas():
+        return cluster.get("statefulset", name, "-n", namespace)["spec"]["replicas"]
+
+    wait("the group's StatefulSet", lambda: cluster.kubectl(
+        "get", "statefulset", name, "-n", namespace, check=False).returncode == 0, timeout=60)
+    assert replicas() == nodes
+    cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge", "-p", '{"spec": {"replicas": 1}}')
+    wait("group 0 created", lambda: sorted(_groups(cluster, namespace, name)) == [0], timeout=60)
+    wait("the StatefulSet at 0", lambda: replicas() == 0, timeout=60)
+    cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=json",
+                    "-p", '[{"op": "remove", "path": "/spec/replicas"}]')
+    wait("group 0 deleted", lambda: not _groups(cluster, namespace, name), timeout=60)
+    wait("the StatefulSet back at its nodes", lambda: replicas() == nodes, timeout=60)
