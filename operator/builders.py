@@ -13,7 +13,7 @@ from pdrollout.engine.protocol.auth import ADMIN_TOKEN_FILE_ENV
 from pdrollout.engine.protocol.layout import LAYOUT_FILE_ENV, GroupLayout
 from pdrollout.operator import network
 from pdrollout.operator import podtemplate
-from pdrollout.operator import access, placement
+from pdrollout.operator import access, placement, router
 from pdrollout.operator.models import MAX_NODES, PDRolloutSpec
 
 ENGINE_CONTAINER = "engine"
@@ -209,14 +209,19 @@ def service(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
     }
 
 
+def api_selector(name: str) -> dict[str, str]:
+    return router.worker_selector(name, LABEL_ROLLOUT, POD_INDEX_LABEL)
+
+
 def api_service(name: str, namespace: str, spec: PDRolloutSpec) -> dict:
-    """The client Service: node 0 alone (it plans and serves the API for the whole group)."""
+    """The client Service: node 0 alone (it plans and serves the API for the whole group), or the router."""
+    selector = {router.LABEL_ROUTER: name} if spec.router else api_selector(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": api_service_name(name), "namespace": namespace, "labels": labels(name)},
         "spec": {
-            "selector": {LABEL_ROLLOUT: name, POD_INDEX_LABEL: "0"},
+            "selector": selector,
             "ports": [{"name": "http", "port": spec.port, "targetPort": "http"}],
         },
     }
@@ -410,4 +415,5 @@ def desired_objects(name: str, namespace: str, spec: PDRolloutSpec, token: str,
     """In apply order: the token, the policy, the config and the Services exist before any pod needs them."""
     return [admin_secret(name, namespace, token), network_policy(name, namespace, spec, operator_namespace),
             configmap(name, namespace, spec), service(name, namespace, spec), api_service(name, namespace, spec),
-            *([pod_group(name, namespace, spec)] if spec.gang else []), statefulset(name, namespace, spec)]
+            *([pod_group(name, namespace, spec)] if spec.gang else []), statefulset(name, namespace, spec),
+            *(router.objects(name, namespace, spec.router, spec.port, api_selector(name)) if spec.router else [])]

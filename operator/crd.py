@@ -123,6 +123,11 @@ def name_rules() -> list[dict]:
         {"rule": f"size(self.metadata.name) <= {limit}",
          "message": f"metadata.name must be at most {limit} characters: the StatefulSet's pods carry "
                     f"'<name>-<revision hash>' in a 63-character label"},
+        # a fleet's groups are PDRollouts named '<name>-<index>' (fleet.py): the same limit holds for them
+        {"rule": f"!has(self.spec.replicas) || self.spec.replicas < 1 || "
+                 f"size(self.metadata.name) + size(string(self.spec.replicas - 1)) + 1 <= {limit}",
+         "message": f"spec.replicas: the groups' names '<metadata.name>-<index>' must be at most {limit} "
+                    f"characters; shorten metadata.name or lower spec.replicas"},
     ]
 
 
@@ -130,6 +135,7 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.topology.nodes"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyNodes"},
+    {"name": "Ready-Groups", "type": "integer", "jsonPath": ".status.readyGroups"},
     {"name": "Makespan(s)", "type": "number", "jsonPath": ".status.makespanSeconds"},
     {"name": "Recent-TTFT-p99(s)", "type": "number", "jsonPath": ".status.recentTtftP99Seconds"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -151,7 +157,10 @@ def crd() -> dict:
                 "served": True,
                 "storage": True,
                 "schema": {"openAPIV3Schema": openapi_schema()},
-                "subresources": {"status": {}},
+                # `kubectl scale` and an HPA set spec.replicas (a fleet's groups, fleet.py)
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": PRINTER_COLUMNS,
             }],
         },

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import kopf
 from pydantic import ValidationError
 
-from pdrollout.operator import builders, engine_client, group, kube, metrics
+from pdrollout.operator import builders, engine_client, fleet_sync, group, kube, metrics, router
 from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
@@ -207,6 +207,9 @@ def _export(namespace: str, name: str, s: PDRolloutSpec, status: dict, patch, ph
 def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -> None:
     memo.pop(REFUSED, None)   # this generation is judged afresh
     s = _spec(spec)
+    if s.replicas is not None:   # a fleet: its groups are child PDRollouts, each reconciled as one
+        return fleet_sync.sync(name, namespace, spec, s, body, meta, dict(status or {}), patch, logger)
+    fleet_sync.leave(name, namespace, meta["uid"], logger)
     objs = builders.desired_objects(name, namespace, s, rollout_token(namespace, name, meta["uid"]),
                                     operator_namespace())
     kopf.adopt(objs, owner=body)
@@ -228,6 +231,10 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
             logger.error(message)
             return
         logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
+    if not s.router:   # turned off (or never on): remove what this rollout's router left, never another's
+        for obj in router.stale(name, namespace):
+            if not kube.foreign(obj, meta["uid"]) and kube.delete(obj):
+                logger.info(f"deleted {obj['kind']} {obj['metadata']['name']}: spec.router is unset")
     if len(conditions) != len((status or {}).get("conditions") or []):
         patch.status["conditions"] = conditions       # the spec is runnable again
         patch.status["phase"] = Phase.STARTING.value
@@ -355,6 +362,8 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     if said:
         _export(namespace, name, s, status, patch, Phase.FAILED.value, [], 0)
         return  # nothing runs until the spec changes (reconcile clears the condition)
+    if s.replicas is not None:
+        return fleet_sync.sync(name, namespace, spec, s, body, meta, status, patch, logger)
     pods = kube.list_pods(namespace, _selector(name))
     logger.debug("pods: " + ", ".join(
         f"{p['metadata']['name']}({p['metadata']['uid'][:8]} {(p.get('status') or {}).get('phase')}"

@@ -87,17 +87,53 @@ def _apply_custom(obj: dict, what: str) -> None:
         raise retry_semantics(e, what) from None
 
 
+def _calls(kind: str) -> tuple:
+    """(patch, delete) of a namespaced kind the operator writes."""
+    core, apps = _clients()
+    net, rbac = client.NetworkingV1Api(api_client()), client.RbacAuthorizationV1Api(api_client())
+    return {"ConfigMap": (core.patch_namespaced_config_map, core.delete_namespaced_config_map),
+            "Service": (core.patch_namespaced_service, core.delete_namespaced_service),
+            "Secret": (core.patch_namespaced_secret, core.delete_namespaced_secret),
+            "ServiceAccount": (core.patch_namespaced_service_account, core.delete_namespaced_service_account),
+            "StatefulSet": (apps.patch_namespaced_stateful_set, apps.delete_namespaced_stateful_set),
+            "Deployment": (apps.patch_namespaced_deployment, apps.delete_namespaced_deployment),
+            "NetworkPolicy": (net.patch_namespaced_network_policy, net.delete_namespaced_network_policy),
+            "Role": (rbac.patch_namespaced_role, rbac.delete_namespaced_role),
+            "RoleBinding": (rbac.patch_namespaced_role_binding, rbac.delete_namespaced_role_binding)}[kind]
+
+
+def delete(obj: dict) -> bool:
+    """Delete this object if it exists; True when a delete was sent."""
+    kind, meta = obj["kind"], obj["metadata"]
+    try:
+        _calls(kind)[1](meta["name"], meta["namespace"])
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise retry_semantics(e, f"delete {kind} {meta['namespace']}/{meta['name']}") from None
+    return True
+
+
+def scale_to_zero(obj: dict) -> bool:
+    """Set this workload's replicas to 0; False when it does not exist."""
+    kind, meta = obj["kind"], obj["metadata"]
+    try:
+        _calls(kind)[0](meta["name"], meta["namespace"], {"spec": {"replicas": 0}})
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise retry_semantics(e, f"scale {kind} {meta['namespace']}/{meta['name']}") from None
+    return True
+
+
 def apply(obj: dict) -> None:
     """Server-side apply with force: the operator owns every field it sets on its children."""
-    core, apps = _clients()
     kind, meta = obj["kind"], obj["metadata"]
-    if kind == "PodGroup":
+    if kind in ("PodGroup", "PDRollout"):   # a fleet's groups are PDRollouts (fleet_sync.py)
         return _apply_custom(obj, f"apply {kind} {meta['namespace']}/{meta['name']}")
-    fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-          "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-          "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
     try:
-        fn(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+        _calls(kind)[0](meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
+                        _content_type=_APPLY)
     except ApiException as e:
         raise retry_semantics(e, f"apply {kind} {meta['namespace']}/{meta['name']}") from None
 
@@ -120,11 +156,7 @@ def foreign(obj: dict, owner_uid: str) -> bool:
             client.CustomObjectsApi(api_client()).patch_namespaced_custom_object(
                 group, version, meta["namespace"], "podgroups", meta["name"], **args)
         else:
-            core, apps = _clients()
-            fn = {"ConfigMap": core.patch_namespaced_config_map, "Service": core.patch_namespaced_service,
-                  "Secret": core.patch_namespaced_secret, "StatefulSet": apps.patch_namespaced_stateful_set,
-                  "NetworkPolicy": client.NetworkingV1Api(api_client()).patch_namespaced_network_policy}[kind]
-            fn(meta["name"], meta["namespace"], **args)
+            _calls(kind)[0](meta["name"], meta["namespace"], **args)
     except ApiException as e:
         if e.status == 404:      # absent (or, for PodGroup, not served: apply says which)
             return False
@@ -156,3 +188,23 @@ def delete_pods(namespace: str, pods: list[dict]) -> None:
                 continue
             raise retry_semantics(e, f"delete pod {namespace}/{meta['name']}") from None
 
+
+
+def list_custom(group: str, version: str, plural: str, namespace: str, selector: str) -> list[dict]:
+    try:
+        got = client.CustomObjectsApi(api_client()).list_namespaced_custom_object(
+            group, version, namespace, plural, label_selector=selector)
+    except ApiException as e:
+        raise retry_semantics(e, f"list {plural} {namespace} {selector}") from None
+    return got["items"]
+
+
+def delete_custom(group: str, version: str, plural: str, namespace: str, name: str, uid: str) -> None:
+    """Delete exactly this object (UID precondition); gone already is fine."""
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    try:
+        client.CustomObjectsApi(api_client()).delete_namespaced_custom_object(
+            group, version, namespace, plural, name, body=body)
+    except ApiException as e:
+        if e.status not in (404, 409):
+            raise retry_semantics(e, f"delete {plural} {namespace}/{name}") from None

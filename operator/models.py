@@ -18,7 +18,10 @@ from pdrollout.operator import network as net
 from pdrollout.operator.network import Network
 from pdrollout.operator.storage import MODEL_VOLUME, SOURCE_VOLUME
 from pdrollout.operator.podspec import ENGINE_CONTAINER, EngineSizing, EnvVar, Lifecycle, ModelSource, PodTemplateSpec
-from pdrollout.operator.podspec import _Named as _Open   # a pass-through object with a checked name
+from pdrollout.operator.podspec import QUANTITY
+from pdrollout.operator.podspec import _Named as _Open
+from pdrollout.operator.router import Router   # a pass-through object with a checked name
+from pdrollout.operator.fleet import MAX_GROUPS, GroupSummary
 
 GROUP = "pdrollout.io"
 VERSION = "v1alpha1"
@@ -151,7 +154,6 @@ class Speculative(_Model):
 
 # Kubernetes' quantity syntax (the API server's own message quotes it): checked at admission, since a
 # bad quantity in a built StatefulSet is only refused later, as an HTTP 500 on apply.
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
 
 class Resources(_Model):
@@ -353,6 +355,12 @@ class PDRolloutSpec(_Model):
     access: Access = Field(default_factory=Access)
     gang: Gang | None = Field(default=None, description="Gang scheduling (needs scheduler-plugins' "
                                                         "coscheduling and its PodGroup CRD); unset: the default scheduler.")
+    router: Router | None = Field(default=None, description="sglang-router in front of the API pods; the client "
+                                                            "Service points at it. Unset: at node 0.")
+    replicas: int | None = Field(default=None, ge=0, le=MAX_GROUPS, description=(
+        "Engine groups: child PDRollouts NAME-0..NAME-(N-1), each a whole group. Unset: this is one group."))
+    max_unavailable_groups: int | None = Field(default=None, ge=1, description=(
+        "With replicas: groups a spec change may take down at once (default 1)."))
 
     @model_validator(mode="before")
     @classmethod
@@ -423,6 +431,10 @@ class PDRolloutStatus(_Model):
     group_pods: dict[str, str] | None = Field(default=None, description="Pod UIDs of the current incarnation.")
     last_group_restart_time: str | None = None
     control: Multiplexing | None = Field(default=None, description="Controls last applied to the engines.")
+    replicas: int | None = Field(default=None, description="With spec.replicas: the groups there are.")
+    ready_groups: int | None = Field(default=None, description="Groups whose pods are all ready on their spec.")
+    selector: str | None = Field(default=None, description="The fleet's pods (the scale subresource's).")
+    groups: list[GroupSummary] | None = None
     weight_version: str | None = Field(default=None, description="The weight version node 0's engine reports "
                                                                  "(GET /get_weight_version; set by the trainer's "
                                                                  "weight updates).")

@@ -10,6 +10,7 @@ from pydantic.alias_generators import to_camel
 
 ENGINE_CONTAINER = "engine"
 MAX_ITEMS = 64
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"   # a Kubernetes resource quantity
 _PASS = {"x-kubernetes-preserve-unknown-fields": True}   # checked by the API server on the StatefulSet
 
 

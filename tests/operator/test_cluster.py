@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdrollout.operator import builders
-from pdrollout.operator.models import PDRolloutSpec
-from chart_install import SYSTEM_NS, admin_token
+from chart_install import admin_token
+from converged import assert_converged
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,19 +25,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def contains(actual, desired, at="") -> list[str]:
-    """Where `actual` differs from `desired`, ignoring fields the API server added."""
-    if isinstance(desired, dict):
-        if not isinstance(actual, dict):
-            return [f"{at}: {actual!r} is not an object"]
-        return [d for k, v in desired.items() for d in contains(actual.get(k), v, f"{at}.{k}")]
-    if isinstance(desired, list):
-        if not isinstance(actual, list) or len(actual) != len(desired):
-            return [f"{at}: {actual!r} != {desired!r}"]
-        return [d for i, (a, v) in enumerate(zip(actual, desired)) for d in contains(a, v, f"{at}[{i}]")]
-    return [] if actual == desired else [f"{at}: {actual!r} != {desired!r}"]
 
 
 def when(get, pred):
@@ -52,20 +38,6 @@ def rollout(cluster, ns, name) -> dict:
 
 def cond(obj, type_) -> dict:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
-
-
-def assert_converged(cluster, ns, name):
-    """The live objects are exactly what the pure builders say, owned by the PDRollout."""
-    pdr = rollout(cluster, ns, name)
-    spec = PDRolloutSpec.model_validate(pdr["spec"])
-    for want in builders.desired_objects(name, ns, spec, admin_token(cluster, ns, name), SYSTEM_NS):
-        kind, obj_name = want["kind"].lower(), want["metadata"]["name"]
-        have = cluster.get(kind, obj_name, "-n", ns)
-        diff = contains(have, {k: v for k, v in want.items() if k != "metadata"})
-        assert not diff, f"{kind}/{obj_name} differs from the builders' output: {diff[:5]}"
-        (ref,) = have["metadata"]["ownerReferences"]
-        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDRollout", name,
-                                                                             pdr["metadata"]["uid"], True)
 
 
 def test_helm_install_and_example(cluster, installed, operator, namespace, wait):
@@ -140,6 +112,12 @@ def test_operator_runs_with_least_privilege(cluster, installed):
     assert can("create", "secrets") and can("patch", "networkpolicies.networking.k8s.io")
     assert not can("get", "secrets") and not can("delete", "statefulsets.apps")
     assert not can("list", "nodes") and not can("update", "configmaps") and not can("create", "pods")
+    # spec.router: what the operator creates for it, and no way to grant more than it holds
+    assert can("create", "roles.rbac.authorization.k8s.io") and can("delete", "deployments.apps")
+    assert not can("escalate", "roles.rbac.authorization.k8s.io") and not can("bind", "roles.rbac.authorization.k8s.io")
+    # spec.replicas: a fleet creates and deletes its groups (PDRollouts), nothing else more
+    assert can("create", "pdrollouts.pdrollout.io") and can("delete", "pdrollouts.pdrollout.io")
+    assert not can("update", "pdrollouts.pdrollout.io") and not can("deletecollection", "pdrollouts.pdrollout.io")
 
 
 def test_invalid_resources_rejected(cluster, installed, namespace):
@@ -167,6 +145,13 @@ def test_unusable_names_refused_at_admission(cluster, installed, namespace):
         doc["metadata"]["name"] = bad
         r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
         assert r.returncode != 0 and why in r.stderr, f"{bad}: {r.stderr}"
+    # a fleet's groups are '<name>-<index>': 50 characters and group index 10 is one too many
+    doc["metadata"]["name"], doc["spec"]["replicas"] = "f" * 50, 11
+    r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert r.returncode != 0 and "spec.replicas: the groups' names" in r.stderr, r.stderr
+    doc["spec"]["replicas"] = 10
+    assert cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
+                           input=yaml.safe_dump(doc), check=False).returncode == 0
     assert not cluster.get("pdrollouts", "-n", namespace)["items"]
 
 

@@ -39,8 +39,15 @@ def test_schema_is_structural():
 def test_printer_columns_and_status_subresource():
     v = crd.crd()["spec"]["versions"][0]
     assert [c["name"] for c in v["additionalPrinterColumns"]] == \
-        ["Phase", "Nodes", "Ready", "Makespan(s)", "Recent-TTFT-p99(s)", "Age"]
-    assert v["subresources"] == {"status": {}}
+        ["Phase", "Nodes", "Ready", "Ready-Groups", "Makespan(s)", "Recent-TTFT-p99(s)", "Age"]
+    assert v["subresources"]["status"] == {}
+    # `kubectl scale` reads and writes fields the schema has, of the types the scale subresource needs
+    scale = v["subresources"]["scale"]
+    props = v["schema"]["openAPIV3Schema"]["properties"]
+    assert props["spec"]["properties"]["replicas"]["type"] == "integer" == \
+        props["status"]["properties"][scale["statusReplicasPath"].split(".")[-1]]["type"]
+    assert scale["specReplicasPath"] == ".spec.replicas"
+    assert props["status"]["properties"][scale["labelSelectorPath"].split(".")[-1]]["type"] == "string"
     status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert status["phase"]["enum"] == [p.value for p in Phase]
     # Every printer column points at a field the schema has.

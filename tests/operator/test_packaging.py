@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdrollout.operator import router
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pdrollout-operator"
 MONITORING = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor",
@@ -44,17 +46,24 @@ def test_monitoring_objects_carry_the_release_label_prometheus_selects(tools):
     operator's own metrics have their PodMonitor and port."""
     docs = render(tools, *MONITORING)
     mons = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")}
-    assert set(mons) == {"pdr-pdrollout-operator-engines", "pdr-pdrollout-operator-operator", "pdr-pdrollout-operator"}
+    assert set(mons) == {"pdr-pdrollout-operator-engines", "pdr-pdrollout-operator-operator",
+                         "pdr-pdrollout-operator-routers", "pdr-pdrollout-operator"}
     assert all(d["metadata"]["labels"]["release"] == "pdr" for d in mons.values())
     op = mons["pdr-pdrollout-operator-operator"]["spec"]
     c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert op["podMetricsEndpoints"][0]["port"] == "metrics"
     assert {"name": "metrics", "containerPort": 8081} in c["ports"] and "--metrics-address=0.0.0.0:8081" in c["args"]
+    # the routers' PodMonitor finds the router pods by their label and port name (operator/router.py)
+    routed = mons["pdr-pdrollout-operator-routers"]["spec"]
+    pod = router.deployment("r", "ns", router.Router(), 30000, {})["spec"]["template"]
+    (expr,) = routed["selector"]["matchExpressions"]
+    assert (expr["key"], expr["operator"]) == (router.LABEL_ROUTER, "Exists") and expr["key"] in pod["metadata"]["labels"]
+    assert routed["podMetricsEndpoints"][0]["port"] in [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
     docs = render(tools, *MONITORING, "--set", "monitoring.releaseLabel=kube-prometheus-stack",
                   "--set", "monitoring.podMonitor.labels.team=rl")
     mons = [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule")]
     assert all(d["metadata"]["labels"]["release"] == "kube-prometheus-stack" for d in mons)
-    assert [d["metadata"]["labels"].get("team") for d in mons if d["kind"] == "PodMonitor"] == ["rl", "rl"]
+    assert [d["metadata"]["labels"].get("team") for d in mons if d["kind"] == "PodMonitor"] == ["rl", "rl", "rl"]
 
 
 def test_namespaced_rbac_when_watching_namespaces(tools):
