@@ -9,9 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pdrollout.engine.protocol.router import ROUTER_IMAGE
 from pdrollout.operator.podspec import QUANTITY
 
-ROUTER_IMAGE = "pdrollout-router:0.1.0"   # built from PyPI's sglang-router (images/, issue 50's router side)
 ROUTER_CONTAINER = "router"
 ROUTER_UID = 65532
 METRICS_PORT = 29000                      # sglang-router's --prometheus-port default
