@@ -22,8 +22,7 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
+from .moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention, plan_tiles  # noqa: E402
 from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402

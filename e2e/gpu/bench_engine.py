@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate all floors here are taken against)
+from .hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate all floors here are taken against)
 
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine

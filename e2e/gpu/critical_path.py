@@ -16,7 +16,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from ttft_epochs import record_runs   # this script's directory is on sys.path when it runs
+from .ttft_epochs import record_runs
 
 
 def sessions(records: list[dict]) -> dict[str, list[dict]]:

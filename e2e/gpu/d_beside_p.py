@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import p_batch, p_runs   # this script's directory is on sys.path when it runs
+from .bench_engine import p_batch, p_runs
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams

@@ -21,8 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_seeds import BASE_CONFIG, device, engine_config, reset, spread, write_model  # noqa: E402
+from .bench_seeds import BASE_CONFIG, device, engine_config, reset, spread, write_model  # noqa: E402
 
 MEASURES = ("makespan_s", "mean_decode_step_ms", "median_ttft_ms")
 

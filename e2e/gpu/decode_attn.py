@@ -22,9 +22,8 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hbm import copy_bw  # noqa: E402
-from moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
+from .hbm import copy_bw  # noqa: E402
+from .moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.kernels import decode_attention  # noqa: E402
 from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402

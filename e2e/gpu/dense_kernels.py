@@ -21,9 +21,8 @@ if os.environ.get("DEVICE") == "cpu":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hbm import copy_bw  # noqa: E402
-from moe_kernels import sweep_configs, timed  # noqa: E402  (graph replays timed by CUDA events)
+from .hbm import copy_bw  # noqa: E402
+from .moe_kernels import sweep_configs, timed  # noqa: E402  (graph replays timed by CUDA events)
 from pdrollout.engine.model.skinny import linear_rows  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}

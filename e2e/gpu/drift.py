@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fused_step import build   # this script's directory is on sys.path when it runs
+from .fused_step import build
 
 FIELDS = ("temperature.gpu", "temperature.memory", "power.draw", "clocks.sm", "clocks.mem",
           "clocks_throttle_reasons.active")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from fused_step import build
-from hbm import replays_ms   # this script's directory is on sys.path when it runs
+from .fused_step import build
+from .hbm import replays_ms
 
 
 def tables(rows: int, blocks: int, pool: int, placement: str, g: torch.Generator) -> torch.Tensor:

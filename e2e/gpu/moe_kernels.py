@@ -25,8 +25,7 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate every floor here is taken against)
+from .hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate every floor here is taken against)
 
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.fused_moe import experts_fused  # noqa: E402

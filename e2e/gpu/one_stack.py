@@ -99,8 +99,7 @@ def check(out: Path) -> dict:
 def copy_bw() -> float:
     if DEVICE != "cuda":
         return 1e11   # a dry run: any figure
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hbm import copy_bw as measured
+    from .hbm import copy_bw as measured
     return measured()
 
 
@@ -210,7 +209,7 @@ def small(out: Path) -> dict:
     return res
 
 
-if __name__ == "__main__":
+def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for stage in sys.argv[2:]:
@@ -219,3 +218,8 @@ if __name__ == "__main__":
         r = {"check": check, "decode2": decode2, "small": small}[stage](out, **kw)
         name = f"small-s{os.environ.get('SEED', 0)}" if stage == "small" else stage
         (out / f"{name}.json").write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import p_batch, p_slots   # this script's directory is on sys.path when it runs
-from fused_step import build, sync
-from hbm import replays_ms
+from .bench_engine import p_batch, p_slots
+from .fused_step import build, sync
+from .hbm import replays_ms
 from pdrollout.engine.model import qwen3_moe
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")

@@ -20,8 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_seeds import spread  # noqa: E402   median, min, max, n
+from .bench_seeds import spread  # noqa: E402   median, min, max, n
 
 MODES = ("normal", "mixed", "pd")
 BASE = {"extra": {}, "weights": "bf16", "mtp_layers": 0, "priority": "none"}

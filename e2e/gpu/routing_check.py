@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hbm import replays_ms   # this script's directory is on sys.path when it runs
+from .hbm import replays_ms
 from pdrollout.engine.protocol.config import EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams

@@ -16,7 +16,7 @@ import json
 import statistics
 import sys
 
-from ttft_epochs import record_runs   # this script's directory is on sys.path when it runs
+from .ttft_epochs import record_runs
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:

@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import tiny_config  # noqa: E402
 from pdrollout.engine.cli import main as cli_main  # noqa: E402
 from pdrollout.engine.model import fp8  # noqa: E402
 from pdrollout.engine.model.checkpoint import write_checkpoint, write_dequantized  # noqa: E402
-from pdrollout.engine.protocol.config import ControlSettings, EngineConfig  # noqa: E402
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset  # noqa: E402
 from pdrollout.engine.runtime.engine import Engine  # noqa: E402
 from pdrollout.engine.scheduler.request import SamplingParams  # noqa: E402
 
@@ -67,7 +64,7 @@ def _time(fn, iters: int = 20) -> float:
 
 def stage_fp8(tmp: Path) -> dict:
     cfg = tmp / "cfg.json"
-    cfg.write_text(json.dumps(tiny_config(mlp_only_layers=[1])))
+    cfg.write_text(json.dumps({**load_preset("tiny"), "mlp_only_layers": [1]}))
     assert cli_main(["checkpoint", "--config", str(cfg), "--out", str(tmp / "fp8"), "--dtype", "fp8",
                      "--seed", "3"]) == 0
     write_dequantized(tmp / "fp8", tmp / "twin16", dtype="bfloat16")
@@ -113,7 +110,7 @@ def stage_fp8(tmp: Path) -> dict:
 
 
 def stage_spec(tmp: Path) -> dict:
-    model = write_checkpoint(tiny_config(vocab_size=24), tmp / "loopy", seed=0)
+    model = write_checkpoint({**load_preset("tiny"), "vocab_size": 24}, tmp / "loopy", seed=0)
     res = {}
     for dtype in ("float32", "bfloat16"):
         for mode in ("normal", "mixed", "pd"):

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench_seeds import spread   # this script's directory is on sys.path when it runs
+from .bench_seeds import spread
 
 MODES = ("normal", "mixed", "pd")
 

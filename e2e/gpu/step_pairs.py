@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from step_costs import d_only, read, runs   # this script's directory is on sys.path when it runs
+from .step_costs import d_only, read, runs
 
 
 def ratio(pairs: list[tuple[dict, dict]], key: str) -> float | None:

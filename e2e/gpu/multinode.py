@@ -40,7 +40,7 @@ def model_dir(work: Path) -> Path:
     return write_checkpoint(cfg, work / "model", seed=0, dtype="float32")
 
 
-def main(out: Path) -> int:
+def launch_two_nodes(out: Path) -> int:
     from pdrollout.engine.protocol.exits import name as exit_name
     from pdrollout.operator import builders
     from pdrollout.operator.models import PDRolloutSpec
@@ -152,5 +152,9 @@ def _margin_rule(ours, ref, margins, bound) -> str:
     return "equal"
 
 
+def main() -> int:
+    return launch_two_nodes(Path(sys.argv[1]))
+
+
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main())

@@ -29,9 +29,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import bench_rendezvous as B  # noqa: E402
+from .. import bench_rendezvous as B  # noqa: E402
 
 DEVICE = os.environ.get("DEVICE", "cuda")
 
