@@ -80,8 +80,8 @@ def run(argv: list[str]) -> int:
     target = COMMANDS[sub][what]
     if target.endswith(".sh"):
         return subprocess.call(["bash", str(HERE / target), *rest], env={**os.environ, "PYTHON": sys.executable})
+    sys.argv = [f"python -m e2e.gpu {sub} {what}", *rest]   # before the import: some read it at module level
     mod = importlib.import_module(f"{__package__}.{target}")
-    sys.argv = [f"python -m e2e.gpu {sub} {what}", *rest]
     main = mod.main
     rc = main(rest) if inspect.signature(main).parameters else main()
     return int(rc or 0)

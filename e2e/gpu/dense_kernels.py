@@ -4,14 +4,12 @@ sweep of its tiles, each a CUDA graph replay, beside the HBM floor of the weight
 `dense_kernel`'s default and skinny.TILES (issue 19: at one row the three GEMMs took 21.5 µs a layer
 against ~9 µs of floor, docs/PERF.md, nineteenth session).
 
-    python3 e2e/gpu/dense_kernels.py OUT.json [--rows 1,2,4,8,16] [--sweep]
-    DEVICE=cpu python3 e2e/gpu/dense_kernels.py OUT.json --sweep   # dry run: tiny shapes, the interpreter
+    python -m e2e.gpu kernels dense OUT.json [--rows 1,2,4,8,16] [--sweep]
+    DEVICE=cpu python -m e2e.gpu kernels dense OUT.json --sweep   # dry run: tiny shapes, the interpreter
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from .hbm import copy_bw  # noqa: E402
-from .moe_kernels import sweep_configs, timed  # noqa: E402  (graph replays timed by CUDA events)
+from .harness import finish, meta, off_reference, parse_on_device, sweep_configs, sweep_parser, timed  # noqa: E402
 from pdrollout.engine.model.skinny import linear_rows  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}
@@ -59,13 +57,8 @@ def run(name: str, n: int, k: int, rows: int, a, dev, cpu: bool, bw: float | Non
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
-    ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--sweep", action="store_true")
-    a = ap.parse_args()
-    cpu = os.environ.get("DEVICE") == "cpu"
-    dev = torch.device("cpu" if cpu else "cuda")
+    ap = sweep_parser(__doc__, rows="1,2,4,8,16")
+    a, cpu, dev = parse_on_device(ap)
     try:
         rows = [int(r) for r in a.rows.split(",")]
         assert all(0 < r <= 16 for r in rows)
@@ -74,21 +67,13 @@ def main() -> int:
     shapes = {"tiny": (40, 72)} if cpu else SHAPES
     bw = None if cpu else copy_bw(dev)
     out = [run(name, n, k, r, a, dev, cpu, bw) for name, (n, k) in shapes.items() for r in (rows[:2] if cpu else rows)]
-    meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "copy_bw_tbs": bw and bw / 1e12,
-            "commit": os.environ.get("COMMIT", "unknown"), "machine": os.environ.get("MACHINE", "unknown"),
-            "nproc": 1, "seed": 0, "command": "python3 e2e/gpu/dense_kernels.py " + " ".join(sys.argv[1:])}
-    with open(a.out, "w") as f:
-        json.dump({"meta": meta, "rows": out}, f, indent=1)
     print("shape   rows  floor us  cuBLAS us  skinny us  best us  best config")
     for r in out:
         print(f"{r['shape']:7} {r['rows']:4} {r.get('floor_us', 0):9.1f} {r.get('cublas_us', 0):10.1f} "
               f"{r.get('skinny_us', 0):10.1f} {r.get('best_us', 0):8.1f}  {r.get('best_config')}")
-    wrong = [(r["shape"], r["rows"]) for r in out if r["skinny_rel_err"] > 2e-2
-             or any(e.get("rel_err", 0) > 2e-2 for e in r.get("sweep", []))]
-    if wrong:
-        print(f"the skinny launch differs from the reference at {wrong}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(a.out, meta(cpu, copy_bw_tbs=bw and bw / 1e12), out,
+                  off_reference(out, "skinny_rel_err", lambda r: (r["shape"], r["rows"])),
+                  "the skinny launch differs from the reference at")
 
 
 if __name__ == "__main__":

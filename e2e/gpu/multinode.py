@@ -8,7 +8,7 @@ device plugin does). Greedy tokens through node 0's /generate are compared with 
 the reference tests' margin rule). Then node 1's process tree is killed mid-run: node 0's exit code
 and time. Writes OUT/multinode2.json and prints a table last.
 
-Usage (repo root, 2 GPUs, after `source e2e/gpu/env.sh`): python3 e2e/gpu/multinode2.py OUT
+Usage (repo root, 2 GPUs, after `source e2e/gpu/env.sh`): python -m e2e.gpu tests multinode OUT
   COMMIT=<sha> (recorded in meta)  DEVICE=cpu (a dry run of the mechanics: CPU ranks, no GPUs)
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def launch_two_nodes(out: Path) -> int:
     urls = [f"http://{ip}:{spec.port}" for ip in ips]
     t0 = time.monotonic()
     result: dict = {"meta": {"issue": 14, "commit": os.environ.get("COMMIT", "unknown"),
-                             "command": "python3 e2e/gpu/multinode2.py OUT", "machine": platform.node(),
+                             "command": "python -m e2e.gpu tests multinode OUT", "machine": platform.node(),
                              "device": device, "nproc": 2, "nodes": 2, "gpus_per_node": 1,
                              "topology": "ATP2/ADP1, EP2, torch expert backend", "mode": "pd",
                              "control": spec.multiplexing.control().model_dump(), "seed": 0}}

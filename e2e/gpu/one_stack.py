@@ -1,6 +1,6 @@
 """Issue 15 on GPUs: one execution stack, the CUDA fast path on every rank.
 
-Stages (python3 e2e/gpu/one_stack.py OUT STAGE..., after `source e2e/gpu/env.sh`; COMMIT=<sha>):
+Stages (python -m e2e.gpu tests one-stack OUT STAGE..., after `source e2e/gpu/env.sh`; COMMIT=<sha>):
   check    2 GPUs: greedy tokens of an fp32 Qwen3-MoE on 2 ranks (ATP2/ADP1 pd; ADP2 normal) equal one
            GPU's (margin rule against transformers), and every decode-only step replayed a CUDA graph on
            one rank and on two (the step logs' `graph`)
@@ -32,7 +32,7 @@ def meta(stage: str, **kw) -> dict:
     import torch
     return {"issue": 15, "stage": stage, "commit": os.environ.get("COMMIT", "unknown"), "machine": platform.node(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "gpus": torch.cuda.device_count(), "command": f"python3 e2e/gpu/one_stack.py OUT {stage}", **kw}
+            "gpus": torch.cuda.device_count(), "command": f"python -m e2e.gpu tests one-stack OUT {stage}", **kw}
 
 
 def generate(model, reqs: str, out: Path, name: str, *, nproc=1, adp=1, ep=1, mode="pd", engine=None,

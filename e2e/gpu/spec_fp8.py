@@ -7,7 +7,7 @@
           GPU (8192^3, per-tensor scales) in the same call
   spec    greedy tokens with n-gram speculation (k = 1, 4) equal those without, fp32 and bf16, in
           normal / mixed / pd on the GPU, with the acceptance counts
-Usage (repo root): source e2e/gpu/env.sh; python3 e2e/gpu/spec_fp8.py OUT [fp8] [spec]
+Usage (repo root): source e2e/gpu/env.sh; python -m e2e.gpu tests spec-fp8 OUT [fp8] [spec]
 DEVICE=cpu: a dry run of the mechanics. Writes OUT/spec_fp8.json, prints a short table last.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     stages = sys.argv[2:] or ["fp8", "spec"]
-    result = {"meta": {"issue": 23, "command": "python3 e2e/gpu/spec_fp8.py OUT " + " ".join(stages),
+    result = {"meta": {"issue": 23, "command": "python -m e2e.gpu tests spec-fp8 OUT " + " ".join(stages),
                        "commit": os.environ.get("COMMIT", "unknown"), "device": DEVICE,
                        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
                        "torch": torch.__version__}}
