@@ -34,6 +34,32 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
     return r
 
 
+def test_tool_names_its_subcommands_and_refuses_an_unknown_target():
+    """No arguments lists every subcommand's targets; a wrong subcommand or target is named, rc 2."""
+    r = tool_run([], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    for line in ("tests: one-stack,", "bench: seeds, plan,", "kernels: moe, attn,", "profile: decode,", "report: repeats,"):
+        assert line in r.stderr, r.stderr
+    r = tool_run(["kernels", "moe_kernels"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown kernels target 'moe_kernels'" in r.stderr, r.stderr
+    r = tool_run(["sweep", "moe"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown subcommand 'sweep'" in r.stderr, r.stderr
+
+
+def test_tests_release_resume_dry_run_gives_memory_back_and_generates_the_same_tokens(tmp_path):
+    """`tests release-resume` on the tiny preset: two release/resume cycles, the KV cache and weights
+    gone while released and back after, and greedy outputs equal before and after."""
+    _dry_run("tests", "release-resume", str(tmp_path), "--tokens", "4")
+    r = json.loads((tmp_path / "release_resume.json").read_text())
+    assert r["outputs_equal"] is True and r["before"] == r["after"] and all(r["before"])
+    stages = {row["stage"]: row for row in r["stages"]}
+    for cycle in (1, 2):
+        assert stages[f"released (all tags) #{cycle}"]["engine_kv_gib"] == 0
+        assert stages[f"released (all tags) #{cycle}"]["engine_weights_gib"] == 0
+        assert stages[f"resumed kv_cache + cuda_graph #{cycle}"]["engine_kv_gib"] == stages["loaded"]["engine_kv_gib"] > 0
+    assert r["meta"]["command"].startswith("python -m e2e.gpu tests release-resume")
+
+
 def test_moe_kernels_dry_run_checks_bf16_and_fp8_experts_against_the_reference(tmp_path):
     out = tmp_path / "moe.json"
     _dry_run("kernels", "moe", str(out), "--fp8", "--tokens", "1,8")
