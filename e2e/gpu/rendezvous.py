@@ -13,7 +13,7 @@ stdout, it is never left out silently):
           device -> all_gather -> host (what a device-side rendezvous would cost from the host)
   engine  `pdrollout generate --nproc 2 --adp 1 --ep 2 --device cuda --mode pd` (fine-grained,
           span 1) with each transport and --step-log OUT/steplog-<transport>: the GPU's rank skew
-          and D enqueue times for the simulator (needs pydantic: carry .whl/ as for stall4.py)
+          and D enqueue times for the simulator (needs pydantic: carry .whl/ as for `tests stall`)
 Then here: python e2e/rdv_sim.py --bench docs/perf/rendezvous/bench-cpu.json --gpu OUT/rendezvous2.json
            --gpu-steplogs OUT/steplog-gather OUT/steplog-dissemination --out docs/perf/rendezvous
            (the full command: docs/DISTRIBUTED.md, "The simulator")
