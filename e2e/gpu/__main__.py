@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +78,7 @@ def run(argv: list[str]) -> int:
     sub, what, rest = argv[0], argv[1], argv[2:]
     target = COMMANDS[sub][what]
     if target.endswith(".sh"):
-        return subprocess.call(["bash", str(HERE / target), *rest], env={**os.environ, "PYTHON": sys.executable})
+        return subprocess.call(["bash", str(HERE / target), *rest])
     sys.argv = [f"python -m e2e.gpu {sub} {what}", *rest]   # before the import: some read it at module level
     mod = importlib.import_module(f"{__package__}.{target}")
     main = mod.main

@@ -7,8 +7,8 @@
 set -uo pipefail
 out="${1:?output dir}"; shift
 source "$(dirname "$0")/env.sh"
-export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd):$PYTHONPATH"   # python -m e2e.gpu from any cwd
-mkdir -p "$out"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/../.."   # python -m e2e.gpu finds its package from the repo root
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
   "base="

@@ -35,7 +35,10 @@ budget="${PART_BUDGET_S:-540}"
 # DEVICE=cpu: a dry run here with the repo's venv (tests/engine/test_gpu_scripts_dry_run.py); the
 # shim and the carried wheels are the GPU machine's
 [ "${DEVICE:-}" = cpu ] || source "$here/env.sh"
-export PYTHONPATH="$(dirname "$(dirname "$here")")${PYTHONPATH:+:$PYTHONPATH}"   # python -m e2e.gpu from any cwd
+# python -m e2e.gpu finds its package from the repo root (PYTHONPATH=root would shadow the stdlib's
+# `operator` with the operator package): OUT made absolute, then the root is the cwd
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+cd "$(dirname "$(dirname "$here")")"
 dir="$out/$part"
 mkdir -p "$dir"
 # Logs over 100 KB as they are committed (docs/perf: gzipped; the scripts read either)
