@@ -120,7 +120,7 @@ def test_bench_seeds_runs_each_engine_on_its_topology(tmp_path):
         assert json.loads((out / "base" / "P1-s0" / mode / "results.json").read_text())["modes"][mode]["completed"] > 0
     for bad, says in ((("--topology", "2x2"), "NPROC/ADP/EP"), (("--topology", "2/1/2", "--gpus", "0,1,2"), "engines of 2")):
         r = tool_run(["bench", "seeds", str(tmp_path / "bad"), *bad],
-                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+                     capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
         assert r.returncode == 2 and says in r.stderr, r.stderr
         assert not (tmp_path / "bad" / "meta.json").exists()
 
@@ -182,7 +182,7 @@ def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
     log.mkdir()
     (log / "records-pd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     r = tool_run(["report", "ttft", str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     name, reqs, p50, batches = r.stdout.splitlines()[1].split()[:4]
     assert (name, reqs, batches) == ("pd/pd", "4", "2") and abs(float(p50) - 151.5) <= 0.5
@@ -201,7 +201,7 @@ def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp
         "thread (0x2);main (cli.py:1);step (/r/engine/runtime/engine.py:135);cudaStreamSynchronize (libcudart.so.13) 50",
     ]) + "\n")
     r = tool_run(["profile", "spy", str(folded), "--json", str(tmp_path / "s.json")],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["samples"] == 10
@@ -211,7 +211,7 @@ def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp
         [("cuLaunchKernel", 0.7), ("take_gil", 0.3)]
     assert {row["frame"]: row["share"] for row in s["library_self"]} == {"libcuda.so.1": 0.7, "libpython3.12.so.1.0": 0.3}
     r = tool_run(["profile", "spy", str(folded), "--match", "no_such_frame"],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no sampled stack passes through a frame matching 'no_such_frame' (60 samples" in r.stderr
     folded.write_text("not folded\n")
     r = tool_run(["profile", "spy", str(folded)], capture_output=True, text=True, timeout=60)
@@ -220,11 +220,11 @@ def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp
 
 def test_bench_seeds_py_spy_needs_a_server_of_its_own(tmp_path):
     r = tool_run(["bench", "seeds", str(tmp_path), "--py-spy", "5",
-                        "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
-                       capture_output=True, text=True, timeout=60)
+                  "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--py-spy needs --reuse-server" in r.stderr
     r = tool_run(["bench", "seeds", str(tmp_path), "--py-spy", "15.0",
-                        "--reuse-server"], capture_output=True, text=True, timeout=60)
+                  "--reuse-server"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid int value: '15.0'" in r.stderr
 
 
@@ -267,7 +267,7 @@ def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
     assert row["default_rel_err"] < 2e-2 and len(row["sweep"]) == 2
     assert {e["config"]["block_m"] for e in row["sweep"]} == {16, 32} and all(e["rel_err"] < 2e-2 for e in row["sweep"])
     r = tool_run(["kernels", "attn", str(out), "--shapes", "16k"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+                 env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "unknown shapes ['16k']" in r.stderr
 
 
@@ -280,7 +280,7 @@ def test_decode_attn_dry_run_checks_every_swept_launch_against_the_reference(tmp
     assert {(e["config"]["tile"], e["config"]["kv_splits"]) for e in row["sweep"]} == {(16, 1), (16, 2), (32, 1), (32, 2)}
     assert all(e["rel_err"] < 2e-2 for e in row["sweep"]), row["sweep"]
     r = tool_run(["kernels", "decode-attn", str(out), "--shapes", "64"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+                 env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "BATCHxCONTEXT" in r.stderr
 
 
@@ -325,7 +325,7 @@ def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_
         _result(c2, "mtp2", s, "pd", 18.0 * k, spec_accept_length=1.5, speculative="mtp", speculative_k=2)
     out = tmp_path / "m.json"
     r = tool_run(["report", "spec-matrix", str(out), str(c1), str(c2)],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())["table"]["P1"]
     assert t["base"]["pd_vs_normal"]["median"] == 0.9 and t["base"]["pd_vs_mixed"]["median"] == 9 / 8
@@ -335,7 +335,7 @@ def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_
     assert t["mtp2"]["pd_vs_mixed"] is None and t["mtp2"]["mixed"]["makespan_s"] is None
     assert "| mtp2 | 40.00 (20.00–60.00) | – | 36.00 (18.00–54.00) | 0.900" in r.stdout
     bad = tool_run(["report", "spec-matrix", str(out), str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=60)
+                   capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a directory" in bad.stderr
 
 
@@ -399,14 +399,14 @@ def test_same_tokens_finds_each_sessions_first_differing_turn(tmp_path):
     _records(tmp_path / "a" / "records-mixed.jsonl", a)
     _records(tmp_path / "b" / "records-mixed.jsonl", b)
     r = tool_run(["report", "same-tokens", str(tmp_path / "a"), str(tmp_path / "b"),
-                        "--json", str(tmp_path / "same.json")], capture_output=True, text=True, timeout=60)
+                  "--json", str(tmp_path / "same.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (c,) = json.loads((tmp_path / "same.json").read_text())
     assert (c["equal"], c["requests"], c["first_turns_equal"], c["sessions_all_equal"]) == (3, 5, 2, 1)
     assert c["median_first_differing_turn"] == 1.5     # s0 at turn 1, s1 never (its 2 turns)
     _records(tmp_path / "c" / "records-pd.jsonl", {k: None for k in a})
     r = tool_run(["report", "same-tokens", str(tmp_path / "a"), str(tmp_path / "c")],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "output_digest" in r.stderr
 
 
@@ -459,7 +459,7 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     r = tool_run(["report", "step-pairs", str(tmp_path / "a"), str(tmp_path / "b"),
-                        "--json", str(tmp_path / "pairs.json")], capture_output=True, text=True, timeout=60)
+                  "--json", str(tmp_path / "pairs.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (c,) = json.loads((tmp_path / "pairs.json").read_text())
     assert (c["steps_a"], c["same_shape"], c["same_rows"], c["same_ctx"], c["d_timed"], c["d_same"]) == (4, 4, 1, 2, 3, 2)
@@ -542,8 +542,8 @@ def test_step_costs_bound_json_names_each_runs_seed_from_the_logs_name(tmp_path)
         (tmp_path / name / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in run * n))
     out = tmp_path / "b.json"
     r = tool_run(["report", "step-costs", "--bound", "--json", str(out),
-                        *(str(tmp_path / n) for n in ("steps-pd-s3-4", "steps-pd-b1", "steps-pd"))],
-                       capture_output=True, text=True, timeout=60)
+                  *(str(tmp_path / n) for n in ("steps-pd-s3-4", "steps-pd-b1", "steps-pd"))],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     b = json.loads(out.read_text())
     seeds = {Path(k).name: [row.get("seed") for row in v] for k, v in b["logs"].items()}
@@ -575,7 +575,7 @@ def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
         d.mkdir()
         (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(scale)))
     r = tool_run(["report", "step-costs", "--d-speed", str(a), str(b)],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert [line.split() for line in r.stdout.splitlines()[1:]] == [["0", "2", "1.050"], ["1", "2", "1.000"]]
     assert rows[0]["gpu_ratio"] is None and rows[0]["host_ms_a"] is None   # untimed logs
@@ -603,7 +603,7 @@ def test_step_costs_d_speed_places_a_difference_on_the_gpu_or_the_host(tmp_path)
         d.mkdir()
         (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(runs)))
     r = tool_run(["report", "step-costs", "--d-speed", str(a), str(b)],
-                       capture_output=True, text=True, timeout=60)
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "GPU A / B" in r.stdout.splitlines()[0]
     assert [line.split()[3:] for line in r.stdout.splitlines()[1:]] == [["1.000", "2.00", "1.00"], ["1.100", "1.00", "1.00"]]
@@ -629,9 +629,9 @@ def _plan(tmp_path, part: str, seeds: str) -> tuple[Path, list[list[str]]]:
     in the order they came up."""
     out = tmp_path / "out"
     r = tool_run(["bench", "plan", str(out), part, seeds, "--", "--preset", "tiny",
-                        "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
-                       env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
-                       capture_output=True, text=True, timeout=600)
+                  "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
+                 env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
+                 capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # "gpu None VARIANT MODE: server up in N s"
     return out, [[line.split()[2], line.split()[3].rstrip(":")] for line in r.stdout.splitlines() if "server up" in line]
@@ -727,12 +727,12 @@ def test_bench_seeds_pins_a_variants_server_to_its_cpus(tmp_path):
     for cpus, says in (("0-x", "not a CPU list"), ("3-1", "empty or negative"),
                        (f"{allowed[-1] + 1}", "not among this process's CPUs")):
         r = tool_run(["bench", "seeds", str(tmp_path / "bad"), "--reuse-server",
-                            "--variant", f'bad:normal,mixed:{{"cpus": "{cpus}"}}'],
-                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+                      "--variant", f'bad:normal,mixed:{{"cpus": "{cpus}"}}'],
+                     capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
         assert r.returncode == 2 and "variant bad: cpus" in r.stderr and says in r.stderr, r.stderr
     r = tool_run(["bench", "seeds", str(tmp_path / "bad"),
-                        "--variant", 'bad:normal,mixed:{"cpus": "0"}'],
-                       capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+                  "--variant", 'bad:normal,mixed:{"cpus": "0"}'],
+                 capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
     assert r.returncode == 2 and "needs --reuse-server" in r.stderr, r.stderr
     assert not (tmp_path / "bad" / "meta.json").exists()
 
