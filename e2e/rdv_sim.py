@@ -10,7 +10,7 @@
 --steplogs  engine step logs (`--step-log`, one host): replayed per round (each rank's logged gap
             before pre-D and D enqueue time) and compared with the logged rendezvous latencies;
             their pooled per-rank deviations are the skew of the fleet runs.
---gpu       e2e/gpu/rendezvous2.py output (two H200s): calibration of the GPU host (preferred for
+--gpu       `python -m e2e.gpu tests rendezvous` output (two H200s): calibration of the GPU host (preferred for
             the fleet when present; its 2-rank bench is the validation point there). Adds two
             scenarios: h200-bench (the ping-pong's crossings and late wake-ups) and
             h200-tail-fitted (the wake-up probability fitted to the 2-rank dissemination p99).

@@ -4,16 +4,14 @@ tile shapes, warps and stages, beside SDPA per segment (kernels.prefill_attentio
 graph replay, in causal TFLOP/s. Decides paged_prefill.TILES (issue 19: the 8k chunk spent 35 ms of
 its 165 ms here, ~190 TFLOP/s).
 
-    python3 e2e/gpu/attn_kernels.py OUT.json [--shapes 8k,p1] [--sweep]
+    python -m e2e.gpu kernels attn OUT.json [--shapes 8k,p1] [--sweep]
       8k: one chunk of 4 fresh 2,048-token prompts (bench_engine's prefill step)
       p1: 32 continuation segments of 256 new tokens over 1,792 cached (a P epoch at P1)
-    DEVICE=cpu python3 e2e/gpu/attn_kernels.py OUT.json --sweep   # dry run: a tiny shape, the interpreter
+    DEVICE=cpu python -m e2e.gpu kernels attn OUT.json --sweep   # dry run: a tiny shape, the interpreter
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,8 +20,7 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_kernels import timed  # noqa: E402  (graph replays timed by CUDA events)
+from .harness import finish, meta, off_reference, parse_on_device, rel, sweep_each, sweep_parser, timed  # noqa: E402
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.paged_prefill import TILES, paged_prefill_attention, plan_tiles  # noqa: E402
 from pdrollout.engine.model.qwen3_moe import SeqSlice  # noqa: E402
@@ -55,10 +52,6 @@ def causal_flops(seqs, h: int, d: int) -> float:
     """QKᵀ and PV over the keys each query sees (bottom-right causal)."""
     keys = sum(s.q_len * (s.ctx_len - s.q_len) + s.q_len * (s.q_len + 1) // 2 for s in seqs)
     return 4.0 * keys * h * d
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def configs(cpu: bool):
@@ -93,21 +86,11 @@ def run_shape(name: str, a, dev, cpu: bool) -> dict:
         if all(s.q_len == s.ctx_len for s in seqs):
             row["fresh"] = fresh_backends(q, k, v, seqs, scale, ref, flops)
     if a.sweep:
-        out = []
-        for cfg in configs(cpu):
+        def launch(cfg):   # the plan is built once per step in the engine: outside the timed launch
             plan = plan_tiles(seqs, dev, cfg["block_m"], heads=q.shape[1])
-            run = lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=cfg)  # noqa: E731
-            try:
-                entry = {"config": cfg, "rel_err": rel(run(), ref)}
-                if not cpu:
-                    entry["us"] = timed(run, 20) * 1e6
-                    entry["tflops"] = flops / entry["us"] / 1e6
-            except Exception as exc:   # past shared memory or registers: reported, not fatal
-                entry = {"config": cfg, "error": str(exc).splitlines()[0][:120]}
-            out.append(entry)
-        ok = [e for e in out if e.get("rel_err", 1) < 2e-2]
-        row["sweep"] = sorted(out, key=lambda e: e.get("us", 0) if e in ok else float("inf"))
-        if ok and not cpu:
+            return lambda: paged_prefill_attention(q, k, v, seqs, scale, plan=plan, tiles=cfg)
+        row["sweep"] = sweep_each(launch, ref, configs(cpu), not cpu, figures=lambda us: {"tflops": flops / us / 1e6})
+        if not cpu and row["sweep"][0].get("rel_err", 1) < 2e-2:   # the fastest that agrees
             row["best_us"], row["best_config"] = row["sweep"][0]["us"], row["sweep"][0]["config"]
             row["best_tflops"] = row["sweep"][0]["tflops"]
     return row
@@ -147,23 +130,13 @@ def fresh_backends(q, k, v, seqs, scale: float, ref, flops: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
-    ap.add_argument("--shapes", default="8k,p1")
-    ap.add_argument("--sweep", action="store_true")
-    a = ap.parse_args()
-    cpu = os.environ.get("DEVICE") == "cpu"
-    dev = torch.device("cpu" if cpu else "cuda")
+    ap = sweep_parser(__doc__, shapes="8k,p1")
+    a, cpu, dev = parse_on_device(ap)
     names = a.shapes.split(",")
     bad = [n for n in names if n not in SHAPES]
     if bad:
         ap.error(f"unknown shapes {bad}; choose from {', '.join(SHAPES)}")
     rows = [run_shape(n, a, dev, cpu) for n in (names[:1] if cpu else names)]
-    meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "commit": os.environ.get("COMMIT", "unknown"),
-            "machine": os.environ.get("MACHINE", "unknown"), "nproc": 1, "seed": 0,
-            "command": "python3 e2e/gpu/attn_kernels.py " + " ".join(sys.argv[1:])}
-    with open(a.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("shape  segs  tokens  sdpa us  default us  TFLOP/s (sdpa/default/best)  best config")
     for r in rows:
         print(f"{r['shape']:5} {r['segments']:5} {r['tokens']:7} {r.get('sdpa_us', 0):8.0f} {r.get('default_us', 0):11.0f}  "
@@ -173,12 +146,8 @@ def main() -> int:
         for name, f in r.get("fresh", {}).items():
             print(f"  fresh {name:32} " + (f"{f['us']:6.0f} us {f['tflops']:4.0f} TFLOP/s err {f['rel_err']:.1e}"
                                            if "us" in f else f["error"]))
-    wrong = [r["shape"] for r in rows if r["default_rel_err"] > 2e-2
-             or any(e.get("rel_err", 0) > 2e-2 for e in r.get("sweep", []))]
-    if wrong:
-        print(f"paged prefill attention differs from the reference on {wrong}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(a.out, meta(cpu), rows, off_reference(rows, "default_rel_err", lambda r: r["shape"]),
+                  "paged prefill attention differs from the reference on")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Builds the Qwen3-30B-A3B shape with random bf16 weights on the device (no checkpoint on disk),
 prefills a batch through the engine in `normal` mode (8k-token chunks), then times decode steps
 (CUDA-graph replay alone, and whole engine steps with planning and sampling).
-Usage: python3 e2e/gpu/bench_engine.py [--layers 48] [--batch 64] [--ctx 2048] [--mode normal|pd] --out results.json
+Usage: python -m e2e.gpu bench engine [--layers 48] [--batch 64] [--ctx 2048] [--mode normal|pd] --out results.json
   --fp8                  block-FP8 weights (the config's quantization_config, as FP8 releases declare)
   --speculative-k K      speculation, K drafts per decode row: the decode steps are then verify
                          steps, and tokens per row per step are reported beside their time
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate all floors here are taken against)
+from .hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate all floors here are taken against)
 
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine

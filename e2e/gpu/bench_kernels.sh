@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The decode step and the 8k prefill chunk under each opt-in kernel, one process per variant,
-# side by side in one call, with a table last (e2e/gpu/bench_engine.py does the timing).
-# Usage (GPU machine, repo root): bash e2e/gpu/bench_kernels.sh OUTDIR [NAME='ARGS'...]
+# side by side in one call, with a table last (`bench engine` does the timing).
+# Usage (GPU machine, repo root): python -m e2e.gpu bench variants OUTDIR [NAME='ARGS'...]
 #   default variants: the defaults (fused add + norm and routing in bf16), those two unfused, and
 #   each opt-in kernel on top of the defaults (the decode attention in one pass, the paged prefill one).
 set -uo pipefail
 out="${1:?output dir}"; shift
 source "$(dirname "$0")/env.sh"
-mkdir -p "$out"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/../.."   # python -m e2e.gpu finds its package from the repo root
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(
   "base="
@@ -19,7 +20,7 @@ for v in "${variants[@]}"; do
   name="${v%%=*}"; args="${v#*=}"
   echo "== $name: $args"
   # shellcheck disable=SC2086
-  timeout "${VARIANT_TIMEOUT:-180}" python3 "$(dirname "$0")/bench_engine.py" $args --out "$out/$name.json" \
+  timeout "${VARIANT_TIMEOUT:-180}" python3 -m e2e.gpu bench engine $args --out "$out/$name.json" \
     > "$out/$name.log" 2>&1 || { echo "$name failed (exit $?)"; tail -5 "$out/$name.log"; }
 done
 python3 - "$out" <<'PY'

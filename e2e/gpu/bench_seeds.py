@@ -6,9 +6,9 @@ one GPU by CUDA_VISIBLE_DEVICES; each GPU takes the next job when its last one e
 the `normal` and `mixed` of the baseline variant (the first one, which must run both) in the same
 call, then summarized.
 
-    python3 e2e/gpu/bench_seeds.py OUT --seeds 0,1,2,3,4 --pressures P1,trace \
+    python -m e2e.gpu bench seeds OUT --seeds 0,1,2,3,4 --pressures P1,trace \
         --variant base:normal,mixed,pd:{} --variant overlap:pd:'{"solo_overlap": true}' [--gpus 0,1]
-    python3 e2e/gpu/bench_seeds.py OUT --summarize      # the table again from OUT
+    python -m e2e.gpu bench seeds OUT --summarize      # the table again from OUT
     ... --step-logs                                      # each server's step log under OUT/.../steps
     ... --reuse-server                                   # one server per (variant, mode) for all its runs
     ... --skip-existing                                  # only jobs without results in OUT (resume)
@@ -38,7 +38,7 @@ EP2/ADP2 on two GPUs; --gpus is then cut into groups of NPROC, one engine per gr
     ... --reuse-server --py-spy 15 --variant spy:pd:{}   # each run's server sampled by py-spy (native
                                                          # frames) into its pyspy.txt; the figures of a
                                                          # sampled run are perturbed (no baseline needed);
-                                                         # python3 e2e/gpu/spy_summary.py .../pyspy.txt
+                                                         # python -m e2e.gpu profile spy .../pyspy.txt
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def spy_command(pid: int, path: Path, seconds: int) -> list[str]:
 def profile_server(pid: int, out: Path, args) -> threading.Thread:
     """--py-spy: the server's threads sampled with native frames (CUDA driver calls, the GIL) for
     args.py_spy seconds from args.py_spy_delay on, as folded stacks in OUT/.../pyspy.txt
-    (e2e/gpu/spy_summary.py reads them). Sampling pauses the process: that run's figures are not
+    (`profile spy` reads them). Sampling pauses the process: that run's figures are not
     comparable, so a profiled variant gets its own name."""
     def record():
         time.sleep(args.py_spy_delay)

@@ -8,7 +8,7 @@ session, P's interference included). `floor s` is where an engine that took no t
 end the run: the latest session's start plus its tool gaps (both the trace's: a turn is released
 its tool time after the last one ended); `floor` is that over the run's end, a bound no planner
 or kernel can beat.
-Usage: python3 e2e/gpu/critical_path.py DIR...   (any directory holding records-*.jsonl, searched down)
+Usage: python -m e2e.gpu report critical-path DIR...   (any directory holding records-*.jsonl, searched down)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from ttft_epochs import record_runs   # this script's directory is on sys.path when it runs
+from .ttft_epochs import record_runs
 
 
 def sessions(records: list[dict]) -> dict[str, list[dict]]:

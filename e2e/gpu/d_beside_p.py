@@ -9,12 +9,11 @@ the P1 epoch shape (8 segments of 32 new tokens over 1,792 cached) back to back 
 own, eager and through P's piecewise graphs, and a thread that only spins in Python (the GIL and
 nothing else). Against `alone`, `spin` is the host's share and `eager`/`graphed` host plus GPU.
 
-    python3 e2e/gpu/d_beside_p.py OUT.json [--intervals 5,0.5,0.2] [--steps 20] [--batch 64] [--ctx 2048]
-    DEVICE=cpu python3 e2e/gpu/d_beside_p.py OUT.json     # the tiny preset on the CPU: a dry run
+    python -m e2e.gpu bench d-beside-p OUT.json [--intervals 5,0.5,0.2] [--steps 20] [--batch 64] [--ctx 2048]
+    DEVICE=cpu python -m e2e.gpu bench d-beside-p OUT.json     # the tiny preset on the CPU: a dry run
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import p_batch, p_runs   # this script's directory is on sys.path when it runs
+from .bench_engine import p_batch, p_runs
+from .harness import parser
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
@@ -100,12 +100,8 @@ def beside(e, steps: int, work) -> tuple[float, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = parser(steps=20, batch=64, ctx=2048)
     ap.add_argument("--intervals", default="5,0.5,0.2")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=2048)
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
     batch, ctx, steps = (4, 64, min(a.steps, 3)) if cpu else (a.batch, a.ctx, a.steps)
@@ -133,7 +129,7 @@ def main() -> int:
             rows.append(row)
     finally:
         sys.setswitchinterval(default)
-    meta = {"command": "python3 e2e/gpu/d_beside_p.py " + " ".join(sys.argv[1:]),
+    meta = {"command": "python -m e2e.gpu bench d-beside-p " + " ".join(sys.argv[1:]),
             "commit": os.environ.get("COMMIT"), "machine": os.environ.get("MACHINE"),
             "device": "cpu" if cpu else torch.cuda.get_device_name(), "nproc": 1, "topology": "EP1/ADP1",
             "batch": batch, "ctx": ctx, "steps": steps, "p_tokens": pb.input_ids.shape[0],

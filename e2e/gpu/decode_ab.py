@@ -7,8 +7,8 @@ policy between runs: activation `off` is the `normal` policy itself (PDPolicy.pl
 NormalPolicy), `auto` is pd's. The runs alternate off/auto, auto/off, ... so a drift over the call
 falls on both alike; each pair gives one ratio, and the table is their median with the min–max.
 
-    python3 e2e/gpu/decode_ab.py OUT [--pairs 3] [--rows 64] [--prompt 32] [--output 512]
-    DEVICE=cpu python3 e2e/gpu/decode_ab.py OUT --model-preset tiny --rows 4 --output 8   # dry run
+    python -m e2e.gpu bench decode-ab OUT [--pairs 3] [--rows 64] [--prompt 32] [--output 512]
+    DEVICE=cpu python -m e2e.gpu bench decode-ab OUT --model-preset tiny --rows 4 --output 8   # dry run
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_seeds import BASE_CONFIG, device, engine_config, reset, spread, write_model  # noqa: E402
+from .bench_seeds import BASE_CONFIG, device, engine_config, reset, spread, write_model  # noqa: E402
 
 MEASURES = ("makespan_s", "mean_decode_step_ms", "median_ttft_ms")
 

@@ -12,8 +12,8 @@ own command from source carried in an ignored folder; neither is committed).
   (e) micro-benchmark: LL dispatch+combine latency for decode batches, alone and with a normal-
       mode prefill dispatch in flight on the P stream (CUDA events, medians).
   (f) the LL dispatch/combine captured in a CUDA graph and replayed.
-Usage: python3 e2e/gpu/deepep_check.py --out DIR            (two GPUs)
-       python3 e2e/gpu/deepep_check.py --backend gloo ...   (CPU: the torch-backend half only)
+Usage: python -m e2e.gpu tests deepep --out DIR            (two GPUs)
+       python -m e2e.gpu tests deepep --backend gloo ...   (CPU: the torch-backend half only)
 Writes DIR/rank{0,1}.json as it goes and DIR/deepep_check.json at the end; prints a table last.
 """
 from __future__ import annotations

@@ -11,12 +11,11 @@ in chunks for `hot` seconds, rests `rest` seconds, replays again for `again` sec
 reasons). Per second: the replay's median ms beside each sample's median; then the correlation of
 replay time with each.
 
-    python3 e2e/gpu/drift.py OUT.json [--batch 64] [--ctx 2048] [--hot 150] [--rest 30] [--again 40]
-    DEVICE=cpu python3 e2e/gpu/drift.py OUT.json     # the tiny preset on the CPU (engine steps): a dry run
+    python -m e2e.gpu bench drift OUT.json [--batch 64] [--ctx 2048] [--hot 150] [--rest 30] [--again 40]
+    DEVICE=cpu python -m e2e.gpu bench drift OUT.json     # the tiny preset on the CPU (engine steps): a dry run
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -30,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fused_step import build   # this script's directory is on sys.path when it runs
+from .fused_step import build
+from .harness import parser
 
 FIELDS = ("temperature.gpu", "temperature.memory", "power.draw", "clocks.sm", "clocks.mem",
           "clocks_throttle_reasons.active")
@@ -68,10 +68,7 @@ def read_samples(path: Path, t0_wall: float) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=2048)
+    ap = parser(batch=64, ctx=2048)
     ap.add_argument("--hot", type=float, default=150.0, help="seconds of replays before the rest")
     ap.add_argument("--rest", type=float, default=30.0, help="seconds of an idle GPU between the two stretches")
     ap.add_argument("--again", type=float, default=40.0, help="seconds of replays after the rest")

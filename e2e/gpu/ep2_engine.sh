@@ -5,7 +5,7 @@
 # never builds it): `pdrollout generate --nproc 2 --adp 1 --ep 2 --device cuda` with
 # --expert-backend torch and deep_ep on the same requests, modes pd and normal, plus one rank
 # (--nproc 1 --device cuda, eager) as a further reference. Prints a table; writes OUT/ep2.json.
-# Usage (repo root): bash e2e/gpu/ep2_engine.sh OUT
+# Usage (repo root): python -m e2e.gpu tests ep2 OUT
 #   EP2_WAIT_FILE=PATH  wait (up to 300 s) for PATH to exist before the deep_ep runs
 #   TOPK=8  MOE_SCALE=0.25 (the model, below)
 #   MODES="pd normal"  TIMEOUT=120 (seconds per generate)  DEVICE=cpu (a dry run of the mechanics)

@@ -12,12 +12,11 @@ engine with `batch` rows decoding at `ctx` tokens:
 then profiles a few steps of each (torch.profiler): GPU kernel time per step by kernel, and the
 step's wall beside its kernels' sum (the gap is the GPU waiting on the host).
 
-    python3 e2e/gpu/fused_step.py OUT.json [--batch 32] [--ctx 2048] [--new 32,128,512] [--steps 8]
-    DEVICE=cpu python3 e2e/gpu/fused_step.py OUT.json     # the tiny preset on the CPU: a dry run
+    python -m e2e.gpu bench fused-step OUT.json [--batch 32] [--ctx 2048] [--new 32,128,512] [--steps 8]
+    DEVICE=cpu python -m e2e.gpu bench fused-step OUT.json     # the tiny preset on the CPU: a dry run
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import p_batch, p_runs   # this script's directory is on sys.path when it runs
+from .bench_engine import p_batch, p_runs
+from .harness import parser
 from pdrollout.engine.protocol.config import EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams
@@ -129,12 +129,8 @@ def profile(e, steps: int, before=None) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--ctx", type=int, default=2048)
+    ap = parser(batch=32, ctx=2048, steps=8)
     ap.add_argument("--new", default="32,128,512")
-    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile-new", type=int, default=128, help="the fused step's P tokens when profiled")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
@@ -159,7 +155,7 @@ def main() -> int:
     if not cpu:
         pn = a.profile_new
         prof = {"d": profile(e, steps), f"fused_{pn}": profile(e, steps, lambda: cont.submit(pn))}
-    meta = {"command": "python3 e2e/gpu/fused_step.py " + " ".join(sys.argv[1:]),
+    meta = {"command": "python -m e2e.gpu bench fused-step " + " ".join(sys.argv[1:]),
             "commit": os.environ.get("COMMIT"), "machine": os.environ.get("MACHINE"),
             "device": "cpu" if cpu else torch.cuda.get_device_name(), "nproc": 1, "topology": "EP1/ADP1",
             "batch": batch, "ctx": ctx, "steps": steps, "mode": "mixed"}

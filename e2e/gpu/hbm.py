@@ -52,8 +52,14 @@ def captured_copy_bw(dev="cuda") -> float:
     return 2 * x.numel() / (replays_ms(graph, 20) / 1e3)
 
 
-if __name__ == "__main__":   # python3 e2e/gpu/hbm.py: both rates, three times each, as JSON
+def main() -> int:
+    """Both rates, three times each, as JSON."""
     import json
     print(json.dumps({"gpu": torch.cuda.get_device_name(),
                       "eager_tbs": [round(copy_bw() / 1e12, 3) for _ in range(3)],
                       "captured_tbs": [round(captured_copy_bw() / 1e12, 3) for _ in range(3)]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

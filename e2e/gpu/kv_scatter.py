@@ -12,12 +12,11 @@ version left the scattered blocks as the pool holds them (zeros) and ran 25–33
 rows attended to nothing and routed elsewhere (a decode step's time is mostly its experts').
 Placements alternate, A B A B, `rounds` times.
 
-    python3 e2e/gpu/kv_scatter.py OUT.json [--rows 1,8,26,64] [--ctx 2048] [--reps 50] [--rounds 3]
-    DEVICE=cpu python3 e2e/gpu/kv_scatter.py OUT.json     # the CPU: checks the tables it builds, no timing
+    python -m e2e.gpu kernels kv-scatter OUT.json [--rows 1,8,26,64] [--ctx 2048] [--reps 50] [--rounds 3]
+    DEVICE=cpu python -m e2e.gpu kernels kv-scatter OUT.json     # the CPU: checks the tables it builds, no timing
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from fused_step import build
-from hbm import replays_ms   # this script's directory is on sys.path when it runs
+from .fused_step import build
+from .harness import parser
+from .hbm import replays_ms
 
 
 def tables(rows: int, blocks: int, pool: int, placement: str, g: torch.Generator) -> torch.Tensor:
@@ -74,12 +74,8 @@ def replay_ms(e, rows: int, ctx: int, table: torch.Tensor, reps: int) -> tuple[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = parser(ctx=2048, reps=50, rounds=3)
     ap.add_argument("--rows", default="1,8,26,64")
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"
     rows_list = [int(x) for x in a.rows.split(",")]

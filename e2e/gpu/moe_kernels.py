@@ -3,7 +3,7 @@
 graph replay, per batch of routed tokens, beside the HBM floor of the expert weights the batch
 touches. Decides `experts_kernel`'s default (issue 19).
 
-    python3 e2e/gpu/moe_kernels.py OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--sweep-large]
+    python -m e2e.gpu kernels moe OUT.json [--tokens 1,8,32,64,128,256,2048,8192] [--sweep] [--sweep-large]
         [--sweep-small] [--fp8]
     (--sweep: also the fused kernels' tile shapes, warps and stages per batch: what they could reach;
      --sweep-large: the 128-row tiles by row-block group (group_m), stages and down's own tiles;
@@ -11,11 +11,10 @@ touches. Decides `experts_kernel`'s default (issue 19).
      --fp8: the same experts as e4m3 with 128×128 block scales — the fused kernel dequantizing tiles in
      registers against today's CUDA FP8 path (the layer dequantized, then grouped GEMMs), its FP8
      floor, and the bf16 and FP8 GEMM peaks measured in the same call (issue 23))
-    DEVICE=cpu python3 e2e/gpu/moe_kernels.py OUT.json   # dry run: a tiny shape, Triton's interpreter
+    DEVICE=cpu python -m e2e.gpu kernels moe OUT.json   # dry run: a tiny shape, Triton's interpreter
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,20 +24,11 @@ if os.environ.get("DEVICE") == "cpu":
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hbm import copy_bw, replays_ms  # noqa: E402  (the copy rate every floor here is taken against)
+from .harness import finish, meta, parse_on_device, sweep_configs, sweep_parser, timed  # noqa: E402
+from .hbm import copy_bw  # noqa: E402  (the copy rate every floor here is taken against)
 
 from pdrollout.engine.model import ops  # noqa: E402
 from pdrollout.engine.model.fused_moe import experts_fused  # noqa: E402
-
-
-def timed(fn, reps: int) -> float:
-    """Seconds per call of a graph-captured `fn`, from CUDA events."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return replays_ms(graph, reps) / 1e3
 
 
 def sweep(run, ref, flops: float) -> list[dict]:
@@ -69,22 +59,6 @@ def large_configs() -> list[dict]:
                  dict(block_n=64, block_k=128, num_warps=4), dict(block_n=128, block_k=64, num_stages=4, group_m=32)):
         out.append(dict(base, group_m=8, down_tiles=down))
     return out
-
-
-def sweep_configs(run, ref, flops: float, configs: list[dict], time: bool = True) -> list[dict]:
-    """Each config that compiles and agrees with the reference, fastest first (a config past shared
-    memory or registers is reported, not fatal). time=False (a CPU dry run): the check alone."""
-    out = []
-    for cfg in configs:
-        try:
-            entry = {"config": cfg, "rel_err": ((run(**cfg).double() - ref).norm() / ref.norm()).item()}
-            if time:
-                entry["us"] = timed(lambda: run(**cfg), 20) * 1e6
-                entry["tflops"] = flops / entry["us"] / 1e6
-        except Exception as exc:
-            entry = {"config": cfg, "error": str(exc).splitlines()[0][:120]}
-        out.append(entry)
-    return sorted(out, key=lambda r: r.get("us", 0) if r.get("rel_err", 1) < 2e-2 else float("inf"))
 
 
 def peaks(dev) -> dict:
@@ -147,16 +121,12 @@ def fp8_row(x, ids, w, q, bw, top_k, cpu: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = sweep_parser(None)
     ap.add_argument("--tokens", default="1,8,32,64,128,256,2048,8192")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-large", action="store_true", help="the 128-row tiles by group, stages and down tiles")
     ap.add_argument("--sweep-small", action="store_true", help="16-row tiles for 1-4 tokens, direct or laid out")
     ap.add_argument("--fp8", action="store_true")
-    a = ap.parse_args()
-    cpu = os.environ.get("DEVICE") == "cpu"
-    dev = torch.device("cpu" if cpu else "cuda")
+    a, cpu, dev = parse_on_device(ap)
     hidden, inter, experts, top_k = (64, 32, 8, 2) if cpu else (2048, 768, 128, 8)
     g = torch.Generator(device=dev).manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device=dev) * hidden ** -0.5).to(torch.bfloat16)
@@ -212,18 +182,12 @@ def main() -> int:
             row.update(fp8_row(x, ids, w, q, bw, top_k, cpu))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = {"gpu": None if cpu else torch.cuda.get_device_name(), "copy_bw_tbs": bw and bw / 1e12,
-            "shape": {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
-            "command": "python3 e2e/gpu/moe_kernels.py " + " ".join(sys.argv[1:]),
-            **({"peaks": peaks(dev)} if a.fp8 and not cpu else {})}
-    with open(a.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    about = meta(cpu, copy_bw_tbs=bw and bw / 1e12,
+                 shape={"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k},
+                 **({"peaks": peaks(dev)} if a.fp8 and not cpu else {}))
     # FP8: against the exact function of the e4m3 weights, one bf16 rounding of the weights more
     bad = [r["tokens"] for r in rows if r["fused_rel_err"] > 2e-2 or r.get("fp8_fused_rel_err", 0) > 3e-2]
-    if bad:
-        print(f"fused experts differ from the reference at tokens {bad}", file=sys.stderr)
-        return 1
-    return 0
+    return finish(a.out, about, rows, bad, "fused experts differ from the reference at tokens")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Issue 15 on GPUs: one execution stack, the CUDA fast path on every rank.
 
-Stages (python3 e2e/gpu/one_stack.py OUT STAGE..., after `source e2e/gpu/env.sh`; COMMIT=<sha>):
+Stages (python -m e2e.gpu tests one-stack OUT STAGE..., after `source e2e/gpu/env.sh`; COMMIT=<sha>):
   check    2 GPUs: greedy tokens of an fp32 Qwen3-MoE on 2 ranks (ATP2/ADP1 pd; ADP2 normal) equal one
            GPU's (margin rule against transformers), and every decode-only step replayed a CUDA graph on
            one rank and on two (the step logs' `graph`)
@@ -32,7 +32,7 @@ def meta(stage: str, **kw) -> dict:
     import torch
     return {"issue": 15, "stage": stage, "commit": os.environ.get("COMMIT", "unknown"), "machine": platform.node(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "gpus": torch.cuda.device_count(), "command": f"python3 e2e/gpu/one_stack.py OUT {stage}", **kw}
+            "gpus": torch.cuda.device_count(), "command": f"python -m e2e.gpu tests one-stack OUT {stage}", **kw}
 
 
 def generate(model, reqs: str, out: Path, name: str, *, nproc=1, adp=1, ep=1, mode="pd", engine=None,
@@ -99,8 +99,7 @@ def check(out: Path) -> dict:
 def copy_bw() -> float:
     if DEVICE != "cuda":
         return 1e11   # a dry run: any figure
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hbm import copy_bw as measured
+    from .hbm import copy_bw as measured
     return measured()
 
 
@@ -210,7 +209,7 @@ def small(out: Path) -> dict:
     return res
 
 
-if __name__ == "__main__":
+def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for stage in sys.argv[2:]:
@@ -219,3 +218,8 @@ if __name__ == "__main__":
         r = {"check": check, "decode2": decode2, "small": small}[stage](out, **kw)
         name = f"small-s{os.environ.get('SEED', 0)}" if stage == "small" else stage
         (out / f"{name}.json").write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

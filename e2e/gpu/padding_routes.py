@@ -13,13 +13,12 @@ through the pieces with `qwen3_moe.SKIP_P_PADDING_ROUTES` on and off (`bench_eng
 of NEW tokens over CTX cached), and records whether the logits repeat (within a capture, across a
 recapture) and match the eager forward's (which has no padding).
 
-    python3 e2e/gpu/padding_routes.py OUT.json [--rows 3,5,9,17,26] [--ctx 2048] [--reps 50] [--rounds 2]
+    python -m e2e.gpu bench padding-routes OUT.json [--rows 3,5,9,17,26] [--ctx 2048] [--reps 50] [--rounds 2]
         [--p-shapes 1x40x2048,4x40x1792,1x130x2048,1x545x2048]
-    DEVICE=cpu python3 e2e/gpu/padding_routes.py OUT.json     # the CPU: no graphs, a dry run of the rest
+    DEVICE=cpu python -m e2e.gpu bench padding-routes OUT.json     # the CPU: no graphs, a dry run of the rest
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import p_batch, p_slots   # this script's directory is on sys.path when it runs
-from fused_step import build, sync
-from hbm import replays_ms
+from .bench_engine import p_batch, p_slots
+from .fused_step import build, sync
+from .harness import parser
+from .hbm import replays_ms
 from pdrollout.engine.model import qwen3_moe
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
@@ -74,12 +74,8 @@ def differ(x: torch.Tensor, y: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = parser(ctx=2048, reps=50, rounds=2)
     ap.add_argument("--rows", default="3,5,9,17,26")
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--p-shapes", default="", help="SEGSxNEWxCTX,...: P forwards through the pieces")
     a = ap.parse_args()
     cpu = os.environ.get("DEVICE") == "cpu"

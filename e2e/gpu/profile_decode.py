@@ -2,7 +2,7 @@
 CUDA graph replays) of the Qwen3-30B-A3B shape at batch 64. Prints the top kernels by GPU time.
 With --prefill: one engine step that prefills --rows prompts of --row-tokens each instead (default
 an 8k-token chunk, 4 × 2,048), with its wall time beside its kernel time (the gap is host work).
-Usage: python3 e2e/gpu/profile_decode.py [--layers 48] [--batch 64] [--ctx 2048] [--prefill]
+Usage: python -m e2e.gpu profile decode [--layers 48] [--batch 64] [--ctx 2048] [--prefill]
            [--rows 4 --row-tokens 2048] [--experts-kernel auto] [--qk-prologue auto] --out profile.txt
 """
 from __future__ import annotations

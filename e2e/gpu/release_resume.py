@@ -7,7 +7,7 @@ kv_cache, cuda_graph) and measure; resume weights, measure; resume kv_cache and 
 graphs are captured again), measure; the same prompts again. Memory: the device's used bytes
 (cudaMemGetInfo), PyTorch's allocated and reserved bytes, and the engine's own count of what its
 weights and KV cache hold.
-Usage (GPU machine, repo root): source e2e/gpu/env.sh; python3 e2e/gpu/release_resume.py OUT_DIR [--layers 24]
+Usage (GPU machine, repo root): source e2e/gpu/env.sh; python -m e2e.gpu tests release-resume OUT_DIR [--layers 24]
 Prints a table; writes OUT_DIR/release_resume.json."""
 from __future__ import annotations
 

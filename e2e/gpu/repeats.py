@@ -7,7 +7,7 @@ same plan step for step) end up to 6.6 % apart at P1 (docs/PERF.md, "How to read
 also shows how far its identical servers spread (max / min per mode) and the range of pd / `mixed`
 over every pair of servers, which is what a single-server table would have drawn from.
 
-    python3 e2e/gpu/repeats.py [--json OUT.json] [--pressure P1] SUMMARY.json [SUMMARY.json ...]
+    python -m e2e.gpu report repeats [--json OUT.json] [--pressure P1] SUMMARY.json [SUMMARY.json ...]
 
 Only variants with the base configuration pool (no `extra`, bf16, no MTP, no priority); others are
 listed as left out.
@@ -20,8 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_seeds import spread  # noqa: E402   median, min, max, n
+from .bench_seeds import spread  # noqa: E402   median, min, max, n
 
 MODES = ("normal", "mixed", "pd")
 BASE = {"extra": {}, "weights": "bf16", "mtp_layers": 0, "priority": "none"}
@@ -113,7 +112,7 @@ def main(argv: list[str]) -> int:
         print(f"\nleft out (not the base configuration): {', '.join(left)}")
     if out:
         metas = [s["meta"] for _, s in summaries]
-        meta = {"command": " ".join(["python3 e2e/gpu/repeats.py", *sys.argv[1:]]), "pressure": pressure,
+        meta = {"command": " ".join(["python -m e2e.gpu report repeats", *sys.argv[1:]]), "pressure": pressure,
                 "seeds": t["seeds"], "commits": sorted({m.get("commit") for m in metas}),
                 "machine": sorted({m.get("machine") for m in metas}), "nproc": sorted({m.get("nproc") for m in metas}),
                 "topology": sorted({m.get("topology") for m in metas}), "sources": list(argv),

@@ -18,8 +18,8 @@ on the engine:
            tokens and with one token in every row at the same positions: a step's time against
            what its rows route to
 
-    python3 e2e/gpu/routing_check.py OUT.json [--batch 64] [--subset 26] [--ctx 2048] [--new 128]
-    DEVICE=cpu python3 e2e/gpu/routing_check.py OUT.json     # the tiny preset on the CPU: a dry run
+    python -m e2e.gpu bench routing OUT.json [--batch 64] [--subset 26] [--ctx 2048] [--new 128]
+    DEVICE=cpu python -m e2e.gpu bench routing OUT.json     # the tiny preset on the CPU: a dry run
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hbm import replays_ms   # this script's directory is on sys.path when it runs
+from .hbm import replays_ms
 from pdrollout.engine.protocol.config import EngineConfig, load_preset
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import SamplingParams

@@ -6,7 +6,7 @@ shares (another GEMM shape, another rounding), and a closed loop's batches diffe
 flipped token changes that session's later turns (their context holds it) and what its rows route
 to, so two identical servers need not run the same work. For every pair of runs given, per session
 and turn: whether the outputs are equal, and each session's first turn that differs.
-Usage: python3 e2e/gpu/same_tokens.py DIR...   (directories holding records-*.jsonl, searched down)
+Usage: python -m e2e.gpu report same-tokens DIR...   (directories holding records-*.jsonl, searched down)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import json
 import statistics
 import sys
 
-from ttft_epochs import record_runs   # this script's directory is on sys.path when it runs
+from .ttft_epochs import record_runs
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:

@@ -7,7 +7,7 @@
           GPU (8192^3, per-tensor scales) in the same call
   spec    greedy tokens with n-gram speculation (k = 1, 4) equal those without, fp32 and bf16, in
           normal / mixed / pd on the GPU, with the acceptance counts
-Usage (repo root): source e2e/gpu/env.sh; python3 e2e/gpu/spec_fp8.py OUT [fp8] [spec]
+Usage (repo root): source e2e/gpu/env.sh; python -m e2e.gpu tests spec-fp8 OUT [fp8] [spec]
 DEVICE=cpu: a dry run of the mechanics. Writes OUT/spec_fp8.json, prints a short table last.
 """
 from __future__ import annotations
@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from conftest import tiny_config  # noqa: E402
 from pdrollout.engine.cli import main as cli_main  # noqa: E402
 from pdrollout.engine.model import fp8  # noqa: E402
 from pdrollout.engine.model.checkpoint import write_checkpoint, write_dequantized  # noqa: E402
-from pdrollout.engine.protocol.config import ControlSettings, EngineConfig  # noqa: E402
+from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, load_preset  # noqa: E402
 from pdrollout.engine.runtime.engine import Engine  # noqa: E402
 from pdrollout.engine.scheduler.request import SamplingParams  # noqa: E402
 
@@ -67,7 +64,7 @@ def _time(fn, iters: int = 20) -> float:
 
 def stage_fp8(tmp: Path) -> dict:
     cfg = tmp / "cfg.json"
-    cfg.write_text(json.dumps(tiny_config(mlp_only_layers=[1])))
+    cfg.write_text(json.dumps({**load_preset("tiny"), "mlp_only_layers": [1]}))
     assert cli_main(["checkpoint", "--config", str(cfg), "--out", str(tmp / "fp8"), "--dtype", "fp8",
                      "--seed", "3"]) == 0
     write_dequantized(tmp / "fp8", tmp / "twin16", dtype="bfloat16")
@@ -97,7 +94,7 @@ def stage_fp8(tmp: Path) -> dict:
 
 
 def stage_spec(tmp: Path) -> dict:
-    model = write_checkpoint(tiny_config(vocab_size=24), tmp / "loopy", seed=0)
+    model = write_checkpoint({**load_preset("tiny"), "vocab_size": 24}, tmp / "loopy", seed=0)
     res = {}
     for dtype in ("float32", "bfloat16"):
         for mode in ("normal", "mixed", "pd"):
@@ -112,7 +109,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     stages = sys.argv[2:] or ["fp8", "spec"]
-    result = {"meta": {"issue": 23, "command": "python3 e2e/gpu/spec_fp8.py OUT " + " ".join(stages),
+    result = {"meta": {"issue": 23, "command": "python -m e2e.gpu tests spec-fp8 OUT " + " ".join(stages),
                        "commit": os.environ.get("COMMIT", "unknown"), "device": DEVICE,
                        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
                        "torch": torch.__version__}}

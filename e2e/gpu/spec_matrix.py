@@ -3,7 +3,7 @@ each cell the median over seeds (min–max), with pd's ratios against `normal` a
 same variant and seed (the paper's P/D-vs-Normal delta under each precision and MTP setting) and
 each variant against BF16 with speculation off in the same mode (what FP8 or MTP costs or gains).
 
-    python3 e2e/gpu/spec_matrix.py OUT.json DIR [DIR ...]   # DIR: a bench_seeds.py OUT (any pressure)
+    python -m e2e.gpu report spec-matrix OUT.json DIR [DIR ...]   # DIR: a bench_seeds.py OUT (any pressure)
 
 A (variant, pressure, seed, mode) found in several DIRs is taken from the last one given: list the
 calls in order and a re-run replaces the earlier run. A ratio needs both runs; a missing cell is "–".
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench_seeds import spread   # this script's directory is on sys.path when it runs
+from .bench_seeds import spread
 
 MODES = ("normal", "mixed", "pd")
 
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         return 1
     base = "base" if any(k[0] == "base" for k in found) else sorted(k[0] for k in found)[0]
     table = matrix(found, base)
-    out.write_text(json.dumps({"meta": {"command": "python3 e2e/gpu/spec_matrix.py " + " ".join(argv),
+    out.write_text(json.dumps({"meta": {"command": "python -m e2e.gpu report spec-matrix " + " ".join(argv),
                                         "baseline_variant": base, "calls": metas,
                                         "seeds": sorted({k[2] for k in found})},
                                "table": table}, indent=1))

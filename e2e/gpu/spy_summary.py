@@ -4,7 +4,7 @@
   * inclusive share per frame of our code (engine/, operator/): which layer or op issues the most,
   * self share per leaf frame (Python or native: a CUDA launch, a GIL wait, the allocator),
   * self share per leaf's library (the part of a native frame name after ' (' or the file).
-Usage: python3 e2e/gpu/spy_summary.py pyspy.txt [--match _epoch] [--top 25] [--json out.json]
+Usage: python -m e2e.gpu profile spy pyspy.txt [--match _epoch] [--top 25] [--json out.json]
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ mode, so this is the two servers' speed on identical work, the yardstick for a m
 that time the replay on the GPU (`d_gpu_s`, CUDA events) split it: the GPU's ratio, and each side's
 host ms a step (wall less GPU time, median over the same row counts), so a difference in speed is
 placed on the device or on the host.
-    python3 e2e/gpu/step_costs.py [--bound [--json OUT]] STEPLOG...   (rank0.jsonl[.gz]; a directory: its rank0 log)
-    python3 e2e/gpu/step_costs.py --d-speed STEPLOG_A STEPLOG_B
+    python -m e2e.gpu report step-costs [--bound [--json OUT]] STEPLOG...   (rank0.jsonl[.gz]; a directory: its rank0 log)
+    python -m e2e.gpu report step-costs --d-speed STEPLOG_A STEPLOG_B
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def d_speed(a: list[dict], b: list[dict], min_steps: int = 5) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    cmd = " ".join(["python3 e2e/gpu/step_costs.py", *argv])
+    cmd = " ".join(["python -m e2e.gpu report step-costs", *argv])
     if argv[:1] == ["--d-speed"]:
         if len(argv) != 3:
             print(__doc__, file=sys.stderr)

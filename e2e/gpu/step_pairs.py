@@ -7,7 +7,7 @@ few per cent apart, though a D graph replayed alone runs at one speed across pro
 rows (`decode_set`: request ids, so only within one run's naming) and attend the same keys
 (`decode_ctx_tokens`), and the D-only steps' GPU time (`d_gpu_s`) B against A over the steps that
 attend the same keys and over those that do not; the walls of the steps that carry P and of D's.
-Usage: python3 e2e/gpu/step_pairs.py A B [--json OUT]   (step-log directories or files; gzip read)
+Usage: python -m e2e.gpu report step-pairs A B [--json OUT]   (step-log directories or files; gzip read)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from step_costs import d_only, read, runs   # this script's directory is on sys.path when it runs
+from .step_costs import d_only, read, runs
 
 
 def ratio(pairs: list[tuple[dict, dict]], key: str) -> float | None:

@@ -4,7 +4,7 @@ Under pd with its P epochs beside D, first tokens come in batches: every request
 epoch gets its token when the epoch ends. This groups first tokens that land within --window of each
 other and prints, per run: the median TTFT, the batches' median spacing, requests and new (uncached)
 prompt tokens per batch. Requests released in the first --skip seconds (the t=0 burst) are left out.
-Usage: python3 e2e/gpu/ttft_epochs.py DIR...   (any directory holding records-*.jsonl, searched down)
+Usage: python -m e2e.gpu report ttft DIR...   (any directory holding records-*.jsonl, searched down)
 """
 from __future__ import annotations
 

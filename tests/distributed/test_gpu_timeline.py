@@ -1,5 +1,5 @@
 """The GPU timeline's arithmetic (issue 8): interval overlap and the per-rank summary. The timelines
-themselves come from CUDA events (e2e/gpu/stall4.py); here synthetic ones with known answers."""
+themselves come from CUDA events (`python -m e2e.gpu tests stall`, e2e/gpu/stall.py); here synthetic ones with known answers."""
 from __future__ import annotations
 
 import pytest

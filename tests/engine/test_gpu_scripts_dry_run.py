@@ -16,24 +16,60 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _dry_run(script: str, *args: str) -> subprocess.CompletedProcess:
-    """e2e/`script` on the CPU (DEVICE=cpu); it must succeed."""
-    r = subprocess.run([sys.executable, str(ROOT / "e2e" / script), *args],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+def tool_run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """`python -m e2e.gpu ARGV` from the repo root, as the GPU machine runs it."""
+    return subprocess.run([sys.executable, "-m", "e2e.gpu", *argv], cwd=ROOT, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _tool_importable(monkeypatch):
+    """The tool's modules import each other as the package e2e.gpu, found from the repo root."""
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    """`python -m e2e.gpu SUBCOMMAND WHAT ARGS` on the CPU (DEVICE=cpu); it must succeed."""
+    r = tool_run(list(args), env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
 
+def test_tool_names_its_subcommands_and_refuses_an_unknown_target():
+    """No arguments lists every subcommand's targets; a wrong subcommand or target is named, rc 2."""
+    r = tool_run([], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    for line in ("tests: one-stack,", "bench: seeds, plan,", "kernels: moe, attn,", "profile: decode,", "report: repeats,"):
+        assert line in r.stderr, r.stderr
+    r = tool_run(["kernels", "moe_kernels"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown kernels target 'moe_kernels'" in r.stderr, r.stderr
+    r = tool_run(["sweep", "moe"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown subcommand 'sweep'" in r.stderr, r.stderr
+
+
+def test_tests_release_resume_dry_run_gives_memory_back_and_generates_the_same_tokens(tmp_path):
+    """`tests release-resume` on the tiny preset: two release/resume cycles, the KV cache and weights
+    gone while released and back after, and greedy outputs equal before and after."""
+    _dry_run("tests", "release-resume", str(tmp_path), "--tokens", "4")
+    r = json.loads((tmp_path / "release_resume.json").read_text())
+    assert r["outputs_equal"] is True and r["before"] == r["after"] and all(r["before"])
+    stages = {row["stage"]: row for row in r["stages"]}
+    for cycle in (1, 2):
+        assert stages[f"released (all tags) #{cycle}"]["engine_kv_gib"] == 0
+        assert stages[f"released (all tags) #{cycle}"]["engine_weights_gib"] == 0
+        assert stages[f"resumed kv_cache + cuda_graph #{cycle}"]["engine_kv_gib"] == stages["loaded"]["engine_kv_gib"] > 0
+    assert r["meta"]["command"].startswith("python -m e2e.gpu tests release-resume")
+
+
 def test_moe_kernels_dry_run_checks_bf16_and_fp8_experts_against_the_reference(tmp_path):
     out = tmp_path / "moe.json"
-    _dry_run("gpu/moe_kernels.py", str(out), "--fp8", "--tokens", "1,8")
+    _dry_run("kernels", "moe", str(out), "--fp8", "--tokens", "1,8")
     rows = json.loads(out.read_text())["rows"]
     assert [row["tokens"] for row in rows] == [1, 8]
     assert all(row["fused_rel_err"] < 2e-2 and 0 < row["fp8_fused_rel_err"] < 3e-2 for row in rows), rows
 
 
 def _bench_seeds(out, *extra):
-    r = _dry_run("gpu/bench_seeds.py", str(out), "--seeds", "0", "--preset", "tiny", "--model-preset", "tiny",
+    r = _dry_run("bench", "seeds", str(out), "--seeds", "0", "--preset", "tiny", "--model-preset", "tiny",
                  "--model", str(out) + "-model", "--job-timeout", "120", "--variant", "base:normal,mixed:{}", *extra)
     return r.stdout
 
@@ -74,8 +110,8 @@ def test_bench_seeds_runs_each_engine_on_its_topology(tmp_path):
         assert logs == ["rank0.jsonl", "rank1.jsonl"], logs
         assert json.loads((out / "base" / "P1-s0" / mode / "results.json").read_text())["modes"][mode]["completed"] > 0
     for bad, says in ((("--topology", "2x2"), "NPROC/ADP/EP"), (("--topology", "2/1/2", "--gpus", "0,1,2"), "engines of 2")):
-        r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"), *bad],
-                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+        r = tool_run(["bench", "seeds", str(tmp_path / "bad"), *bad],
+                     capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
         assert r.returncode == 2 and says in r.stderr, r.stderr
         assert not (tmp_path / "bad" / "meta.json").exists()
 
@@ -122,11 +158,7 @@ def test_bench_seeds_gives_an_mtp_variant_a_model_with_its_head(tmp_path):
 def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
     """Requests whose first tokens land within the window are one batch (one P epoch's end); the
     t=0 burst is left out; new tokens are the prompt less its cached part."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from ttft_epochs import summary
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.ttft_epochs import summary
     rec = lambda rel, first, prompt, cached: {"release_s": rel, "first_token_s": first, "prompt_tokens": prompt,
                                               "cached_tokens": cached}
     records = [rec(0.0, 0.4, 500, 0),                                          # the burst: left out
@@ -140,8 +172,8 @@ def test_ttft_epochs_groups_first_tokens_that_land_together(tmp_path):
     log = tmp_path / "pd"
     log.mkdir()
     (log / "records-pd.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/ttft_epochs.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "ttft", str(tmp_path)],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     name, reqs, p50, batches = r.stdout.splitlines()[1].split()[:4]
     assert (name, reqs, batches) == ("pd/pd", "4", "2") and abs(float(p50) - 151.5) <= 0.5
@@ -159,9 +191,8 @@ def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp
         epoch + "experts (/r/engine/model/backends.py:87);cuLaunchKernel (libcuda.so.1) 1",
         "thread (0x2);main (cli.py:1);step (/r/engine/runtime/engine.py:135);cudaStreamSynchronize (libcudart.so.13) 50",
     ]) + "\n")
-    script = str(ROOT / "e2e/gpu/spy_summary.py")
-    r = subprocess.run([sys.executable, script, str(folded), "--json", str(tmp_path / "s.json")],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["profile", "spy", str(folded), "--json", str(tmp_path / "s.json")],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["samples"] == 10
@@ -170,31 +201,27 @@ def test_spy_summary_splits_one_threads_samples_by_our_frames_and_its_leaves(tmp
     assert [(row["frame"].split(" ")[0], row["share"]) for row in s["leaf_self"]] == \
         [("cuLaunchKernel", 0.7), ("take_gil", 0.3)]
     assert {row["frame"]: row["share"] for row in s["library_self"]} == {"libcuda.so.1": 0.7, "libpython3.12.so.1.0": 0.3}
-    r = subprocess.run([sys.executable, script, str(folded), "--match", "no_such_frame"],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["profile", "spy", str(folded), "--match", "no_such_frame"],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no sampled stack passes through a frame matching 'no_such_frame' (60 samples" in r.stderr
     folded.write_text("not folded\n")
-    r = subprocess.run([sys.executable, script, str(folded)], capture_output=True, text=True, timeout=60)
+    r = tool_run(["profile", "spy", str(folded)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "line 1: not 'frame;frame;... COUNT'" in r.stderr
 
 
 def test_bench_seeds_py_spy_needs_a_server_of_its_own(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path), "--py-spy", "5",
-                        "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["bench", "seeds", str(tmp_path), "--py-spy", "5",
+                  "--variant", "spy:pd:{}"], env={**os.environ, "DEVICE": "cpu"},
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--py-spy needs --reuse-server" in r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path), "--py-spy", "15.0",
-                        "--reuse-server"], capture_output=True, text=True, timeout=60)
+    r = tool_run(["bench", "seeds", str(tmp_path), "--py-spy", "15.0",
+                  "--reuse-server"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid int value: '15.0'" in r.stderr
 
 
 def test_py_spy_is_given_whole_seconds():
     """py-spy panicked on `-d 15.0` (its duration is an integer) and the H200 run sampled nothing."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from bench_seeds import spy_command
-    finally:
-        sys.path.remove(str(ROOT / "e2e/gpu"))
+    from e2e.gpu.bench_seeds import spy_command
     cmd = spy_command(123, Path("/tmp/x.txt"), 15)
     assert cmd[cmd.index("-d") + 1] == "15" and cmd[cmd.index("-p") + 1] == "123"
     for bad in (15.0, 0, "15"):
@@ -211,7 +238,7 @@ def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
     alternate which activation goes first, every run completes all its rows, and the table's ratios
     come from the pairs."""
     out = tmp_path / "ab"
-    r = _dry_run("gpu/decode_ab.py", str(out), "--model", str(tmp_path / "m"), "--model-preset", "tiny",
+    r = _dry_run("bench", "decode-ab", str(out), "--model", str(tmp_path / "m"), "--model-preset", "tiny",
                  "--rows", "3", "--output", "6", "--pairs", "2")
     assert r.stdout.count("server up") == 1
     summary = json.loads((out / "summary.json").read_text())
@@ -226,25 +253,25 @@ def test_decode_ab_alternates_the_activation_on_one_pd_server(tmp_path):
 
 def test_attn_kernels_dry_run_checks_every_swept_tile_shape(tmp_path):
     out = tmp_path / "attn.json"
-    _dry_run("gpu/attn_kernels.py", str(out), "--sweep")
+    _dry_run("kernels", "attn", str(out), "--sweep")
     row = json.loads(out.read_text())["rows"][0]
     assert row["default_rel_err"] < 2e-2 and len(row["sweep"]) == 2
     assert {e["config"]["block_m"] for e in row["sweep"]} == {16, 32} and all(e["rel_err"] < 2e-2 for e in row["sweep"])
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/attn_kernels.py"), str(out), "--shapes", "16k"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    r = tool_run(["kernels", "attn", str(out), "--shapes", "16k"],
+                 env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "unknown shapes ['16k']" in r.stderr
 
 
 def test_decode_attn_dry_run_checks_every_swept_launch_against_the_reference(tmp_path):
     """Tiles, splits (with their merge) and the default launch against fp64 attention, on shuffled blocks."""
     out = tmp_path / "decode.json"
-    _dry_run("gpu/decode_attn.py", str(out), "--sweep")
+    _dry_run("kernels", "decode-attn", str(out), "--sweep")
     row = json.loads(out.read_text())["rows"][0]
     assert (row["batch"], row["ctx"]) == (3, 40) and row["default_rel_err"] < 2e-2
     assert {(e["config"]["tile"], e["config"]["kv_splits"]) for e in row["sweep"]} == {(16, 1), (16, 2), (32, 1), (32, 2)}
     assert all(e["rel_err"] < 2e-2 for e in row["sweep"]), row["sweep"]
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/decode_attn.py"), str(out), "--shapes", "64"],
-                       env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
+    r = tool_run(["kernels", "decode-attn", str(out), "--shapes", "64"],
+                 env={**os.environ, "DEVICE": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "BATCHxCONTEXT" in r.stderr
 
 
@@ -252,11 +279,7 @@ def test_critical_path_splits_the_last_sessions_time():
     """The last session to end is the critical one: its start, first-token waits, decode time and
     tool gaps add up to its end; its decode ms per token is set beside the other sessions'; the
     run's floor is the latest start plus tool gaps of any session."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from critical_path import summary
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.critical_path import summary
     rec = lambda sid, turn, rel, first, done, toks: {"session_id": sid, "turn": turn, "release_s": rel,
                                                      "first_token_s": first, "done_s": done, "completion_tokens": toks}
     records = [rec("a", 1, 2.5, 2.6, 4.6, 100), rec("a", 0, 0.5, 0.7, 2.0, 50),     # turns out of order
@@ -292,8 +315,8 @@ def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_
         _result(c1, "mtp2", s, "pd", 999.0)                            # replaced by call 2's
         _result(c2, "mtp2", s, "pd", 18.0 * k, spec_accept_length=1.5, speculative="mtp", speculative_k=2)
     out = tmp_path / "m.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/spec_matrix.py"), str(out), str(c1), str(c2)],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "spec-matrix", str(out), str(c1), str(c2)],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     t = json.loads(out.read_text())["table"]["P1"]
     assert t["base"]["pd_vs_normal"]["median"] == 0.9 and t["base"]["pd_vs_mixed"]["median"] == 9 / 8
@@ -302,8 +325,8 @@ def test_spec_matrix_takes_pd_ratios_within_a_variant_and_a_later_call_replaces_
     assert t["mtp2"]["pd"]["makespan_s"]["median"] == 36.0 and t["mtp2"]["speculative_k"] == 2
     assert t["mtp2"]["pd_vs_mixed"] is None and t["mtp2"]["mixed"]["makespan_s"] is None
     assert "| mtp2 | 40.00 (20.00–60.00) | – | 36.00 (18.00–54.00) | 0.900" in r.stdout
-    bad = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/spec_matrix.py"), str(out), str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=60)
+    bad = tool_run(["report", "spec-matrix", str(out), str(tmp_path / "nope")],
+                   capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not a directory" in bad.stderr
 
 
@@ -320,7 +343,7 @@ def test_gil_handoff_times_each_switch_interval(tmp_path):
 
 def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(tmp_path):
     out = tmp_path / "dbp.json"
-    _dry_run("gpu/d_beside_p.py", str(out), "--intervals", "5,0.2")
+    _dry_run("bench", "d-beside-p", str(out), "--intervals", "5,0.2")
     d = json.loads(out.read_text())
     assert [row["interval_ms"] for row in d["rows"]] == [5.0, 0.2] and d["meta"]["p_tokens"] == 16
     for row in d["rows"]:   # every kind ran beside the steps, and each step took time
@@ -331,7 +354,7 @@ def test_d_beside_p_dry_run_times_steps_alone_and_beside_each_kind_of_p_thread(t
 def test_fused_step_dry_run_times_d_steps_fused_steps_and_p_alone(tmp_path):
     """Each fused step carried exactly its continuation's new tokens (the prompt a prefix-cache hit)."""
     out = tmp_path / "fs.json"
-    _dry_run("gpu/fused_step.py", str(out), "--new", "8,16")
+    _dry_run("bench", "fused-step", str(out), "--new", "8,16")
     d = json.loads(out.read_text())
     assert d["d_step_ms"] > 0 and [row["new"] for row in d["rows"]] == [8, 16]
     assert all(row["fused_ms"] > 0 and row["p_alone_ms"] > 0 for row in d["rows"]), d["rows"]
@@ -341,7 +364,7 @@ def test_routing_check_dry_run_counts_experts_and_compares_greedy_tokens(tmp_pat
     """Routing reported for the decode steps and the random prompt tokens, counted per layer; on the
     CPU (fp32, no graphs) the three runs of the same prompts generate the same tokens."""
     out = tmp_path / "rc.json"
-    _dry_run("gpu/routing_check.py", str(out))
+    _dry_run("bench", "routing", str(out))
     d = json.loads(out.read_text())
     routing = d["routing"]
     experts, top_k = 8, 2    # the tiny preset
@@ -366,32 +389,28 @@ def test_same_tokens_finds_each_sessions_first_differing_turn(tmp_path):
     b = {**a, ("s0", 1): "Y", ("s0", 2): "Z"}         # s0 differs from its second turn on
     _records(tmp_path / "a" / "records-mixed.jsonl", a)
     _records(tmp_path / "b" / "records-mixed.jsonl", b)
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/same_tokens.py"), str(tmp_path / "a"), str(tmp_path / "b"),
-                        "--json", str(tmp_path / "same.json")], capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "same-tokens", str(tmp_path / "a"), str(tmp_path / "b"),
+                  "--json", str(tmp_path / "same.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (c,) = json.loads((tmp_path / "same.json").read_text())
     assert (c["equal"], c["requests"], c["first_turns_equal"], c["sessions_all_equal"]) == (3, 5, 2, 1)
     assert c["median_first_differing_turn"] == 1.5     # s0 at turn 1, s1 never (its 2 turns)
     _records(tmp_path / "c" / "records-pd.jsonl", {k: None for k in a})
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/same_tokens.py"), str(tmp_path / "a"), str(tmp_path / "c")],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "same-tokens", str(tmp_path / "a"), str(tmp_path / "c")],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "output_digest" in r.stderr
 
 
 def test_drift_dry_run_times_both_stretches(tmp_path):
     out = tmp_path / "drift.json"
-    _dry_run("gpu/drift.py", str(out))
+    _dry_run("bench", "drift", str(out))
     d = json.loads(out.read_text())
     assert set(d["stretch_median_ms"]) == {"hot", "again"} and d["replay_ms"]["median"] > 0
     assert d["seconds"] and all(r["ms"] is None or r["ms"] > 0 for r in d["seconds"])
 
 
 def test_drift_reads_nvidia_smis_rows_and_leaves_unreported_fields_empty(tmp_path):
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        import drift
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu import drift
     f = tmp_path / "smi.csv"
     f.write_text("2026/12/04 11:50:01.250, 45, 61, 512.30, 1980, 3201, 0x0000000000000000\n"
                  "2026/12/04 11:50:01.350, 46, [N/A], 530.00, 1965, 3201, 0x0000000000000004\n"
@@ -405,17 +424,13 @@ def test_drift_reads_nvidia_smis_rows_and_leaves_unreported_fields_empty(tmp_pat
 
 def test_kv_scatter_dry_run_builds_consecutive_and_scattered_tables(tmp_path):
     out = tmp_path / "kv.json"
-    _dry_run("gpu/kv_scatter.py", str(out))
+    _dry_run("kernels", "kv-scatter", str(out))
     d = json.loads(out.read_text())
     blocks = -(-d["meta"]["ctx"] // d["meta"]["block_size"])
     assert [r["rows"] for r in d["rows"]] == [1, 2]
     for r in d["rows"]:   # every row's blocks distinct, in both placements
         assert r["distinct_blocks"] == {"consecutive": r["rows"] * blocks, "random": r["rows"] * blocks}, r
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        import kv_scatter
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu import kv_scatter
     g = __import__("torch").Generator().manual_seed(1)
     a, b = (kv_scatter.tables(3, 4, 30, p, g) for p in ("consecutive", "random"))
     assert a.flatten().tolist() == list(range(12)) and set(b.flatten().tolist()) <= set(range(12, 30))
@@ -434,8 +449,8 @@ def test_step_pairs_lines_two_runs_up_and_splits_d_time_by_matching_rows(tmp_pat
     for name, steps in (("a", a), ("b", b)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_pairs.py"), str(tmp_path / "a"), str(tmp_path / "b"),
-                        "--json", str(tmp_path / "pairs.json")], capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "step-pairs", str(tmp_path / "a"), str(tmp_path / "b"),
+                  "--json", str(tmp_path / "pairs.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     (c,) = json.loads((tmp_path / "pairs.json").read_text())
     assert (c["steps_a"], c["same_shape"], c["same_rows"], c["same_ctx"], c["d_timed"], c["d_same"]) == (4, 4, 1, 2, 3, 2)
@@ -448,7 +463,7 @@ def test_padding_routes_dry_run(tmp_path):
     """The CPU has no decode graphs, but runs P's pieces eagerly through their buffers and padding:
     the P forwards' records (masked and not, repeats, against the eager forward) are all made."""
     out = tmp_path / "pr.json"
-    _dry_run("gpu/padding_routes.py", str(out), "--rows", "1,3", "--reps", "5", "--p-shapes", "1x5x16,2x7x20")
+    _dry_run("bench", "padding-routes", str(out), "--rows", "1,3", "--reps", "5", "--p-shapes", "1x5x16,2x7x20")
     d = json.loads(out.read_text())
     assert [r["rows"] for r in d["rows"]] == [1, 3] and d["meta"]["batch"] == 32
     assert [(p["shape"], p["tokens"], p["bucket"]) for p in d["p_forwards"]] == [("1x5x16", 5, 16), ("2x7x20", 14, 16)]
@@ -465,11 +480,7 @@ def test_padding_routes_dry_run(tmp_path):
 def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
     """A step log's steps by kind (D, P+D fused, the step starting an epoch, D beside it) and P size."""
     import gzip
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from step_costs import compiled, costs, read
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.step_costs import compiled, costs, read
     step = lambda i, d, p, wall, **kw: {"step": i, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
                                          "p_flight": None, "p_pending": False, **kw}
     log = [step(0, 1, 1, 9.0), step(1, 8, 0, 0.010), step(2, 8, 0, 0.012), step(3, 8, 100, 0.020),
@@ -490,11 +501,7 @@ def test_step_costs_bins_steps_by_kind_and_p_tokens(tmp_path):
 def test_step_costs_bound_prices_d_rows_and_charges_p_the_rest(tmp_path):
     """--bound: runs split at each burst, D rows priced by the D-only line, every other step's excess
     charged to P, and the makespan P could give back at the bulk rate or for free."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from step_costs import bounds, runs
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.step_costs import bounds, runs
     step = lambda d, p, wall, **kw: {"step": 1, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
                                      "p_flight": None, **kw}
     d = lambda rows: step(rows, 0, 0.005 + 0.001 * rows)      # D-only: 5 ms + 1 ms a row, exactly
@@ -525,9 +532,9 @@ def test_step_costs_bound_json_names_each_runs_seed_from_the_logs_name(tmp_path)
         (tmp_path / name).mkdir()
         (tmp_path / name / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in run * n))
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--bound", "--json", str(out),
-                        *(str(tmp_path / n) for n in ("steps-pd-s3-4", "steps-pd-b1", "steps-pd"))],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "step-costs", "--bound", "--json", str(out),
+                  *(str(tmp_path / n) for n in ("steps-pd-s3-4", "steps-pd-b1", "steps-pd"))],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     b = json.loads(out.read_text())
     seeds = {Path(k).name: [row.get("seed") for row in v] for k, v in b["logs"].items()}
@@ -539,11 +546,7 @@ def test_step_costs_bound_json_names_each_runs_seed_from_the_logs_name(tmp_path)
 def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
     """--d-speed A B: per run, the median over row counts of A's D-only graph step over B's at the
     same count; steps with P, beside an epoch, eager, or at counts either side ran too rarely are out."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from step_costs import d_speed
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.step_costs import d_speed
     step = lambda d, p, wall, graph=True, **kw: {"step": 1, "decode_rows": d, "prefill_tokens": p, "wall_s": wall,
                                                  "p_flight": None, "graph": graph, **kw}
     def log(scale: list[float]) -> list[dict]:
@@ -562,8 +565,8 @@ def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
     for d, scale in ((a, [1.05, 1.0]), (b, [1.0, 1.0])):
         d.mkdir()
         (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(scale)))
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--d-speed", str(a), str(b)],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "step-costs", "--d-speed", str(a), str(b)],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert [line.split() for line in r.stdout.splitlines()[1:]] == [["0", "2", "1.050"], ["1", "2", "1.000"]]
     assert rows[0]["gpu_ratio"] is None and rows[0]["host_ms_a"] is None   # untimed logs
@@ -572,11 +575,7 @@ def test_step_costs_d_speed_compares_the_same_rows_run_by_run(tmp_path):
 def test_step_costs_d_speed_places_a_difference_on_the_gpu_or_the_host(tmp_path):
     """Logs with the replay's GPU time (d_gpu_s): A's steps are 1 ms slower on the host at equal
     GPU time in run 0, and 10 % slower on the GPU in run 1."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from step_costs import d_speed
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.step_costs import d_speed
     step = lambda d, gpu, host: {"step": 1, "decode_rows": d, "prefill_tokens": 0, "p_flight": None, "graph": True,
                                  "wall_s": gpu + host, "d_gpu_s": gpu}
     def log(runs):
@@ -594,8 +593,8 @@ def test_step_costs_d_speed_places_a_difference_on_the_gpu_or_the_host(tmp_path)
     for d, runs in ((a, [(1.0, 0.002), (1.1, 0.001)]), (b, [(1.0, 0.001), (1.0, 0.001)])):
         d.mkdir()
         (d / "rank0.jsonl").write_text("\n".join(json.dumps(s) for s in log(runs)))
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/step_costs.py"), "--d-speed", str(a), str(b)],
-                       capture_output=True, text=True, timeout=60)
+    r = tool_run(["report", "step-costs", "--d-speed", str(a), str(b)],
+                 capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "GPU A / B" in r.stdout.splitlines()[0]
     assert [line.split()[3:] for line in r.stdout.splitlines()[1:]] == [["1.000", "2.00", "1.00"], ["1.100", "1.00", "1.00"]]
@@ -604,11 +603,7 @@ def test_step_costs_d_speed_places_a_difference_on_the_gpu_or_the_host(tmp_path)
 def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
     """--blocks 2: seeds 0-2 on servers normal, mixed, pd; seeds 3-4 on new servers pd, mixed, normal
     (a drift over the call no longer falls on the last mode only)."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from bench_seeds import parse_variant, seed_blocks, server_groups
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.bench_seeds import parse_variant, seed_blocks, server_groups
     assert seed_blocks([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
     assert seed_blocks([0, 1, 2], 1) == [[0, 1, 2]] and seed_blocks([0, 1], 5) == [[0], [1]]
     base = parse_variant("base:normal,mixed,pd:{}")
@@ -620,24 +615,24 @@ def test_bench_seeds_blocks_reverse_the_server_order_in_every_other_block():
     assert [g[0]["mode"] for g in server_groups(jobs, [0, 1, 2, 3, 4], 1)] == ["normal", "mixed", "pd"]
 
 
-def _issue19(tmp_path, part: str, seeds: str) -> tuple[Path, list[list[str]]]:
-    """e2e/gpu/issue19.sh PART SEEDS on the CPU (tiny shape): its OUT, and each server's (variant, mode)
+def _plan(tmp_path, part: str, seeds: str) -> tuple[Path, list[list[str]]]:
+    """`bench plan` PART SEEDS on the CPU (tiny shape): its OUT, and each server's (variant, mode)
     in the order they came up."""
     out = tmp_path / "out"
-    r = subprocess.run(["bash", str(ROOT / "e2e/gpu/issue19.sh"), str(out), part, seeds, "--", "--preset", "tiny",
-                        "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
-                       env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
-                       capture_output=True, text=True, timeout=600)
+    r = tool_run(["bench", "plan", str(out), part, seeds, "--", "--preset", "tiny",
+                  "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
+                 env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
+                 capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # "gpu None VARIANT MODE: server up in N s"
     return out, [[line.split()[2], line.split()[3].rstrip(":")] for line in r.stdout.splitlines() if "server up" in line]
 
 
-def test_issue19_script_runs_a_part_in_blocks_and_packs_it(tmp_path):
-    """e2e/gpu/issue19.sh p1 on two seeds: the second seed's servers run in reverse order, and the
+def test_bench_plan_runs_a_part_in_blocks_and_packs_it(tmp_path):
+    """`bench plan` p1 on two seeds: the second seed's servers run in reverse order, and the
     part comes back packed (what a device call returns) with its table and step logs."""
     import tarfile
-    out, servers = _issue19(tmp_path, "p1", "0,1")
+    out, servers = _plan(tmp_path, "p1", "0,1")
     ups = [mode for _, mode in servers]
     assert ups == ["normal", "mixed", "pd", "pd", "mixed", "normal"], servers
     with tarfile.open(out / "p1.tgz") as t:
@@ -663,8 +658,7 @@ def test_repeats_takes_each_modes_median_server_and_leaves_other_configurations_
     """Three identical `mixed` servers and two `pd` ones on one seed: the ratios are taken between the
     modes' median servers, the spread is max / min per mode, the pairs' range covers every pd × mixed
     pair, and a variant with extra settings is not pooled."""
-    sys.path.insert(0, str(ROOT / "e2e" / "gpu"))
-    import repeats
+    from e2e.gpu import repeats
     plain = lambda n, modes: {"name": n, "modes": modes, "extra": {}, "weights": "bf16", "mtp_layers": 0,
                               "priority": "none"}
     a = _summary("c1", [plain("base", "normal,mixed,pd"), plain("m2", "mixed"),
@@ -694,11 +688,11 @@ def test_repeats_takes_each_modes_median_server_and_leaves_other_configurations_
         repeats.table({"normal": by_mode["normal"], "mixed": by_mode["mixed"], "pd": []})
 
 
-def test_issue19_spread_part_runs_identical_servers_and_compares_them(tmp_path):
-    """e2e/gpu/issue19.sh spread on one seed: two normal, three mixed and two pd servers, then the
+def test_plan_spread_part_runs_identical_servers_and_compares_them(tmp_path):
+    """`bench plan` spread on one seed: two normal, three mixed and two pd servers, then the
     repeated-servers table over them (packed with the part)."""
     import tarfile
-    out, servers = _issue19(tmp_path, "spread", "0")
+    out, servers = _plan(tmp_path, "spread", "0")
     assert servers == [["base", "normal"], ["base", "mixed"], ["base", "pd"], ["m2", "mixed"], ["m3", "mixed"],
                        ["q2", "pd"], ["n2", "normal"]], servers
     rep = json.loads((out / "spread" / "repeats.json").read_text())
@@ -723,13 +717,13 @@ def test_bench_seeds_pins_a_variants_server_to_its_cpus(tmp_path):
     assert [v.get("cpus") for v in json.loads((out / "meta.json").read_text())["variants"]] == [None, str(allowed[0])]
     for cpus, says in (("0-x", "not a CPU list"), ("3-1", "empty or negative"),
                        (f"{allowed[-1] + 1}", "not among this process's CPUs")):
-        r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"), "--reuse-server",
-                            "--variant", f'bad:normal,mixed:{{"cpus": "{cpus}"}}'],
-                           capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+        r = tool_run(["bench", "seeds", str(tmp_path / "bad"), "--reuse-server",
+                      "--variant", f'bad:normal,mixed:{{"cpus": "{cpus}"}}'],
+                     capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
         assert r.returncode == 2 and "variant bad: cpus" in r.stderr and says in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "e2e/gpu/bench_seeds.py"), str(tmp_path / "bad"),
-                        "--variant", 'bad:normal,mixed:{"cpus": "0"}'],
-                       capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
+    r = tool_run(["bench", "seeds", str(tmp_path / "bad"),
+                  "--variant", 'bad:normal,mixed:{"cpus": "0"}'],
+                 capture_output=True, text=True, env={**os.environ, "DEVICE": "cpu"}, timeout=60)
     assert r.returncode == 2 and "needs --reuse-server" in r.stderr, r.stderr
     assert not (tmp_path / "bad" / "meta.json").exists()
 
@@ -737,11 +731,7 @@ def test_bench_seeds_pins_a_variants_server_to_its_cpus(tmp_path):
 def test_bench_seeds_passes_no_kv_size_unless_asked(tmp_path):
     """The P1 bench leaves one GPU's engine to size its own cache (kv_sizing.py); --kv-cache-bytes
     still sets it, and its servers run with it (their start's log line says the bytes)."""
-    sys.path.insert(0, str(ROOT / "e2e/gpu"))
-    try:
-        from bench_seeds import MULTI_RANK_KV_BYTES, engine_config, parse_variant
-    finally:
-        sys.path.pop(0)
+    from e2e.gpu.bench_seeds import MULTI_RANK_KV_BYTES, engine_config, parse_variant
     base = parse_variant("base:pd:{}")
     assert "kv_cache_bytes" not in engine_config(base)
     assert engine_config(base, nproc=2)["kv_cache_bytes"] == MULTI_RANK_KV_BYTES   # several ranks measure nothing

@@ -10,7 +10,7 @@ ratio from one invocation of this script:
             normal vs pd activation auto vs pd activation on
 Rendezvous latency (the turnstile's, at NPROC ranks) comes from the pd runs' server metrics.
 
-Usage (repo root, GPU machine with deep_ep importable): python3 e2e/gpu/ladder8.py OUT [GROUP ...]
+Usage (repo root, GPU machine with deep_ep importable): python -m e2e.gpu tests ladder OUT [GROUP ...]
   NPROC=8 ADP=2 EP=8 BACKEND=deep_ep  PRESET=gpu PRESSURE=P1  LAYERS=48 (Qwen3-30B-A3B shape, random
   bf16 weights made on the devices)  DEVICE=cuda (cpu: a dry run of the mechanics on the tiny model)
 Writes OUT/<group>/<run>/results.json (bench's), OUT/ladder8.json (the summary with the goals

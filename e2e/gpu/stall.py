@@ -16,7 +16,7 @@ installed (carried in .whl/), each rank's native stacks in OUT/native/<run>/rank
   fine-*         fine-grained: three replays (seeds), one with skew; per-rank GPU timelines
 Plus `sanity`: do two green contexts of S SMs share SMs (timed), before anything else.
 
-Usage (repo root, 4 GPUs): python3 e2e/gpu/stall4.py OUT [RUN ...]   (default: all runs)
+Usage (repo root, 4 GPUs): python -m e2e.gpu tests stall OUT [RUN ...]   (default: all runs)
   SMS=8 (partition)  BOUND=15 (watchdog seconds)  TIMEOUT=240 (per run)  REQUESTS=48  DEVICE=cpu (dry run)
   TOPO=NPROC,ADP,EP (default 4,2,4). On two GPUs: 2,1,2 (ATP2, one replica: the sides of the crossed
   order are the two local ranks, P's model-wide and D's ATP AllReduce span the same two ranks on
@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import zlib
+
+from .harness import run_group
 
 OUT = sys.argv[1]
 SMS = int(os.environ.get("SMS", "8"))
@@ -160,22 +161,7 @@ def run(name: str, spec: dict) -> dict:
     t0 = time.monotonic()
     env = dict(os.environ, CUDA_MODULE_LOADING=spec.get("loading", LOADING),
                PDROLLOUT_STALL_NATIVE=f"{OUT}/native/{name}{SUFFIX}")   # native stacks at a stall (py-spy)
-    # Own process group: a rank left spinning on its GPU would hold SMs (and the output pipes) of
-    # every later run, so the whole group goes when the run ends.
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=TIMEOUT)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    finally:
-        try:
-            os.killpg(p.pid, 9)
-        except ProcessLookupError:
-            pass
-    if rc == "timeout":
-        stdout, stderr = p.communicate()
+    rc, stdout, stderr = run_group(args, TIMEOUT, env)
     wall = time.monotonic() - t0
     outputs = {}
     for line in stdout.splitlines():

@@ -3,7 +3,7 @@ simulator's calibration there, a device-side (NCCL) exchange for reference, and 
 
 Usage (repo root, nvidia-h200-x2; spawns its own 2 rank processes, no torchrun needed):
     source e2e/gpu/env.sh; export NCCL_NVLS_ENABLE=0
-    python3 e2e/gpu/rendezvous2.py OUT [--rounds 2000] [--reps 3] [--skip-engine]
+    python -m e2e.gpu tests rendezvous OUT [--rounds 2000] [--reps 3] [--skip-engine]
 Stages (each recorded in OUT/rendezvous2.json; a stage that cannot run says why there and on
 stdout, it is never left out silently):
   calib   gloo ping-pong between 2 processes (receives posted ahead), post and message costs,
@@ -13,7 +13,7 @@ stdout, it is never left out silently):
           device -> all_gather -> host (what a device-side rendezvous would cost from the host)
   engine  `pdrollout generate --nproc 2 --adp 1 --ep 2 --device cuda --mode pd` (fine-grained,
           span 1) with each transport and --step-log OUT/steplog-<transport>: the GPU's rank skew
-          and D enqueue times for the simulator (needs pydantic: carry .whl/ as for stall4.py)
+          and D enqueue times for the simulator (needs pydantic: carry .whl/ as for `tests stall`)
 Then here: python e2e/rdv_sim.py --bench results/rendezvous/bench-cpu.json --gpu OUT/rendezvous2.json
            --gpu-steplogs OUT/steplog-gather OUT/steplog-dissemination --out results/rendezvous
            (the full command: docs/DISTRIBUTED.md, "The simulator")
@@ -22,16 +22,14 @@ REQUESTS=32 (engine stage); PDROLLOUT_COMMIT=<sha> names the commit where the co
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-import bench_rendezvous as B  # noqa: E402
+from .. import bench_rendezvous as B  # noqa: E402
+from .harness import parser, run_group  # noqa: E402
 
 DEVICE = os.environ.get("DEVICE", "cuda")
 
@@ -110,19 +108,7 @@ def stage_engine(out: str, timeout_s: int = 600) -> dict:
                 "--engine-config", json.dumps(engine), "--control", json.dumps(control),
                 "--rendezvous", kind, "--step-log", log]
         t0 = time.monotonic()
-        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = p.communicate(timeout=timeout_s)
-            rc = p.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        finally:
-            try:
-                os.killpg(p.pid, 9)     # no rank may outlive its run (and hold a GPU)
-            except ProcessLookupError:
-                pass
-        if rc == "timeout":
-            stdout, stderr = p.communicate()
+        rc, stdout, stderr = run_group(args, timeout_s)   # no rank may outlive its run (and hold a GPU)
         rounds = []
         for r in range(2):
             path = os.path.join(log, f"rank{r}.jsonl")
@@ -137,10 +123,7 @@ def stage_engine(out: str, timeout_s: int = 600) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--rounds", type=int, default=2000)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = parser(rounds=2000, reps=3)
     ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

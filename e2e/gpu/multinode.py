@@ -8,7 +8,7 @@ device plugin does). Greedy tokens through node 0's /generate are compared with 
 the reference tests' margin rule). Then node 1's process tree is killed mid-run: node 0's exit code
 and time. Writes OUT/multinode2.json and prints a table last.
 
-Usage (repo root, 2 GPUs, after `source e2e/gpu/env.sh`): python3 e2e/gpu/multinode2.py OUT
+Usage (repo root, 2 GPUs, after `source e2e/gpu/env.sh`): python -m e2e.gpu tests multinode OUT
   COMMIT=<sha> (recorded in meta)  DEVICE=cpu (a dry run of the mechanics: CPU ranks, no GPUs)
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def model_dir(work: Path) -> Path:
     return write_checkpoint(cfg, work / "model", seed=0, dtype="float32")
 
 
-def main(out: Path) -> int:
+def launch_two_nodes(out: Path) -> int:
     from pdrollout.engine.protocol.exits import name as exit_name
     from pdrollout.operator import builders
     from pdrollout.operator.models import PDRolloutSpec
@@ -75,7 +75,7 @@ def main(out: Path) -> int:
     urls = [f"http://{ip}:{spec.port}" for ip in ips]
     t0 = time.monotonic()
     result: dict = {"meta": {"issue": 14, "commit": os.environ.get("COMMIT", "unknown"),
-                             "command": "python3 e2e/gpu/multinode2.py OUT", "machine": platform.node(),
+                             "command": "python -m e2e.gpu tests multinode OUT", "machine": platform.node(),
                              "device": device, "nproc": 2, "nodes": 2, "gpus_per_node": 1,
                              "topology": "ATP2/ADP1, EP2, torch expert backend", "mode": "pd",
                              "control": spec.multiplexing.control().model_dump(), "seed": 0}}
@@ -152,5 +152,9 @@ def _margin_rule(ours, ref, margins, bound) -> str:
     return "equal"
 
 
+def main() -> int:
+    return launch_two_nodes(Path(sys.argv[1]))
+
+
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main())
