@@ -102,28 +102,27 @@ def _calls(kind: str) -> tuple:
             "RoleBinding": (rbac.patch_namespaced_role_binding, rbac.delete_namespaced_role_binding)}[kind]
 
 
-def delete(obj: dict) -> bool:
-    """Delete this object if it exists; True when a delete was sent."""
+def _if_present(obj: dict, verb: str, call) -> bool:
+    """call(name, namespace) on this object; False when it does not exist."""
     kind, meta = obj["kind"], obj["metadata"]
     try:
-        _calls(kind)[1](meta["name"], meta["namespace"])
+        call(meta["name"], meta["namespace"])
     except ApiException as e:
         if e.status == 404:
             return False
-        raise retry_semantics(e, f"delete {kind} {meta['namespace']}/{meta['name']}") from None
+        raise retry_semantics(e, f"{verb} {kind} {meta['namespace']}/{meta['name']}") from None
     return True
+
+
+def delete(obj: dict) -> bool:
+    """Delete this object if it exists; True when a delete was sent."""
+    return _if_present(obj, "delete", _calls(obj["kind"])[1])
 
 
 def scale_to_zero(obj: dict) -> bool:
     """Set this workload's replicas to 0; False when it does not exist."""
-    kind, meta = obj["kind"], obj["metadata"]
-    try:
-        _calls(kind)[0](meta["name"], meta["namespace"], {"spec": {"replicas": 0}})
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise retry_semantics(e, f"scale {kind} {meta['namespace']}/{meta['name']}") from None
-    return True
+    patch = _calls(obj["kind"])[0]
+    return _if_present(obj, "scale", lambda name, ns: patch(name, ns, {"spec": {"replicas": 0}}))
 
 
 def apply(obj: dict) -> None:

@@ -5,11 +5,9 @@ The router is a separate program with its own dependencies, so it lives in a sma
 under ${PDROLLOUT_CACHE:-~/.cache/pdrollout}/sglang-router-<version>, built once (~30 MB, ~1 min)."""
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,21 +15,12 @@ from pathlib import Path
 import httpx
 
 from pdrollout.engine.protocol.router import SGLANG_ROUTER_VERSION
+from side_venv import side_venv
 
 
 def router_python() -> Path:
-    cache = Path(os.environ.get("PDROLLOUT_CACHE") or Path.home() / ".cache" / "pdrollout")
-    venv = cache / f"sglang-router-{SGLANG_ROUTER_VERSION}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"sglang-router-{SGLANG_ROUTER_VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)          # one builder at a time
-        if not (venv / ".ready").exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-            r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"sglang-router=={SGLANG_ROUTER_VERSION}"],
-                               capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, f"cannot install sglang-router=={SGLANG_ROUTER_VERSION}: {r.stderr[-2000:]}"
-            (venv / ".ready").write_text("")
-    return venv / "bin" / "python"
+    return side_venv(f"sglang-router-{SGLANG_ROUTER_VERSION}", f"sglang-router=={SGLANG_ROUTER_VERSION}", 900) \
+        / "bin" / "python"
 
 
 def _free_port() -> int:

@@ -9,14 +9,14 @@ access is needed; `--dataset-path` points `random` at a local ShareGPT-shaped fi
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from side_venv import SideVenvError, side_venv
 
 SGLANG_VERSION = "0.5.23"
 VOCAB = 512
@@ -26,20 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 def _sglang_venv() -> Path:
-    cache = Path(os.environ.get("PDROLLOUT_CACHE") or Path.home() / ".cache" / "pdrollout")
-    venv = cache / f"sglang-bench-{SGLANG_VERSION}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"sglang-bench-{SGLANG_VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)          # one builder at a time
-        if (venv / ".ready").exists():
-            return venv
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"sglang=={SGLANG_VERSION}"],
-                           capture_output=True, text=True, timeout=3000)
-        if r.returncode != 0:
-            pytest.skip(f"cannot install sglang=={SGLANG_VERSION}: {r.stderr[-2000:]}")
-        (venv / ".ready").write_text("")
-    return venv
+    try:
+        return side_venv(f"sglang-bench-{SGLANG_VERSION}", f"sglang=={SGLANG_VERSION}", 3000)
+    except SideVenvError as e:
+        pytest.skip(str(e))
 
 
 def _word_tokenizer(out: Path) -> Path:
