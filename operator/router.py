@@ -88,8 +88,8 @@ def deployment(rollout: str, namespace: str, router: Router, port: int, workers:
                     "serviceAccountName": name_of(rollout),   # its token lists the pods, nothing more
                     "securityContext": {"runAsNonRoot": True, "runAsUser": ROUTER_UID, "runAsGroup": ROUTER_UID,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [{
-                        "name": ROUTER_CONTAINER, "image": router.image, "command": ["python"],
+                    "containers": [{   # python3: images built from python slim need not have `python`
+                        "name": ROUTER_CONTAINER, "image": router.image, "command": ["python3"],
                         "args": args(rollout, namespace, router, port, workers),
                         # the metrics port's name is what the chart's router PodMonitor scrapes
                         "ports": [{"name": "http", "containerPort": port},
