@@ -95,7 +95,7 @@ def test_helm_install_and_example(cluster, installed, operator, namespace, wait)
     assert cond(pdr, "Degraded")["status"] == "True" and cond(pdr, "Progressing")["status"] == "False"
     assert cond(pdr, "Stalled")["status"] == "False"
     table = cluster.kubectl("get", "pdr", name, "-n", namespace).stdout.split("\n")[0].split()
-    assert table == ["NAME", "PHASE", "NODES", "READY", "MAKESPAN(S)", "RECENT-TTFT-P99(S)", "AGE"]
+    assert table == ["NAME", "PHASE", "NODES", "READY", "READY-GROUPS", "MAKESPAN(S)", "RECENT-TTFT-P99(S)", "AGE"]
     events = cluster.get("events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")["items"]
     assert any(e["reason"] == "Degraded" and e["type"] == "Warning" for e in events), events
 
