@@ -62,8 +62,16 @@ def run_all(engine, prompts, max_new, **sp) -> dict[str, list[int]]:
     """Greedy outputs of every prompt through `engine`'s own step loop, by rid r<i>."""
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0, **sp))
+    return drain(engine)[0]
+
+
+def drain(engine) -> tuple[dict[str, list[int]], dict[str, object]]:
+    """Step `engine` until nothing is unfinished: (tokens by rid, finish reason by rid)."""
     out: dict[str, list[int]] = {}
+    fin: dict[str, object] = {}
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.rid, []).extend(o.new_token_ids)
-    return out
+            if o.finished:
+                fin[o.rid] = o.finish_reason
+    return out, fin

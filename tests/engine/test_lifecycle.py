@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_reference import assert_matches_reference, hf_greedy
+from hf_reference import assert_matches_reference, drain, hf_greedy
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.scheduler.request import RequestError, SamplingParams
@@ -16,16 +16,6 @@ def make(model, mode="pd", num_blocks=64, **kw):
 
 def greedy(n):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def drain(engine):
-    out, fin = {}, {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                fin[o.rid] = o.finish_reason
-    return out, fin
 
 
 def test_abort_in_flight_discards_result_and_frees_after_drain(tiny_model):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from conftest import tiny_config
-from hf_reference import PROMPTS, assert_matches_reference, hf_greedy, run_all
+from hf_reference import PROMPTS, assert_matches_reference, drain, hf_greedy, run_all
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
@@ -71,12 +71,7 @@ def test_stops_at_eos_like_transformers(eos_model, mode):
     engine = engine_for(eos_model, mode)
     for i, p in enumerate(EOS_PROMPTS):
         engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=EOS_MAX_NEW, temperature=0.0))
-    out, reasons = {}, {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                reasons[o.rid] = o.finish_reason
+    out, reasons = drain(engine)
     for i, p in enumerate(EOS_PROMPTS):
         ref, margins = hf_greedy(eos_model, p, EOS_MAX_NEW, stop_at_eos=True)
         assert len(ref) < EOS_MAX_NEW and ref[-1] in eos, f"the reference must stop on EOS: {ref}"
