@@ -127,8 +127,12 @@ def test_chart_operator_pod_ready(real_cluster, real_operator):
 
     name = pod["metadata"]["name"]
     logs = real_cluster.kubectl("logs", "-n", REAL_SYSTEM_NS, name).stdout
-    # kopf logged in with the ServiceAccount's token, and no request was refused.
-    assert "Initial authentication has finished" in logs and "Forbidden" not in logs, logs[-3000:]
+    # kopf logged in with the ServiceAccount's token, and RBAC refused no request. The operator is shared by
+    # the module's tests, so an event posted into a namespace another test is deleting may get a 403 whose
+    # cause is NamespaceTerminating; that is the API server's lifecycle rule, not a missing permission.
+    assert "Initial authentication has finished" in logs, logs[-3000:]
+    refused = [line for line in logs.splitlines() if "Forbidden" in line and "NamespaceTerminating" not in line]
+    assert not refused, "\n".join(refused[-5:])
     who = real_cluster.kubectl("exec", "-n", REAL_SYSTEM_NS, name, "--", "python3", "-c",
                                "import os; print(os.getuid(), open('/var/run/secrets/kubernetes.io/"
                                "serviceaccount/namespace').read())").stdout.split()
