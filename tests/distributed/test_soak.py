@@ -1,4 +1,4 @@
-"""The soak (e2e/soak.py) in CI: 2,000 turnstile rounds on the real 4-rank engine (CPU, gloo,
+"""The soak (e2e/soak.py) in CI: 1,000 turnstile rounds (the 10,000-round run is in docs/perf/soak) on the real 4-rank engine (CPU, gloo,
 one device slot per rank, random rank skew up to 50 ms): 0 stalls, 0 violations."""
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ def _soak_module():
 
 
 @pytest.mark.timeout(900)
-def test_soak_2000_rounds(tiny_model, tmp_path, capsys):
+def test_soak_1000_rounds(tiny_model, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(ROOT / "e2e" / "soak.py"), "--rounds", "2000", "--model", str(tiny_model),
+    run = subprocess.run([sys.executable, str(ROOT / "e2e" / "soak.py"), "--rounds", "1000", "--model", str(tiny_model),
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=840)
     with capsys.disabled():
         print("\n" + run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     res = json.loads(out.read_text())
     r = res["results"]
-    assert r["rounds"] >= 2000 and r["rounds_metrics"] == r["rounds"]
+    assert r["rounds"] >= 1000 and r["rounds_metrics"] == r["rounds"]
     assert r["stalls"] == 0 and r["exit_code"] == 0 and res["violations_total"] == 0
     # the skew really was injected on every rank, up to the bound
     assert r["skew_injected_ms"]["count"] >= 4 * 100 and 0 < r["skew_injected_ms"]["max"] <= 50
