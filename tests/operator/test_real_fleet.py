@@ -1,11 +1,14 @@
-"""A fleet on the real nodes (issue 50, must show 1 and 3): a CPU PDRollout with `replicas: 2` and
+"""A fleet on the real nodes (issue 50, must show 1-4): a CPU PDRollout with `replicas: 2` and
 `router: {policy: manual}` under the chart's operator reaches Running, the tiny trace replayed through the
 router's client Service keeps each session on one engine (continuation turns hit its prefix cache), and a
-round-robin control in the same test loses much of that; then one pod of group 1 is deleted: only group 1
+round-robin control in the same test loses much of that; one pod of group 1 is deleted: only group 1
 restarts, and requests through the router meanwhile either complete on group 0 or fail with an HTTP status,
-none hanging. Sorted before test_real_nodes.py, which uninstalls the chart."""
+none hanging; an image update rolls one group at a time and `kubectl scale` adds a third group and takes
+it away again, while requests through the router keep completing (each one counted). Sorted before
+test_real_nodes.py, which uninstalls the chart."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -96,6 +99,45 @@ def _probe_requests(c: RealCluster, url: str, stop: threading.Event, got: list) 
         n += 1
 
 
+@contextlib.contextmanager
+def _probing(c: RealCluster, url: str):
+    """Requests through the router for as long as the block runs, once one has answered; yields the list
+    the answers land in (those from before the block's work are dropped when it ends)."""
+    stop, got = threading.Event(), []
+    prober = threading.Thread(target=_probe_requests, args=(c, url, stop, got), daemon=True)
+    prober.start()
+    try:
+        end = time.monotonic() + 60
+        while not any(code == 200 for _, code, _, _ in got):
+            assert time.monotonic() < end and prober.is_alive(), f"no probe answered: {got[-3:]}"
+            time.sleep(0.5)
+        first = len(got)
+        yield got
+        del got[:first]
+    finally:
+        stop.set()
+        prober.join(REQUEST_BOUND_S + 20)
+
+
+def _all_served(what: str, got: list) -> set[str]:
+    """Every probe completed (none failed, none hung); returns the pods that answered them."""
+    failed = [(k, code, body[:200]) for k, code, body, _ in got if code != 200]
+    print(f"\n[real-fleet] {what}: {len(got)} requests, {len(failed)} failed", file=sys.stderr)
+    assert got and not failed, failed
+    assert all(s < REQUEST_BOUND_S for *_, s in got)
+    return {_served_by(body) for _, _, body, _ in got}
+
+
+def _served_by(body: str) -> str:
+    return json.loads(body)["meta_info"]["served_by"].split(":")[0]
+
+
+def _ctr(c: RealCluster, node: int, *args: str, check: bool = True):
+    sock = c.dir / "nodes" / f"node-{node}" / "containerd.sock"
+    return c.run("ctr", "--address", str(sock), "-n", "k8s.io", *args, check=check)
+
+
+@pytest.mark.timeout(1500)
 def test_fleet_behind_the_router_on_real_nodes(real_cluster, real_operator, real_namespace, tmp_path, wait):
     c, ns = real_cluster, real_namespace
     doc = _fleet(c)
@@ -147,12 +189,7 @@ def test_fleet_behind_the_router_on_real_nodes(real_cluster, real_operator, real
     before = {i: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
               for i, p in enumerate(engines)}
     restarts0 = _status(c, ns, child_name(NAME, 0)).get("groupRestarts") or 0
-    stop, got = threading.Event(), []
-    prober = threading.Thread(target=_probe_requests, args=(c, url, stop, got), daemon=True)
-    prober.start()
-    try:
-        wait("a probe answered before the kill", lambda: any(code == 200 for _, code, _, _ in got), timeout=60)
-        at_kill = len(got)
+    with _probing(c, url) as got:
         c.kubectl("delete", "pod", engines[1]["metadata"]["name"], "-n", ns, "--wait=false")
 
         def group1_back():
@@ -162,11 +199,8 @@ def test_fleet_behind_the_router_on_real_nodes(real_cluster, real_operator, real
         wait("the fleet Running again", lambda: (s := _status(c, ns)).get("readyGroups") == 2 and
              s.get("phase") == "Running", timeout=120, interval=1)
         time.sleep(3)    # a few requests more once group 1 is back
-    finally:
-        stop.set()
-        prober.join(REQUEST_BOUND_S + 20)
     lap("group 1 restarted under requests")
-    during = got[at_kill:]
+    during = got
     failed = [(k, code, body[:200]) for k, code, body, _ in during if code != 200]
     print(f"\n[real-fleet] {len(during)} requests while group 1 restarted, {len(failed)} failed: "
           f"{sorted({(code, body) for _, code, body in failed})}", file=sys.stderr)
@@ -186,3 +220,60 @@ def test_fleet_behind_the_router_on_real_nodes(real_cluster, real_operator, real
     assert after["completed"] == TINY.requests, after
     print(f"\n[real-fleet] steps (s): {times}; cached share manual {sticky['continuation_cached_share']}, "
           f"round_robin {control['continuation_cached_share']}", file=sys.stderr)
+
+    # --- 4. an image update rolls one group at a time; every request meanwhile completes. The new image is
+    # the engine image under a second name on every node (the pods' pull policy is Never).
+    image = c.info["ENGINE_IMAGE"].rsplit(":", 1)[0] + ":fleet-next"
+    for i in range(len(c.nodes)):
+        _ctr(c, i, "images", "tag", "--force", c.info["ENGINE_IMAGE"], image)
+    old_pods = {i: _group_pod(c, ns, i)["metadata"]["uid"] for i in range(2)}
+    ready_at: dict[int, float] = {}     # when each group's pod on the new image was Ready
+    gone_at: dict[int, float] = {}      # when each group's old pod was gone
+    serving = []                        # groups Ready at each look
+    try:
+        with _probing(c, url) as got:
+            c.kubectl("patch", "pdrollout", NAME, "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"image": image}}))
+
+            def rolled():
+                pods = {i: _group_pod(c, ns, i) for i in range(2)}
+                now = time.monotonic()
+                for i, p in pods.items():
+                    if not p or p["metadata"]["uid"] != old_pods[i]:
+                        gone_at.setdefault(i, now)
+                    if p and p["spec"]["containers"][0]["image"] == image and _ready(p):
+                        ready_at.setdefault(i, now)
+                serving.append(sum(bool(p and _ready(p)) for p in pods.values()))
+                return len(ready_at) == 2 and _status(c, ns).get("readyGroups") == 2
+            wait("both groups on the new image", rolled, timeout=360, interval=1)
+        lap("image rolled under requests")
+        _all_served("image update", got)
+        first, second = sorted(gone_at, key=gone_at.get)
+        # the second group went down only once the first served on the new image; one always served
+        assert gone_at[second] >= ready_at[first], (gone_at, ready_at)
+        assert min(serving) >= 1, serving
+
+        # --- 2. `kubectl scale` to 3: the third group joins the router; back to 2: it drains and goes.
+        with _probing(c, url) as got:
+            c.kubectl("scale", f"pdrollout/{NAME}", "-n", ns, "--replicas", "3")
+            wait("three groups ready", lambda: (s := _status(c, ns)).get("readyGroups") == 3 and
+                 s.get("phase") == "Running", timeout=300, interval=1)
+            third = _group_pod(c, ns, 2)["metadata"]["name"]
+            # the router is round_robin now: the probes reach every engine once it has found the third
+            wait("the router sending to the third group",
+                 lambda: third in {_served_by(b) for _, code, b, _ in got[-12:] if code == 200}, timeout=60, interval=1)
+        lap("scaled to 3 under requests")
+        assert len(_all_served("scale to 3", got)) == 3
+        with _probing(c, url) as got:
+            c.kubectl("scale", f"pdrollout/{NAME}", "-n", ns, "--replicas", "2")
+            wait("the third group gone", lambda: not _live(c, ns, f"{LABEL_ROLLOUT}={child_name(NAME, 2)}") and
+                 (s := _status(c, ns)).get("readyGroups") == 2 and s.get("replicas") == 2, timeout=180, interval=1)
+            time.sleep(3)
+        lap("scaled back to 2 under requests")
+        assert third not in {_served_by(b) for _, _, b, _ in got[-4:]}
+        _all_served("scale back to 2", got)
+        left = {d["metadata"]["name"] for d in c.get("pdrollout", "-n", ns)["items"]}
+        assert left == {NAME, child_name(NAME, 0), child_name(NAME, 1)}, left
+    finally:
+        for i in range(len(c.nodes)):
+            _ctr(c, i, "images", "rm", image, check=False)
+    print(f"\n[real-fleet] steps (s): {times}", file=sys.stderr)
