@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics.serve(args.metrics_address)
         except (ValueError, OSError) as e:
             ap.error(f"--metrics-address {args.metrics_address}: {e}")
+    handlers.WATCHED[:] = args.namespace
     elector = lead(args) if args.leader_elect else None
     # Standalone: kopf's own peering stays off; with several replicas the Lease above decides.
     asyncio.run(kopf.operator(standalone=True, namespaces=args.namespace,

@@ -1,4 +1,4 @@
-"""spec.replicas wired to the API: each reconcile and timer tick of a fleet PDRollout applies its client
+"""spec.replicas wired to the API: each reconcile and observer tick of a fleet PDRollout applies its client
 Service (and router), creates missing groups, deletes surplus ones highest index first (their pods'
 preStop drains them), gives changed specs to at most maxUnavailableGroups serving groups at a time,
 and writes the fleet's status. The groups themselves are ordinary PDRollouts (handlers.py)."""

@@ -1,8 +1,9 @@
-"""kopf handlers: reconcile (create/update/resume) applies the builders' objects; a timer observes the
-group (pods, rank 0's /health and /metrics), enforces group restarts, converges live controls and
+"""kopf handlers: reconcile (create/update/resume) applies the builders' objects; the observer (observer.py,
+every poll period, no finalizer) calls `observe` on the group (pods, rank 0's /health and /metrics), enforces group restarts, converges live controls and
 writes status. Decisions live in the pure modules; this file only wires them to the API."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -13,7 +14,7 @@ from datetime import datetime, timezone
 import kopf
 from pydantic import ValidationError
 
-from pdrollout.operator import builders, engine_client, fleet_sync, group, kube, metrics, router
+from pdrollout.operator import builders, engine_client, events, fleet_sync, group, kube, metrics, observer, router
 from pdrollout.operator import status as st
 from pdrollout.operator.models import GROUP, PLURAL, VERSION, ConditionType, PDRolloutSpec, Phase
 
@@ -27,7 +28,6 @@ class OperatorConfig:
     poll_s: float = 10.0                 # status/health/group check period per rollout
     restart_backoff_s: float = 10.0      # group restart backoff base (doubles per restart)
     restart_backoff_max_s: float = 300.0
-    stop_poll_s: float = 1.0             # how often kopf re-checks a timer still running when its rollout is deleted
 
     @classmethod
     def from_env(cls) -> "OperatorConfig":
@@ -42,8 +42,7 @@ class OperatorConfig:
                                  f"number of seconds")
             return value
         return cls(poll_s=f("POLL_S", cls.poll_s), restart_backoff_s=f("RESTART_BACKOFF_S", cls.restart_backoff_s),
-                   restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s),
-                   stop_poll_s=f("STOP_POLL_S", cls.stop_poll_s))
+                   restart_backoff_max_s=f("RESTART_BACKOFF_MAX_S", cls.restart_backoff_max_s))
 
 
 CFG = OperatorConfig.from_env()
@@ -141,12 +140,27 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
     settings.posting.level = logging.INFO
-    # A deletion that lands while `observe` is in an engine request (up to TIMEOUT_S each) cannot release
-    # the finalizer until the timer's thread returns; kopf then re-checks only every cancellation_polling
-    # (60 s by default), which held deletions for a minute.
-    settings.background.cancellation_polling = CFG.stop_poll_s
+    # No handler needs a finalizer (observe runs in observer.py, not as a kopf timer); the name stays set so
+    # that kopf removes the one an older operator put on existing rollouts.
     # The CRD is installed before the operator (Helm's crds/); no need to watch CRDs, nor the RBAC for it.
     settings.scanning.disabled = True
+
+
+WATCHED: list[str] = []   # the namespaces the operator serves (empty: all); set by __main__
+
+
+@kopf.on.startup()
+async def start_observer(memo: kopf.Memo, **_) -> None:
+    watcher = observer.Observer(observe, WATCHED, CFG.poll_s, min(CFG.poll_s, 2.0))
+    memo["observer"] = asyncio.create_task(watcher.run(), name="observer")
+
+
+@kopf.on.cleanup()
+async def stop_observer(memo: kopf.Memo, **_) -> None:
+    task = memo.get("observer")
+    if task:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _node0(name: str, pods: list[dict]) -> dict | None:
@@ -169,7 +183,7 @@ def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logge
             engine_client.put_control(url, want, rollout_token(namespace, name, uid))
             logger.info(f"pushed control {want} to {pod['metadata']['name']}")
         return True
-    except engine_client.EngineError as e:  # the timer retries; the ConfigMap holds it for restarts
+    except engine_client.EngineError as e:  # observe retries; the ConfigMap holds it for restarts
         logger.warning(f"control not pushed to {pod['metadata']['name']}: {e}")
         return False
 
@@ -178,6 +192,7 @@ def push_control(namespace: str, name: str, uid: str, spec: PDRolloutSpec, logge
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, retry, **_) -> None:
+    memo = observer.memo_for(meta["uid"], memo)
     try:
         _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger)
     except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
@@ -190,8 +205,9 @@ def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, re
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)   # optional: no finalizer of its own
-def forget(name, namespace, **_) -> None:
+def forget(name, namespace, meta, **_) -> None:
     metrics.COLLECTOR.forget(namespace, name)
+    observer.forget(meta["uid"])
 
 
 def _export(namespace: str, name: str, s: PDRolloutSpec, status: dict, patch, phase: str, pods: list[dict],
@@ -225,9 +241,9 @@ def _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger) -
             message = f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {e.message}"
             refused = {"type": INVALID_SPEC, "status": "True", "reason": "ObjectRefused", "message": message[:1000],
                        "lastTransitionTime": _iso(_now())}
-            memo[REFUSED] = (meta.get("generation"), refused)   # the timer re-asserts it (see observe)
+            memo[REFUSED] = (meta.get("generation"), refused)   # observe re-asserts it
             _patch_refused(patch, conditions, refused, meta)
-            kopf.warn(body, reason=INVALID_SPEC, message=message)
+            events.warn(body, reason=INVALID_SPEC, message=message)
             logger.error(message)
             return
         logger.info(f"applied {obj['kind']} {obj['metadata']['name']}")
@@ -258,7 +274,7 @@ def _name_conflict(taken: list[str], conditions: list[dict], had: list[dict], me
     memo[REFUSED] = (meta.get("generation"), refused)
     _patch_refused(patch, conditions, refused, meta)
     if said is None:   # once, not on every retry
-        kopf.warn(body, reason="NameConflict", message=message)
+        events.warn(body, reason="NameConflict", message=message)
     logger.error(message)
     raise kopf.TemporaryError(message, delay=max(CFG.poll_s, 5.0))
 
@@ -272,8 +288,8 @@ def _patch_refused(patch, conditions: list[dict], refused: dict, meta) -> None:
 def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, namespace: str, body, patch,
                    logger) -> str | None:
     """Apply RecreateGroupOnPodRestart. Returns why the group is restarting, or None."""
-    # The memo is current within this process, also when it holds "none yet" right after a restart: a
-    # timer's body can trail this process's own last status patch, and its stale groupPods would make
+    # The memo is current within this process, also when it holds "none yet" right after a restart: an
+    # observer tick's body can trail this process's own last status patch, and its stale groupPods would make
     # the new group's pods look recreated alone. Status carries the record across operator restarts.
     recorded = memo["group_pods"] if "group_pods" in memo else status.get("groupPods")
     fault = group.group_fault(pods, recorded)
@@ -293,7 +309,7 @@ def _group_restart(s: PDRolloutSpec, pods: list[dict], status: dict, memo, names
         patch.status["groupRestarts"] = (status.get("groupRestarts") or 0) + 1
         patch.status["restartStreak"] = streak + 1
         patch.status["lastGroupRestartTime"] = _iso(_now())
-        kopf.warn(body, reason="GroupRestart", message=d.reason)
+        events.warn(body, reason="GroupRestart", message=d.reason)
         logger.warning(d.reason)
     return d.reason
 
@@ -313,7 +329,7 @@ def _group_update(name: str, namespace: str, s: PDRolloutSpec, pods: list[dict],
                    f"on the old template)")
         if status.get("updatingTo") != want:   # first sight of this change
             patch.status["groupUpdates"] = (status.get("groupUpdates") or 0) + 1
-            kopf.event(body, type="Normal", reason="GroupUpdate", message=message)
+            events.normal(body, reason="GroupUpdate", message=message)
             logger.info(message)
         kube.delete_pods(namespace, live)      # together: the ranks rendezvous as one group
         memo["group_pods"] = None
@@ -337,11 +353,10 @@ def _stall_exit(pods: list[dict], status: dict, patch, body) -> str | None:
     patch.status["stalls"] = (status.get("stalls") or 0) + 1
     patch.status["lastStallExit"] = key
     patch.status["lastStallTime"] = _iso(_now())
-    kopf.warn(body, reason="EngineStalled", message=message)
+    events.warn(body, reason="EngineStalled", message=message)
     return message
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CFG.poll_s, initial_delay=min(CFG.poll_s, 2.0))
 def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stopped, **_) -> None:
     if stopped:  # the rollout is being deleted (or the operator is exiting): no more engine calls
         return
@@ -351,7 +366,7 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     said = any(c.get("type") == INVALID_SPEC and c.get("status") == "True" for c in conditions)
     generation, refused = memo.get(REFUSED) or (None, None)
     if refused is not None and generation == meta.get("generation"):
-        # kopf runs timers beside the change handlers: a tick that read status before reconcile's
+        # observe runs beside the change handlers: a tick that read status before reconcile's
         # refusal landed writes its conditions list after it and drops InvalidSpec. This process's
         # memo still knows; say it again (one tick later) rather than lose it until the next spec change.
         if not said:
@@ -408,6 +423,6 @@ def observe(spec, name, namespace, body, meta, status, memo, patch, logger, stop
     if phase.value != status.get("phase"):
         ok = phase in (Phase.RUNNING, Phase.STARTING, Phase.UPDATING)
         ready_cond = next(c for c in conds if c.type.value == "Ready")
-        kopf.event(body, type="Normal" if ok else "Warning", reason=phase.value,
+        events.post(body, type="Normal" if ok else "Warning", reason=phase.value,
                    message=f"{status.get('phase') or 'None'} -> {phase.value}: {ready_cond.message or ready_cond.reason}")
 

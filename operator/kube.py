@@ -1,5 +1,6 @@
 """The few Kubernetes API calls the operator makes, with API errors mapped to kopf's retry semantics:
-server-side apply (idempotent, no resourceVersion, so no conflicts), list and delete pods."""
+server-side apply (idempotent, no resourceVersion, so no conflicts), list and delete pods, read rollouts and
+patch their status (the observer's)."""
 from __future__ import annotations
 
 import functools
@@ -51,22 +52,22 @@ def forbidden_delay(retry: int) -> float:
 
 def retry_semantics(e: ApiException, what: str) -> Exception:
     """Transient API trouble -> TemporaryError (kopf retries); a rejected object -> PermanentError."""
-    message = _message(e)
+    message = api_message(e)
     # Server-side apply reports a field it cannot decode (e.g. a bad quantity) as a 500 "failed to
     # convert"; it is as final as a 422.
     if e.status in (400, 422) or (e.status == 500 and message.startswith("failed to convert new object")):
         return Refused(what, message)
     if e.status in (409, 410, 429) or e.status >= 500:
-        return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}; retrying", delay=3)
+        return kopf.TemporaryError(f"{what}: HTTP {e.status}: {api_message(e)}; retrying", delay=3)
     if e.status == 403:
         return Forbidden(f"{what}: HTTP 403: {message} (the operator's RBAC lacks this grant)",
                          delay=FORBIDDEN_BACKOFF_S[0])
     if e.status == 404:
-        return kopf.PermanentError(f"{what}: HTTP {e.status}: {_message(e)}")
-    return kopf.TemporaryError(f"{what}: HTTP {e.status}: {_message(e)}", delay=10)
+        return kopf.PermanentError(f"{what}: HTTP {e.status}: {api_message(e)}")
+    return kopf.TemporaryError(f"{what}: HTTP {e.status}: {api_message(e)}", delay=10)
 
 
-def _message(e: ApiException) -> str:
+def api_message(e: ApiException) -> str:
     try:
         return json.loads(e.body).get("message", e.reason)
     except (TypeError, ValueError):
@@ -207,3 +208,37 @@ def delete_custom(group: str, version: str, plural: str, namespace: str, name: s
     except ApiException as e:
         if e.status not in (404, 409):
             raise retry_semantics(e, f"delete {plural} {namespace}/{name}") from None
+
+
+def list_rollouts(group: str, version: str, plural: str, namespaces: list[str]) -> list[dict]:
+    """Every object of the kind in these namespaces (all namespaces when the list is empty)."""
+    api = client.CustomObjectsApi(api_client())
+    try:
+        if not namespaces:
+            return api.list_cluster_custom_object(group, version, plural)["items"]
+        return [o for ns in namespaces for o in api.list_namespaced_custom_object(group, version, ns, plural)["items"]]
+    except ApiException as e:
+        raise retry_semantics(e, f"list {plural}") from None
+
+
+def get_custom(group: str, version: str, plural: str, namespace: str, name: str) -> dict | None:
+    """The object now, or None once it is gone."""
+    try:
+        return client.CustomObjectsApi(api_client()).get_namespaced_custom_object(group, version, namespace, plural,
+                                                                                  name)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise retry_semantics(e, f"get {plural} {namespace}/{name}") from None
+
+
+def patch_status(group: str, version: str, plural: str, namespace: str, name: str, uid: str, status: dict) -> None:
+    """A merge patch of the status subresource, of exactly this object (UID precondition: never a successor
+    of the same name); gone already is fine."""
+    body = {"metadata": {"uid": uid}, "status": status}
+    try:
+        client.CustomObjectsApi(api_client()).patch_namespaced_custom_object_status(
+            group, version, namespace, plural, name, body, _content_type="application/merge-patch+json")
+    except ApiException as e:
+        if e.status not in (404, 409):
+            raise retry_semantics(e, f"patch {plural} {namespace}/{name} status") from None

@@ -135,7 +135,7 @@ def test_group_fault_detection():
 
 
 def test_a_restart_forgets_the_old_group_even_when_the_status_read_trails(monkeypatch):
-    """After a group restart the handler's memo says "no group recorded yet". A timer's body can still
+    """After a group restart the handler's memo says "no group recorded yet". An observer tick.s body can still
     carry the old groupPods (its watch event trails the status patch): the new group's pods must not
     look recreated alone, or one deleted pod costs two group restarts."""
     from types import SimpleNamespace
@@ -144,7 +144,7 @@ def test_a_restart_forgets_the_old_group_even_when_the_status_read_trails(monkey
     deleted = []
     monkeypatch.setattr(handlers.kube, "delete_pods", lambda ns, pods: deleted.append(sorted(
         p["metadata"]["name"] for p in pods)))
-    monkeypatch.setattr(handlers.kopf, "warn", lambda *a, **k: None)
+    monkeypatch.setattr(handlers.events, "warn", lambda *a, **k: None)
     spec = PDRolloutSpec.model_validate({"image": "i", "model": {"path": "/m"}, "network": {"ibHCAs": ["mlx5_0"]},
                                          "topology": {"nodes": 2, "gpusPerNode": 1, "expertParallel": 2}})
     log = logging.getLogger("test")
