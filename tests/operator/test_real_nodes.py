@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from alert_recording import SCRAPE_S, Recorder, at, promtool_test, stall_alert
 from real_cluster import REAL_RELEASE, REAL_SYSTEM_NS, RealCluster
 
 from pdrollout.operator.builders import LABEL_ROLLOUT, POD_INDEX_LABEL, api_service_name
@@ -291,14 +292,16 @@ class _EngineLogs:
         print(f"\n[real-nodes] engine logs while the group restarted:\n{text}", file=sys.stderr)
 
 
-def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, explain_failure, tmp_path, wait):
+def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, explain_failure, tools, tmp_path,
+                                 wait):
     """A `device: cpu` PDRollout of 2 nodes x 2 ranks on two real kubelets, under the chart's operator pod:
     (2) a pod is not Ready while its group cannot form, both turn Ready through the engine's /health once
     it joined, Running, and a replay through the client Service puts makespan, TTFT and D wait in status;
     (3) a control patch reaches node 0's /control without restarting a pod; (4) deleting node 1's pod
-    recreates the whole group once, and an engine that really stalls (exit 3) sets Stalled;
-    (5) deleting the PDRollout and uninstalling the chart leave nothing behind. Runs last: it uninstalls
-    the chart."""
+    recreates the whole group once, and an engine that really stalls (exit 3) sets Stalled, and the chart's
+    PDRolloutStalls fires on the operator's /metrics recorded across it (promtool);
+    (5) uninstalling the chart before deleting the PDRollout, then deleting the namespace, completes within
+    2 minutes and leaves nothing behind. Runs last: it uninstalls the chart."""
     c, ns = real_cluster, real_namespace
     doc = _cpu_rollout(c)
     name, port = doc["metadata"]["name"], doc["spec"]["port"]
@@ -462,6 +465,17 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
     c.kubectl("patch", "statefulset", name, "-n", ns, "--type=json", "-p", json.dumps(
         [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in DIAGNOSTIC]))
     # The StatefulSet is OnDelete (the operator decides when pods change): new pods take the patched args.
+    # The operator's /metrics (its pod, from inside the cluster) is recorded across the stall: promtool then
+    # evaluates the chart's PDRolloutStalls on those scrapes.
+    (op_pod,) = [p for p in c.get("pods", "-n", REAL_SYSTEM_NS)["items"] if p["status"].get("phase") == "Running"]
+    rec = Recorder(f"http://{op_pod['status']['podIP']}:8081/metrics",
+                   lambda url: (lambda got: got[1] if got[0] == 200 else None)(c.http(url, timeout=SCRAPE_S)))
+    rec.__enter__()
+    stalls_metric = dict(name="pdrollout_operator_engine_stalls_total", namespace=ns, rollout=name)
+    wait("a scrape before the stall", lambda: rec.step and rec.value(rec.step - 1, **stalls_metric) is not None,
+         timeout=30)
+    before_stall = rec.step - 1
+    stalls_before = rec.value(before_stall, **stalls_metric)
     c.kubectl("delete", "pods", "-n", ns, "-l", f"{LABEL_ROLLOUT}={name}", "--wait=false")
     exits: set[tuple[str, int]] = set()
 
@@ -484,17 +498,38 @@ def test_pdrollout_on_real_nodes(real_cluster, real_operator, real_namespace, ex
                                                        for e in _events(c, ns, cr_uid, "GroupRestart")), timeout=60)
     args = c.get("statefulset", name, "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-len(DIAGNOSTIC):] == DIAGNOSTIC, args
+    try:
+        stall_seen = wait("a scrape with the stall counted", lambda: next((
+            i for i in range(before_stall, rec.step) if (rec.value(i, **stalls_metric) or 0) > stalls_before), None),
+            timeout=30)
+    finally:
+        rec.__exit__()
+    promtool_test(tools, tmp_path, [{
+        "interval": f"{SCRAPE_S}s", "input_series": rec.series(namespace=ns, rollout=name),
+        "alert_rule_test": [
+            {"eval_time": at(before_stall), "alertname": "PDRolloutStalls", "exp_alerts": []},
+            {"eval_time": at(stall_seen + 1), "alertname": "PDRolloutStalls", "exp_alerts": [stall_alert(ns, name)]}]}],
+        len(rec.scrapes))
+    lap("the stall alert on the recorded scrapes")
 
-    # --- 5. deleting the PDRollout, then the chart: nothing of either remains, in the API or the runtimes.
-    c.kubectl("delete", "pdrollout", name, "-n", ns, "--timeout=120s", timeout=150)
+    # --- 5. the chart uninstalled first, its PDRollout still running; then the namespace deleted: that
+    # completes within 2 minutes (no finalizer holds the rollout) and nothing of either remains, in the API
+    # or the runtimes.
+    assert not c.get("pdrollout", name, "-n", ns)["metadata"].get("finalizers")
 
     def left(*namespaces: str) -> list[str]:
         # A namespace's own kube-root-ca.crt goes with the namespace; nothing else may remain.
         return [f"{where}/{o}" for where in namespaces
                 for o in c.kubectl("get", "pods,services,configmaps,statefulsets", "-n", where, "-o", "name",
                                    check=False).stdout.split() if o != "configmap/kube-root-ca.crt"]
-    assert _settles(lambda: left(ns), timeout=120) == []
     c.helm("uninstall", REAL_RELEASE, "-n", REAL_SYSTEM_NS, "--wait", "--timeout", "120s")
+    t_ns = time.monotonic()
+    r = c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False, timeout=150)
+    took = time.monotonic() - t_ns
+    assert r.returncode == 0 and took < 120, f"namespace deletion: rc {r.returncode} after {took:.0f} s: {r.stderr}"
+    assert c.kubectl("get", "namespace", ns, check=False).returncode != 0
+    assert left(ns) == []
+    lap(f"uninstall, then namespace deletion ({took:.0f} s)")
     # The operator's pod goes by garbage collection after its Deployment, so it may take a moment.
     assert _settles(lambda: left(ns, REAL_SYSTEM_NS), timeout=90) == []
     assert c.kubectl("get", "clusterrole", f"{REAL_RELEASE}-pdrollout-operator", check=False).returncode != 0
