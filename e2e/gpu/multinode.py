@@ -1,7 +1,7 @@
 """Issue 14 on two GPUs: the operator's two-node launch, one GPU per "node", torch expert backend.
 
 Two "pods" run exactly the command, args and env the builders produce for a 2-node × 1-GPU
-`device: cuda` PDRollout (ATP2/ADP1, EP2, pd mode, fine-grained span 1; tests/pod_launch.py
+`device: cuda` PDRollout (ATP2/ADP1, EP2, pd mode, fine-grained span 1; e2e/harness/pod_launch.py
 resolves only pod-specific values), each seeing only its own GPU (CUDA_VISIBLE_DEVICES, as the
 device plugin does). Greedy tokens through node 0's /generate are compared with one GPU's
 `pdrollout generate` on the same checkpoint and engine config, and both with transformers (fp32,
@@ -23,8 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(5 + 11 * i)] for i in range(4)]
 NEW_TOKENS = 8
 
@@ -44,8 +42,8 @@ def launch_two_nodes(out: Path) -> int:
     from pdrollout.engine.protocol.exits import name as exit_name
     from pdrollout.operator import builders
     from pdrollout.operator.models import PDRolloutSpec
-    from hf_reference import MARGIN, hf_greedy
-    from pod_launch import free_port, get_text, http, launch, metric, wait_health, write_config, write_secret
+    from e2e.harness.hf_reference import MARGIN, hf_greedy
+    from e2e.harness.pod_launch import free_port, get_text, http, launch, metric, wait_health, write_config, write_secret
 
     device = os.environ.get("DEVICE", "cuda")
     work = Path("/tmp/pdrollout-multinode2")

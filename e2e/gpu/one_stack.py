@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 PROMPTS = [[(i * 37 + k * 11) % 500 + 2 for k in range(5 + 11 * i)] for i in range(4)]
 DEVICE = os.environ.get("DEVICE", "cuda")   # cpu: a dry run of the mechanics (no graphs there)
 
@@ -59,7 +57,7 @@ def steplog(log: Path, rank: int = 0) -> list[dict]:
 def check(out: Path) -> dict:
     from pdrollout.engine.model.checkpoint import write_checkpoint
     from pdrollout.engine.protocol.config import load_preset
-    from hf_reference import MARGIN, hf_greedy
+    from e2e.harness.hf_reference import MARGIN, hf_greedy
     cfg = load_preset("tiny")
     cfg.update(vocab_size=512, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,

@@ -1,6 +1,6 @@
 """One engine across pods: two "pods" as two process trees on loopback, started with exactly the
 command, args and env the operator's builders produce for a 2-node × 2-rank `device: cpu`
-PDRollout (only pod-specific values resolved, tests/pod_launch.py), form one 4-rank engine
+PDRollout (only pod-specific values resolved, e2e/harness/pod_launch.py), form one 4-rank engine
 (ATP2/ADP2, EP4) in pd mode. Node 0 serves the API; node 1 serves /health (ready only after the
 join) and /metrics for its ranks. Greedy tokens equal a one-rank `pdrollout generate` on the same
 checkpoint and engine config. Killing node 1's tree mid-run ends node 0 with the peer-lost code

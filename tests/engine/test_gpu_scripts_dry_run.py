@@ -46,6 +46,30 @@ def test_tool_names_its_subcommands_and_refuses_an_unknown_target():
     assert r.returncode == 2 and "unknown subcommand 'sweep'" in r.stderr, r.stderr
 
 
+def test_no_script_reaches_into_tests_or_edits_sys_path():
+    """e2e/gpu is one tool: its modules import each other as the package and share helpers with the tests
+    through e2e/harness, never through tests/ or a sys.path edit."""
+    offenders = [f"{p.name}:{i}" for p in sorted((ROOT / "e2e" / "gpu").glob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if "sys.path" in line or re.search(r"^\s*(from|import) (tests|hf_reference|pod_launch)\b", line)]
+    assert not offenders, offenders
+
+
+def test_one_stack_and_multinode_dry_runs(tmp_path):
+    """`tests one-stack check`: one rank, ATP2 and ADP2 generate transformers' greedy tokens (CPU: no CUDA
+    graphs, so no replays); `tests multinode`: the operator's two-node launch forms one engine equal to
+    transformers, and node 1 killed mid-run ends node 0 with exit 4. Both import e2e/harness."""
+    _dry_run("tests", "one-stack", str(tmp_path / "os"), "check")
+    r = json.loads((tmp_path / "os" / "check.json").read_text())
+    assert sorted(r["runs"]) == ["1gpu-pd", "2gpu-adp2-normal", "2gpu-atp2-pd"]
+    for name, run in r["runs"].items():
+        assert run["tokens"] == r["runs"]["1gpu-pd"]["tokens"] and set(run["vs_transformers"]) == {"equal"}, name
+        assert run["decode_only_steps"] > 0 and run["graph_replays"] == 0, name
+    _dry_run("tests", "multinode", str(tmp_path / "mn"))
+    m = json.loads((tmp_path / "mn" / "multinode2.json").read_text())
+    assert m["pass"] is True, m
+
+
 def test_tests_release_resume_dry_run_gives_memory_back_and_generates_the_same_tokens(tmp_path):
     """`tests release-resume` on the tiny preset: two release/resume cycles, the KV cache and weights
     gone while released and back after, and greedy outputs equal before and after."""
