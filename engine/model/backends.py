@@ -93,12 +93,10 @@ class PagedAttention:
 
 SDPA = "sdpa"   # a step's prefill plan under `hybrid` when SDPA takes its segments
 # Under `prefill_attention: hybrid`, segments this long and fresh go to SDPA on cuDNN with their
-# lengths bucketed (kernels.fresh_prefill_attention): 4 fresh 2,048-token segments took 366 µs a
-# layer there against the paged launch's 444 (e2e/gpu/attn_kernels.py; docs/PERF.md);
+# lengths bucketed (kernels.fresh_prefill_attention), where they ran faster than on the paged launch;
 # continuations and short segments stay on the launch. Steps of more fresh tokens than the cap stay
 # on the launch too: the gain was measured up to the 8k chunk, and every shape under the cap is built
-# at start (22 at 8,192 tokens, ~1 s on the H200; the gpu preset's 32,768-token budget was 174
-# shapes and 7.5-12 s of a server's start).
+# at start, which grows fast past it (docs/PERF.md, "Kernel choices").
 SDPA_FRESH_MIN_TOKENS = 2048
 SDPA_FRESH_MAX_TOKENS = 8192
 
@@ -148,15 +146,13 @@ class FusedExperts(_Experts):
         return fused_moe.experts_fused
 
 
-# AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py's sweeps on the
-# H200 at the Qwen3-30B-A3B expert shape (docs/PERF.md): the fused kernels beat the grouped GEMMs at
-# every size measured (64 tokens × top-8 0.62×, 256 0.63×, 1,024 0.59×, 8,192 0.51× of their time).
-# Tiles grow with the rows an expert sees: 16 rows at decode sizes (an expert gets a few rows), with
-# 128-deep K steps for 16-bit weights (64–192 tokens: 300–322 µs against 312–335 at 64); 32 rows from
-# FUSED_32_PAIRS (256 tokens: 325 µs against 345 with 64, 353 with 16; vLLM's tuned H200 table also
-# switches there); 64 from FUSED_MEDIUM_PAIRS (vLLM's table: 64 at 512 tokens); 128 from
-# FUSED_LARGE_PAIRS (1,024 tokens: 458 µs vs 471 with 64). fp32 weights (the exact paths) keep 64-deep
-# K steps: twice the bytes a stage. Decided from shapes alone, so a captured graph keeps its choice.
+# AutoExperts' tiles by routed (token, expert) pairs, from e2e/gpu/moe_kernels.py's sweeps at the
+# Qwen3-30B-A3B expert shape, where the fused kernels beat the grouped GEMMs at every size (figures in
+# docs/PERF.md, "Kernel choices"). Tiles grow with the rows an expert sees: 16 rows at decode sizes (an
+# expert gets a few rows) with 128-deep K steps for 16-bit weights; 32 rows from FUSED_32_PAIRS (vLLM's
+# tuned H200 table switches there too); 64 from FUSED_MEDIUM_PAIRS (vLLM's: 64 at 512 tokens); 128 from
+# FUSED_LARGE_PAIRS. fp32 weights (the exact paths) keep 64-deep K steps: twice the bytes a stage.
+# Decided from shapes alone, so a captured graph keeps its choice.
 FUSED_32_PAIRS = 2048
 FUSED_MEDIUM_PAIRS = 4096
 FUSED_LARGE_PAIRS = 8192

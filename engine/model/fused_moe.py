@@ -53,8 +53,8 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     rows = blocks * block_m
     if n * (num_local + 1) <= SORT_FREE_MAX:
         # sort-free (decode): a pair's rank among its expert's pairs from a running count per expert,
-        # laid out expert-major so the count is an innermost-dim scan (an outer-dim one cost 95 µs
-        # a layer at 64 tokens on the H200: 15 % of a decode step)
+        # laid out expert-major so the count is an innermost-dim scan (an outer-dim scan was a visible
+        # share of a decode step: docs/PERF.md, "Kernel choices")
         onehot = key[None, :] == torch.arange(num_local + 1, device=dev)[:, None]
         seen = torch.cumsum(onehot, 1, dtype=torch.int32)
         counts = seen[:num_local, -1].long()
@@ -79,12 +79,12 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_offset: int, block_m: i
     return sorted_ids[:rows], block_expert, blocks
 
 
-# Up to here one program lays out the pairs; past it align_spread's three launches, faster from
-# 1,536 pairs on the H200 (16.5 against 21.1 µs; at 1,024 pairs 14.2 against 14.9: moe_kernels.py)
+# Up to here one program lays out the pairs; past it align_spread's three launches win (moe_kernels.py;
+# docs/PERF.md, "Kernel choices").
 ALIGN_KERNEL_MAX_PAIRS = 1024
-# Up to here each pair is a block of its own, no layout made (`direct`): a shared expert is read twice
-# (~1.5 µs each), the layout's launch is ~6 µs on the H200 (docs/PERF.md, "Defaults"); 2 rows share ~0.5 at top-8,
-# 4 rows ~3 under uniform routing (still faster there), more under a skewed router: kept at 2 rows.
+# Up to here each pair is a block of its own, no layout made (`direct`): a shared expert is read once per
+# pair, which costs less than the layout's launch while few pairs share one; a skewed router shares more,
+# so it stops at 2 rows (docs/PERF.md, "Kernel choices").
 DIRECT_MAX_PAIRS = 16
 
 

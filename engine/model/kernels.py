@@ -107,8 +107,8 @@ def _decode_kernels():
     return attend, merge
 
 
-# Flash-decoding targets this many programs per SM: with 128-key tiles one wave is enough (the H200
-# at 32 rows × 4 KV heads: 2 splits 41 µs, 1 48, 4 48; at 64 rows 1 split 69 µs, 2 82: decode_attn.py).
+# Flash-decoding targets this many programs per SM: with 128-key tiles one wave is enough, more splits
+# only add the merge (decode_attn.py's sweep; docs/PERF.md, "Kernel choices").
 SPLIT_PROGRAMS_PER_SM = 1
 MAX_KV_SPLITS = KV_SPLITS_MAX
 MERGE_PAD = 1 << (MAX_KV_SPLITS - 1).bit_length()   # one merge compile for every split count

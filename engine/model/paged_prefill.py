@@ -27,9 +27,8 @@ import torch
 
 from .kernels import triton_interpreting
 
-# The launch's tile shape and pipelining, swept by e2e/gpu/attn_kernels.py on the H200: 128 × 128 with
-# 8 warps was within 1.3 % of the best of 36 at both the 8k chunk (309 TFLOP/s) and a P1 epoch's 32
-# segments, where 64 × 64 with 4 warps ran 258 and 212 (docs/PERF.md, "Defaults")
+# The launch's tile shape and pipelining: the best of the swept ones at both a whole 8k chunk and a P1
+# epoch's short segments (e2e/gpu/attn_kernels.py; figures in docs/PERF.md, "Kernel choices").
 TILES = dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
 LOG2E = 1.4426950408889634
 

@@ -14,8 +14,8 @@ import torch
 from .kernels import triton_interpreting
 
 
-# Heads per program: a (token, head) program moved 2·D elements with 128 threads and re-read the
-# token's cos/sin per head; prefill's q (8k tokens × 32 heads) ran at ~0.7 TB/s (docs/PERF.md).
+# Heads per program: a (token, head) program moved too little per thread and re-read the token's
+# cos/sin for every head (docs/PERF.md, "Kernel choices").
 HEADS_PER_PROGRAM = 16
 
 
