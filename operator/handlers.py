@@ -195,6 +195,8 @@ def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, re
     memo = observer.memo_for(meta["uid"], memo)
     try:
         _reconcile(spec, name, namespace, body, meta, status, memo, patch, logger)
+    except kube.NamespaceTerminating as e:   # the rollout goes with its namespace: nothing to apply
+        logger.debug(f"not reconciled: {e}")
     except kube.Forbidden as e:   # back off: the fix (RBAC) comes from outside, maybe much later
         metrics.COLLECTOR.reconcile_error(namespace, name)
         delay = kube.forbidden_delay(retry)

@@ -44,6 +44,11 @@ class Forbidden(kopf.TemporaryError):
 FORBIDDEN_BACKOFF_S = (5.0, 300.0)   # first retry, cap
 
 
+class NamespaceTerminating(kopf.TemporaryError):
+    """403 with cause NamespaceTerminating: nothing new may be created in a namespace being deleted. Not an
+    RBAC gap; the rollout goes with its namespace, so there is nothing to retry."""
+
+
 def forbidden_delay(retry: int) -> float:
     """Seconds before retry number `retry` (kopf counts from 0): doubling from 5 s, at most 5 min."""
     first, cap = FORBIDDEN_BACKOFF_S
@@ -59,12 +64,21 @@ def retry_semantics(e: ApiException, what: str) -> Exception:
         return Refused(what, message)
     if e.status in (409, 410, 429) or e.status >= 500:
         return kopf.TemporaryError(f"{what}: HTTP {e.status}: {api_message(e)}; retrying", delay=3)
+    if e.status == 403 and "NamespaceTerminating" in _causes(e):
+        return NamespaceTerminating(f"{what}: the namespace is being deleted (NamespaceTerminating)", delay=10)
     if e.status == 403:
         return Forbidden(f"{what}: HTTP 403: {message} (the operator's RBAC lacks this grant)",
                          delay=FORBIDDEN_BACKOFF_S[0])
     if e.status == 404:
         return kopf.PermanentError(f"{what}: HTTP {e.status}: {api_message(e)}")
     return kopf.TemporaryError(f"{what}: HTTP {e.status}: {api_message(e)}", delay=10)
+
+
+def _causes(e: ApiException) -> list[str]:
+    try:
+        return [c.get("reason") for c in (json.loads(e.body).get("details") or {}).get("causes") or []]
+    except (TypeError, ValueError, AttributeError):
+        return []
 
 
 def api_message(e: ApiException) -> str:

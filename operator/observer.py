@@ -110,6 +110,10 @@ class Observer:
                                             dict(patch["status"]))
             except asyncio.CancelledError:
                 raise
+            except kube.NamespaceTerminating as e:   # it goes with its namespace: nothing left to observe
+                logger.debug(f"stopped observing: {e}")
+                stopped.set()
+                return
             except Exception:   # as a failed timer tick: said, and the next period tries again
                 logger.exception("observe failed; retrying next period")
             await asyncio.sleep(self.poll_s)
