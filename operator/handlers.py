@@ -151,7 +151,7 @@ WATCHED: list[str] = []   # the namespaces the operator serves (empty: all); set
 
 @kopf.on.startup()
 async def start_observer(memo: kopf.Memo, **_) -> None:
-    watcher = observer.Observer(observe, WATCHED, CFG.poll_s, min(CFG.poll_s, 2.0))
+    watcher = observer.Observer(observe, gone, WATCHED, CFG.poll_s, min(CFG.poll_s, 2.0))
     memo["observer"] = asyncio.create_task(watcher.run(), name="observer")
 
 
@@ -206,10 +206,11 @@ def reconcile(spec, name, namespace, body, meta, status, memo, patch, logger, re
         raise
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)   # optional: no finalizer of its own
-def forget(name, namespace, meta, **_) -> None:
+def gone(namespace: str, name: str, uid: str) -> None:
+    """A rollout deleted (the observer no longer lists it): its metrics and memo go too. Not a kopf deletion
+    handler: without a finalizer kopf need not run one for an object that is simply gone."""
     metrics.COLLECTOR.forget(namespace, name)
-    observer.forget(meta["uid"])
+    observer.forget(uid)
 
 
 def _export(namespace: str, name: str, s: PDRolloutSpec, status: dict, patch, phase: str, pods: list[dict],

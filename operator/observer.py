@@ -52,13 +52,15 @@ class _ObjectLog(logging.LoggerAdapter):
 
 class Observer:
     """Lists the rollouts every `poll_s` and keeps one task per live rollout that calls `observe` every
-    `poll_s` (the first `initial_delay_s` after it was first listed)."""
+    `poll_s` (the first `initial_delay_s` after it was first listed). `gone(namespace, name, uid)` is called
+    once a rollout is no longer listed live: with no finalizer, kopf's deletion handlers may never see it."""
 
-    def __init__(self, observe: Callable[..., None], namespaces: list[str], poll_s: float,
-                 initial_delay_s: float) -> None:
-        self.observe, self.namespaces = observe, list(namespaces)
+    def __init__(self, observe: Callable[..., None], gone: Callable[[str, str, str], None], namespaces: list[str],
+                 poll_s: float, initial_delay_s: float) -> None:
+        self.observe, self.gone, self.namespaces = observe, gone, list(namespaces)
         self.poll_s, self.initial_delay_s = poll_s, initial_delay_s
         self.tasks: dict[str, tuple[asyncio.Task, Stopped]] = {}
+        self.seen: dict[str, tuple[str, str]] = {}   # uid -> (namespace, name) of every rollout listed live
 
     async def run(self) -> None:
         try:
@@ -78,6 +80,9 @@ class Observer:
 
     def track(self, rollouts: list[dict]) -> None:
         live = {o["metadata"]["uid"]: o["metadata"] for o in rollouts if not o["metadata"].get("deletionTimestamp")}
+        for uid in [u for u in self.seen if u not in live]:
+            self.gone(*self.seen.pop(uid), uid)
+        self.seen.update((uid, (m["namespace"], m["name"])) for uid, m in live.items())
         for uid, (task, stopped) in list(self.tasks.items()):
             if uid not in live or task.done():
                 stopped.set()
