@@ -66,6 +66,7 @@ class Structure:
     p_layer_host_s: float = 0.0    # old: the per-layer overhead of P beyond its collectives (fitted)
     turnstile: bool = False        # pd: a round a P layer, in the step (old) or a D step beside P (crossed)
     overlap: bool = False          # pd: P epochs span D steps on their own stream
+    token_slots: bool = False      # P's exchange: every peer a slot for each of the bound's rows
 
 
 @dataclass
@@ -127,7 +128,10 @@ class RankModel:
         a, b, c = self.cost.eager
         share = self._p_tokens(ptok)
         compute = a + b * self._rows(rows) + c * share + self._chip_delta(rows, share)
-        nbytes = max(ptok) * TOPK * HIDDEN * 2 / self.n
+        # per peer: the token slots send the bound's rows to every peer (runtime/token_slots.py);
+        # the counted path a (token, expert) pair's share
+        nbytes = max(ptok) / self.atp * (HIDDEN + 2 * TOPK) * 2 if self.structure.token_slots else \
+            max(ptok) * TOPK * HIDDEN * 2 / self.n
         issue = self.layers * (self.structure.p_colls * self.links.coll_s(nbytes) + self.structure.p_layer_host_s)
         return max(compute, issue)
 
@@ -154,10 +158,10 @@ OLD = Structure("old", d_colls=5, p_colls=6, turnstile=True)
 
 
 def new_structure(atp: int) -> Structure:
-    """2 expert all-to-alls a D layer, one ATP all-reduce more above ATP1; P the same, no host reads;
-    the turnstile only where groups cross (ATP > 1)."""
+    """2 expert all-to-alls a D layer, one ATP all-reduce more above ATP1; P the same through the
+    token slots, no host reads; the turnstile only where groups cross (ATP > 1)."""
     extra = 1 if atp > 1 else 0
-    return Structure("new", d_colls=2 + extra, p_colls=2 + extra, turnstile=atp > 1, overlap=True)
+    return Structure("new", d_colls=2 + extra, p_colls=2 + extra, turnstile=atp > 1, overlap=True, token_slots=True)
 
 
 def joint_steps(run_dir: str | Path) -> list[dict]:

@@ -233,7 +233,7 @@ class PDTuning(BaseModel):
     # bucket, cut at each layer's attention (runtime/prefill_graphs.py): an eager P epoch is bound by
     # issuing its kernels (docs/PERF.md). None: 4096 on CUDA with one rank, off elsewhere; 0 or
     # `cuda_graphs: false`: off. On CPU a number runs the same pieces eagerly (the padding and
-    # buffers, for tests). Several ranks: off (P stops at each MoE boundary there).
+    # buffers, for tests). Several ranks: at ATP1 on the torch expert backend (prefill_graphs.py).
     prefill_graph_tokens: int | None = Field(default=None, ge=0)
     # pd on one rank: a P epoch runs on a thread (CUDA: a stream) of its own while the next steps' D
     # goes on, as on several ranks, instead of one fused P+D forward (runtime/solo_p.py). None: on CUDA
@@ -319,9 +319,10 @@ class EngineConfig(KernelPicks, PDTuning, Speculation, MemorySizing):
     random_weights: bool = False                          # init on the device; `model` needs only config.json
     control: ControlSettings = ControlSettings()
 
-    def prefill_graph_tokens_on(self, device_type: str, multi: bool) -> int:
-        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly)."""
-        if multi:
+    def prefill_graph_tokens_on(self, device_type: str, eager_p: bool) -> int:
+        """The token bound of P's piecewise graphs on this worker (0: P runs eagerly). `eager_p`:
+        several ranks whose P cannot be cut into pieces (ATP > 1 or DeepEP)."""
+        if eager_p:
             return 0
         if self.prefill_graph_tokens is not None:
             return self.prefill_graph_tokens if device_type == "cpu" or self.cuda_graphs else 0

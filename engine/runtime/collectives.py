@@ -8,8 +8,9 @@ P path (eager, variable length; phase "prefill", and "mixed" for a fused forward
   1. attention: model-wide AllReduce of a zero-padded [sum of all replicas' P rows, H] buffer in
      which each rank wrote its head-shard partial into its replica's segment: sums the ATP
      partials and gathers every replica's P rows (a>1 only; with a=1 the heads are whole).
-  2. MoE: rank j of a replica takes chunk j of its replica's rows; notify (count exchange, async)
-     -> safe boundary (turnstile permit) -> move (all-to-all) -> experts -> combine (all-to-all).
+  2. MoE: rank j of a replica takes chunk j of its replica's rows; safe boundary (turnstile
+     permit) -> dispatch into fixed token slots (one all-to-all, no host read: token_slots.py) ->
+     experts -> combine (one all-to-all). DeepEP: notify (count exchange) -> permit -> move.
   3. model-wide AllReduce of the zero-padded buffer holding each rank's chunk outputs: every ATP
      rank gets its replica's full MoE output back (a>1 only).
 D path (decode rows; phase "decode"):
@@ -35,7 +36,7 @@ device itself runs R- < G < R+ in stream order.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -241,6 +242,8 @@ class RankCollectives(Collectives):
         through its own per-expert loop."""
         if meta.layout in ("rows", "slots"):
             return layer.routed_experts(recv, meta.expert_ids)
+        if meta.layout == "tokens":   # weighted partial sums over this rank's experts
+            return layer.local_experts(recv, meta.expert_ids, meta.weights)
         ex = layer.experts
         dtype = recv.dtype if ex.block is not None else ex.gate_up_proj.dtype
 
@@ -258,17 +261,27 @@ class RankCollectives(Collectives):
         passes = max(1, _ceil(m, self.p_max_rows))       # same count on every rank
         step = _ceil(m, passes)
         outs = []
+        slotted = self.comm.fixed_slots   # token slots: no count exchange, no host read
         for q in range(passes):
             s, e = min(hi, lo + q * step), min(hi, lo + (q + 1) * step)
-            pend = self.comm.notify(Phase.PREFILL, x[s:e], ids[s:e], w[s:e])   # counts start moving
+            pend = None if slotted else self.comm.notify(Phase.PREFILL, x[s:e], ids[s:e], w[s:e])
             if q == 0 and ctx.boundary is not None:
                 i = ctx.moe_index
                 self._compute_cut(ctx, f"P:{ctx.step}:boundary{i}")
-                self.comm.wait_permit(pend, lambda: ctx.boundary(i))         # the safe boundary
+                if slotted:
+                    ctx.boundary(i)                                          # the safe boundary
+                else:
+                    self.comm.wait_permit(pend, lambda: ctx.boundary(i))     # counts arrive meanwhile
                 self._compute_resume(ctx)
-            else:
+            elif pend is not None:
                 pend.permitted = True
-            recv, meta, handle = self._run("p", "dispatch", self._ep_group(), lambda: self.comm.move(pend))
+            if slotted:   # every member's slots hold the pass's rank-shared bound; padding goes nowhere
+                ok = None if ctx.live is None else ctx.live[s:e] > 0
+                move = lambda s=s, e=e, ok=ok: self.comm.dispatch(Phase.PREFILL, x[s:e], ids[s:e], w[s:e],
+                                                                  rows=step, valid=ok)
+            else:
+                move = lambda: self.comm.move(pend)
+            recv, meta, handle = self._run("p", "dispatch", self._ep_group(), move)
             y = self._experts_of(layer, recv, meta)
             outs.append(self._run("p", "combine", self._ep_group(),
                                   lambda: self.comm.combine(Phase.PREFILL, y, handle)))

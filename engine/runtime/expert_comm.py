@@ -41,11 +41,13 @@ class PermitMissingError(ExpertCommError):
 @dataclass
 class RecvMeta:
     layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots;
+                                # "tokens": [ep * rows] tokens with their k global ids (token_slots.py);
                                 # "slots": [ep * cap] rows in the sender's slot order, id -1 = empty
     expert_ids: Any             # rows: local expert id per row; slots: per slot, -1 = empty; ll: None
     counts: Any                 # rows: rows received per source rank (host); slots: the same on the
                                 # device; ll: [E_local] valid rows per expert
     phase: "Phase | None" = None   # whose rows (a backend may keep per-phase host buffers)
+    weights: Any = None            # tokens: [N, k] routing weights, applied by the receiver
 
 
 @dataclass
@@ -70,6 +72,7 @@ class PhaseState:
     status: list[str] = field(default_factory=list)   # per buffer: free | pending | moved | retired
     ll_index: int = 0             # D only: double-buffer index
     issued: int = 0               # collectives this phase issued (the step log's count)
+    slots: dict = field(default_factory=dict)   # P: the token slots' buffers (token_slots.py)
 
     def claim(self) -> int:
         """A free P buffer for a new dispatch: at most one pending dispatch per buffer."""
@@ -113,7 +116,7 @@ class PendingDispatch:
 def disjoint(a: PhaseState, b: PhaseState) -> list[str]:
     """Problems (empty when the two phases share no mutable state)."""
     def spans(s: PhaseState):
-        ts = [t for buf in s.buffers for t in buf.values()] + list(s.counters) + [s.workspace]
+        ts = [t for buf in s.buffers for t in buf.values()] + list(s.counters) + [s.workspace] + list(s.slots.values())
         return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
                 for t in ts]
     out = []
@@ -188,13 +191,18 @@ class TorchExpertComm(ExpertComm):
                 pg = dist.new_group(list(g), backend=pg_backend, pg_options=pg_options)
                 if g is mine:
                     groups[ph] = pg
-        cap_p = p_capacity_rows or max_tokens * topk * self.ep
+        self._cap_p = p_capacity_rows or max_tokens * topk * self.ep
         z = lambda *s, dt=None: torch.zeros(*s, dtype=dt or self.dtype, device=self.device)
+        # The engine's P goes through the token slots (no host read); the counted path's buffers
+        # (notify/move, the ExpertComm contract DeepEP shares) are made on its first use.
+        from .token_slots import TokenSlots   # torch: not at import (deepep_comm imports this module)
+        self.slots_p = TokenSlots(self.ep, self.e_local, hidden, topk, max_tokens, self.dtype, self.device)
         self._p = PhaseState(
             Phase.PREFILL, groups[Phase.PREFILL], self.qps.prefill, "p-expert",
-            buffers=[{"recv": z(cap_p, hidden), "back": z(max_tokens * topk, hidden)} for _ in range(p_buffers)],
+            buffers=[{} for _ in range(p_buffers)],
             counters=[z(2, self.ep, dt=torch.int64) for _ in range(p_buffers)],
-            workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers)
+            workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers,
+            slots=self.slots_p.buffers)
         # LL slots per peer: worst case every pair goes to one peer; at most d_max_tokens rows a
         # dispatch. A dispatch uses the first rows * topk slots of each peer (`rows`: the step's
         # rank-shared bound, a graph's bucket), packed contiguously: [ep (+1 spare), slots, H + 1], the
@@ -238,6 +246,9 @@ class TorchExpertComm(ExpertComm):
         st = self._p
         with self._lock:
             b = st.claim()
+        if not st.buffers[b]:
+            z = lambda n: self.torch.zeros(n, self.hidden, dtype=self.dtype, device=self.device)
+            st.buffers[b].update(recv=z(self._cap_p), back=z(self.max_tokens * self.topk))
         flat, _, order, per_peer, token_of = self._route(topk_ids)
         send_counts = per_peer[:self.ep]
         cnt = st.counters[b]
@@ -291,6 +302,10 @@ class TorchExpertComm(ExpertComm):
         st.events.clear()
         return st.free_retired()
 
+    def _exchange_p(self, out, inp) -> None:
+        self.dist.all_to_all_single(out, inp, group=self._p.group)
+        self._p.issued += 1
+
     # ---- D: low-latency path ---------------------------------------------------------
     def _packed(self, flat, peers: int, slots: int, width: int):   # contiguous for any slot count
         return flat[:peers * slots * width].view(peers, slots, width)
@@ -342,8 +357,14 @@ class TorchExpertComm(ExpertComm):
     def dispatch(self, phase, hidden, topk_ids, topk_weights, valid=None, rows=None):
         if Phase(phase) is Phase.DECODE:
             return self._dispatch_ll(hidden, topk_ids, topk_weights, valid, rows)
-        if valid is not None or rows is not None:
-            raise ExpertCommError("a row-validity mask and a row bound are for the fixed-slot D dispatch")
+        if rows is not None:   # P with a rank-shared row bound: the token slots, no host read
+            if hidden.shape[0] > rows or rows > self.slots_p.max_rows:
+                raise ExpertCommError(f"P dispatch of {hidden.shape[0]} tokens (bound {rows}) exceeds the bound "
+                                      f"or the P slots' {self.slots_p.max_rows} rows a peer")
+            x, ids, w, state = self.slots_p.dispatch(self._exchange_p, hidden, topk_ids, topk_weights, rows, valid)
+            return x, RecvMeta("tokens", ids, None, Phase.PREFILL, w), Handle(Phase.PREFILL, -1, hidden.shape[0], state)
+        if valid is not None:
+            raise ExpertCommError("a row-validity mask needs a row bound (fixed slots)")
         p = self.notify(phase, hidden, topk_ids, topk_weights)
         p.permitted = True  # unsplit call: the caller holds the permit already
         return self.move(p)
@@ -352,6 +373,8 @@ class TorchExpertComm(ExpertComm):
         torch, s = self.torch, handle.state
         if Phase(phase) is not handle.phase:
             raise ExpertCommError(f"combine({Phase(phase).value}) of a {handle.phase.value} handle")
+        if s.get("kind") == "tokens":
+            return self.slots_p.combine(self._exchange_p, expert_out, s)
         if handle.phase is Phase.PREFILL:
             st = self._p
             back = st.buffers[handle.buffer]["back"][:s["order"].numel()]

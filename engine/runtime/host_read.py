@@ -30,9 +30,11 @@ class HostReader:
         # Pinned allocation is itself a driver call that may wait: done here, before P and D overlap.
         self._buf = {k: torch.empty(size, dtype=torch.int64, pin_memory=True) for k in keys} if self.cuda else {}
         self._busy = {k: threading.Lock() for k in keys}
+        self.reads = dict.fromkeys(keys, 0)   # per key: how often a path waited for the device (tests read it)
 
     def read(self, key: str, t: torch.Tensor) -> list[int]:
         """The integer values of `t` (flattened) on the host, after the current stream's prior work."""
+        self.reads[key] = self.reads.get(key, 0) + 1
         if t.device.type != "cuda":
             return t.reshape(-1).tolist()
         n = t.numel()

@@ -62,6 +62,8 @@ class GroupMember:
             dtype=w.dtype, d_max_tokens=d_tokens, device=w.device, **extra)
         self.col = RankCollectives(topo, w.rank, groups, comm, self.dev, self.wd.check, cfg.hidden_size,
                                    cfg.num_experts_per_tok, p_rows)
+        # P's piecewise graphs need P with no host read and no per-replica shape: ATP1 on the token slots
+        self.p_pieces = topo.atp == 1 and comm.fixed_slots
         w.model.collectives = self.col
         if cuda:
             w.streams = make_streams(w.device, opt.sm_partition, config.priority_stream_on(multi=True))

@@ -21,8 +21,12 @@ so the graphed forward is the eager one cut at each attention, reading and writi
   tail      the last layer from o_proj to the final residual add
 The final norm and lm_head run eagerly on the sampled rows only (padding would cost a vocab GEMM).
 
-Not on several ranks: there P stops at each MoE layer's boundary for the turnstile and its experts
-go through DeepEP's normal path, whose dispatch sizes are read on the host. Not for routing replay
+On several ranks at ATP1 with the torch expert backend too: P's expert exchange goes through fixed
+token slots (token_slots.py, no host read), every rank pads to the bucket of the largest replica's
+rows (the plan is rank-shared, so all replay one bucket and their all-to-alls match), and padding
+rows are sent to no peer. Not at ATP > 1 (P's AllReduce buffers follow each replica's rows), not
+with DeepEP (its normal path reads dispatch sizes on the host), and on CUDA not where a turnstile
+permit sits inside the forward (a replay would skip it). Not for routing replay
 (the pieces keep no expert ids). MTP's hidden states come out of the eager final norm, over the
 real rows (a new tensor: the next replay cannot overwrite it). Without `graphs` (CPU, tests) the pieces run
 eagerly through the same buffers and padding.
@@ -35,6 +39,7 @@ import torch
 
 from ..model.qwen3_moe import ForwardBatch
 from ..protocol.plan import Phase
+from .collectives import PathContext
 
 # From 32 tokens on, padding costs a bucket at most 1.5× the tokens: in P's kernels (MoE GEMMs, projections), never in
 # its attention (eager, real rows only).
@@ -48,8 +53,9 @@ def buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, model, kv, max_tokens: int, graphs: bool = True):
+    def __init__(self, model, kv, max_tokens: int, graphs: bool = True, collectives=None, replicas: int = 1):
         self.model, self.kv, self.graphs = model, kv, graphs
+        self.col, self.replicas = collectives, replicas   # several ranks: RankCollectives, ADP
         self.layers = model.model.layers
         self.buckets = buckets(max_tokens)
         n, dev = self.buckets[-1], kv.k[0].device
@@ -96,6 +102,11 @@ class PrefillGraphs:
         stub = self._stub(b)
         return [lambda: self._head(b)] + [lambda i=i: self._layer(b, i, stub) for i in range(1, len(self.layers) + 1)]
 
+    def _begin(self, b: int, step: int = -1, boundary=None) -> None:
+        """Several ranks: P's collectives see every replica at the bucket, padding marked by `live`."""
+        if self.col is not None:
+            self.col.begin("p", PathContext(step, [b] * self.replicas, boundary, live=self.live[:b]))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Every bucket's pieces, largest first into one memory pool (replays never overlap: one P
@@ -110,10 +121,12 @@ class PrefillGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in reversed(self.buckets):
+                self._begin(b)
                 for call in self._calls(b):   # warm-up: Triton compiles, cuBLAS picks per shape
                     call()
             torch.cuda.synchronize()
             for b in reversed(self.buckets):
+                self._begin(b)
                 graphs = []
                 for call in self._calls(b):
                     g = torch.cuda.CUDAGraph()
@@ -131,19 +144,24 @@ class PrefillGraphs:
         self.pieces = {}
 
     # ---- a forward ----------------------------------------------------------------------------
-    def fits(self, batch: ForwardBatch) -> bool:
-        t = batch.input_ids.shape[0]
+    def fits(self, batch: ForwardBatch, shared: int | None = None) -> bool:
+        """`shared`: several ranks, the largest replica's rows (rank-shared; routes then none anywhere)."""
+        t = batch.input_ids.shape[0] if shared is None else shared
         return 0 < t <= self.buckets[-1] and batch.routes is None and bool(self.pieces)
 
     def bucket(self, t: int) -> int:
         return next(b for b in self.buckets if b >= t)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, shared: int | None = None) -> torch.Tensor:
         """The model's forward of `batch` (fits() holds) on the current stream: fp32 logits of its
-        sampled rows. The buffers are reused by the next forward once this one's kernels ran."""
+        sampled rows. The buffers are reused by the next forward once this one's kernels ran.
+        `shared`: several ranks, the largest replica's rows (this rank may have none)."""
         t = batch.input_ids.shape[0]
-        b = self.bucket(t)
+        b = self.bucket(t if shared is None else shared)
+        if self.col is not None:   # eager pieces (CPU) read it; replays hold what capture saw
+            ctx = self.col.ctx["p"]
+            self._begin(b, ctx.step, ctx.boundary)
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
         self.slot_mapping[:t].copy_(batch.slot_mapping)

@@ -21,7 +21,7 @@ from ..model.checkpoint import random_model
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model, resolve_dtype
 from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
-from ..protocol.plan import Phase, ReplicaWork, RowSpec, StepPlan, StepReport
+from ..protocol.plan import Phase, RowSpec, StepPlan, StepReport
 from ..protocol.topology import Topology
 from .batch import BatchBuilder, forward_order
 from .jit_watch import compile_watch
@@ -109,10 +109,11 @@ class Worker:
             self.group.build()     # collectives, expert comm, streams, turnstile; warm-ups; D graphs
         elif self.cuda and config.cuda_graphs:
             self._capture(lambda batch, b: self.model(batch, self.kv))
-        p_tokens = config.prefill_graph_tokens_on(self.device.type, self.multi)
+        p_tokens = config.prefill_graph_tokens_on(self.device.type, self.multi and not self.group.p_pieces)
         if p_tokens:
             from .prefill_graphs import PrefillGraphs
-            self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda)
+            self.p_graphs = PrefillGraphs(self.model, self.kv, p_tokens, graphs=self.cuda,
+                                          collectives=self.group.col if self.multi else None, replicas=topo.adp)
             self.p_graphs.capture()
         self.kv_sizing = settle(self, sized)   # the probe's cache measured and resized (kv_sizing.py), logged
         self.solo = None   # pd on one rank with solo_overlap: a P epoch beside the next steps' D
@@ -226,13 +227,17 @@ class Worker:
     def forward(self, phase: Phase, plan: StepPlan, pick, boundary=None, wait: bool = True) -> torch.Tensor:
         """One eager forward of `pick(replica work)` rows on `phase`'s path; logits of sampling rows."""
         rows_all = [pick(w) for w in plan.replicas]
+        shared = None   # several ranks: the largest replica's rows when P's pieces may take them
         if self.multi:
-            self.group.begin(phase.path, plan.step, [sum(r.length for r in rs) for rs in rows_all], boundary)
+            counts = [sum(r.length for r in rs) for rs in rows_all]
+            self.group.begin(phase.path, plan.step, counts, boundary)
+            if not plan.routes_any and (boundary is None or not self.cuda):   # rank-shared facts only
+                shared = max(counts)
         mine = rows_all[self.replica]
         if not self.cuda:
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
-            logits = self._model(phase, batch)
+            logits = self._model(phase, batch, shared)
             self._keep_routes(phase, batch, mine)
             self.hidden.keep(batch, mine)
             return logits
@@ -242,17 +247,20 @@ class Worker:
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
             with self.group.span("forward", s, phase.path, plan.step) if self.multi else contextlib.nullcontext():
-                logits = self._model(phase, batch)
+                logits = self._model(phase, batch, shared)
         if wait or batch.routes is not None:   # the routes' host copy below runs on another stream
             s.synchronize()                   # eager: the step's logits are complete for sampling
         self._keep_routes(phase, batch, mine)
         self.hidden.keep(batch, mine)
         return logits
 
-    def _model(self, phase: Phase, batch) -> torch.Tensor:
-        """A forward that carries P replays P's pieces when they hold it (prefill_graphs.py)."""
-        if phase is not Phase.DECODE and self.p_graphs is not None and self.p_graphs.fits(batch):
-            return self.p_graphs.forward(batch)
+    def _model(self, phase: Phase, batch, shared: int | None) -> torch.Tensor:
+        """A forward that carries P replays P's pieces when they hold it (prefill_graphs.py); on
+        several ranks every rank decides alike, from the rank-shared `shared` rows (None: eager)."""
+        pg = self.p_graphs
+        if phase is not Phase.DECODE and pg is not None and (shared is not None or not self.multi) \
+                and pg.fits(batch, shared):
+            return pg.forward(batch, shared)
         return self.model(batch, self.kv)
 
     # ---- routing replay (return_routed_experts) ------------------------------------------

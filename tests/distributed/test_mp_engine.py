@@ -50,10 +50,11 @@ def setup(tmp_path_factory):
     return str(model), str(reqs), d
 
 
-def _generate(setup, mode, control=None, ranks=None, extra=(), timeout=240):
+def _generate(setup, mode, control=None, ranks=None, extra=(), timeout=240, engine=None):
     model, reqs, _ = setup
     args = ["generate", "--model", model, "--requests", reqs, "--mode", mode,
-            "--engine-config", json.dumps(ENGINE), "--control", json.dumps({**BUDGET, **(control or {})})]
+            "--engine-config", json.dumps({**ENGINE, **(engine or {})}),
+            "--control", json.dumps({**BUDGET, **(control or {})})]
     if ranks:
         n, adp, ep = ranks
         args += ["--nproc", str(n), "--adp", str(adp), "--ep", str(ep), *extra]
@@ -336,3 +337,24 @@ def test_turnstile_and_d_collectives_from_the_step_log(setup, ranks):
     # the epoch's end lands at the same step on every rank
     firsts = [[(s["step"], s["p_flight"], s["p_done"]) for s in _steps(log, r)] for r in range(ranks[0])]
     assert all(f == firsts[0] for f in firsts)
+
+
+PIECE_CASES = [((2, 2, 2), "pd", FINE), ((2, 2, 2), "normal", {}), ((2, 2, 2), "mixed", {}), ((4, 4, 4), "pd", FINE),
+               ((4, 2, 4), "normal", {})]
+
+
+@pytest.mark.parametrize("ranks,mode,control", PIECE_CASES, ids=[f"{'-'.join(map(str, c[0]))}-{c[1]}" for c in PIECE_CASES])
+def test_p_pieces_on_several_ranks_at_atp1(setup, ranks, mode, control):
+    """ATP1 on the token slots: every P forward replays P's pieces (eager pieces on CPU, the same
+    buffers and padding as graphs) on every rank alike, each padded to the largest replica's bucket
+    with padding sent to no peer; outputs equal one rank's without pieces. ATP2: P stays eager."""
+    _, _, d = setup
+    log = d / f"pieces-{'-'.join(map(str, ranks))}-{mode}"
+    got = _outputs(_generate(setup, mode, control, ranks, ["--step-log", str(log)],
+                             engine={"prefill_graph_tokens": 64}))
+    assert got == _reference(setup, mode)
+    counts = [[s["p_graph_replays"] for s in _steps(log, r)] for r in range(ranks[0])]
+    if ranks[0] // ranks[1] > 1:
+        assert all(c is None for per in counts for c in per)
+        return
+    assert counts[0][-1] > 0 and all(per == counts[0] for per in counts), counts

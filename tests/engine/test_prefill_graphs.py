@@ -142,7 +142,7 @@ def test_the_bound_defaults_by_device_and_world():
     cfg = EngineConfig(model="m")
     assert cfg.prefill_graph_tokens_on("cpu", False) == 0
     assert cfg.prefill_graph_tokens_on("cuda", False) == 4096
-    assert cfg.prefill_graph_tokens_on("cuda", True) == 0       # several ranks: P stops at boundaries
+    assert cfg.prefill_graph_tokens_on("cuda", True) == 0       # several ranks with P not in pieces (ATP > 1, DeepEP)
     assert EngineConfig(model="m", cuda_graphs=False).prefill_graph_tokens_on("cuda", False) == 0
     assert EngineConfig(model="m", prefill_graph_tokens=64).prefill_graph_tokens_on("cpu", False) == 64
     with pytest.raises(ValueError):
