@@ -61,7 +61,7 @@ class TokenSlots:
         exchange(recv, send[:ep])
         flat = recv.reshape(ep * rows, self.width)
         got_ids = flat.view(self.int)[:, H:H + k].long()
-        got_w = flat[:, H + k:]
+        got_w = flat[:, H + k:].contiguous()
         state = {"kind": "tokens", "rows": rows, "index": torch.where(hit, peer * rows + slot, ep * rows + tok[:, None])}
         return flat[:, :H].contiguous(), got_ids, got_w, state
 

@@ -357,4 +357,5 @@ def test_p_pieces_on_several_ranks_at_atp1(setup, ranks, mode, control):
     if ranks[0] // ranks[1] > 1:
         assert all(c is None for per in counts for c in per)
         return
-    assert counts[0][-1] > 0 and all(per == counts[0] for per in counts), counts
+    # a P epoch's thread ends on each rank's own time (the log reads the count mid-epoch): the totals match
+    assert counts[0][-1] > 0 and all(per[-1] == counts[0][-1] for per in counts), counts
