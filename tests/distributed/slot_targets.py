@@ -107,15 +107,18 @@ def capture_rank(ctx, tokens: int = 512):
     return out
 
 
-def pieces_rank(ctx, model_dir: str):
+def pieces_rank(ctx, model_dir: str | None):
     """P's whole forward through the multi-rank path (RankCollectives over a one-rank NCCL group,
     its expert exchange in token slots) captured as P's piecewise graphs on one GPU; logits and K/V
-    against the one-rank eager forward."""
+    against the one-rank eager forward. `model_dir` None: one EP16 rank of Qwen3-30B-A3B (its 8 of
+    128 experts, full attention, two layers, random weights): the others' experts add nothing."""
     import torch
     from pdrollout.engine.model.backends import make_backends
+    from pdrollout.engine.model.checkpoint import random_model
     from pdrollout.engine.model.kv_cache import KVCache
     from pdrollout.engine.model.loader import load_model
-    from pdrollout.engine.model.qwen3_moe import Collectives, ForwardBatch, SeqSlice
+    from pdrollout.engine.model.qwen3_moe import Collectives, ForwardBatch, SeqSlice, Shard
+    from pdrollout.engine.protocol.config import ModelConfig, load_preset
     from pdrollout.engine.protocol.topology import Topology
     from pdrollout.engine.runtime.collectives import PathContext, RankCollectives, make_groups
     from pdrollout.engine.runtime.expert_comm import TorchExpertComm
@@ -123,7 +126,12 @@ def pieces_rank(ctx, model_dir: str):
     from pdrollout.engine.runtime.streams import StreamDevice
     torch.cuda.set_device(0)
     dev, dt, block = torch.device("cuda"), torch.bfloat16, 4
-    model = load_model(model_dir, device=dev, dtype=dt, backends=make_backends(dev, dt))
+    backends = make_backends(dev, dt)
+    if model_dir is None:
+        cfg = ModelConfig.from_dict({**load_preset("qwen3-30b-a3b"), "num_hidden_layers": 2})
+        model = random_model(cfg, dev, dt, seed=0, shard=Shard(ep_rank=0, ep_size=16), backends=backends)
+    else:
+        model = load_model(model_dir, device=dev, dtype=dt, backends=backends)
     cfg = model.cfg
     topo = Topology(1)
     comm = TorchExpertComm([[0]], 0, num_experts=cfg.num_experts, hidden=cfg.hidden_size, max_tokens=64,
@@ -156,6 +164,7 @@ def pieces_rank(ctx, model_dir: str):
         model.collectives = Collectives()   # one rank, eager
         ref = model(batch, kv_ref)
         out["logits"].append(float((got - ref).abs().max()))
+        out["scale"] = max(out.get("scale", 0.0), float(ref.abs().max()))
     null = kv.null_slot
     out["kv"] = max(float((kv.k[i][:null].float() - kv_ref.k[i][:null].float()).abs().max())
                     for i in range(cfg.num_hidden_layers))

@@ -27,18 +27,21 @@ def test_p_moe_exchange_of_one_ep_rank_captures_and_replays_equal():
     assert r["counted"] != "captured", r
 
 
-def test_p_forward_through_the_multi_rank_path_captured_as_pieces(tmp_path):
+@pytest.mark.parametrize("shape", ["tiny", "ep16-rank"])
+def test_p_forward_through_the_multi_rank_path_captured_as_pieces(tmp_path, shape):
     """P's forward through RankCollectives (one NCCL rank; the expert exchange in token slots) as
-    piecewise CUDA graphs: logits and K/V within bf16's tolerance of the one-rank eager forward."""
+    piecewise CUDA graphs: logits and K/V within bf16's tolerance of the one-rank eager forward, for
+    the tiny model and for one EP16 rank of Qwen3-30B-A3B (8 of its 128 experts)."""
     from pdrollout.engine.model.checkpoint import write_checkpoint
     from pdrollout.engine.protocol.config import load_preset
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker needs a CUDA device")
-    model = write_checkpoint(load_preset("tiny"), tmp_path / "tiny", seed=0)
-    (o,) = run_ranks(pieces_rank, 1, (str(model),), timeout_s=500)
+    model = str(write_checkpoint(load_preset("tiny"), tmp_path / "tiny", seed=0)) if shape == "tiny" else None
+    (o,) = run_ranks(pieces_rank, 1, (model,), timeout_s=500)
     assert o.exitcode == EXIT_OK, (o.exitcode, o.result)
     r = o.result
     print(r)
     assert r["replays"] == 3 and r["reads"] == {"prefill": 0, "decode": 0}
     assert all(n > 1 for n in r["pieces"].values()), r    # graphs cut at each attention
-    assert max(r["logits"]) < 5e-2 and r["kv"] < 5e-2, r
+    # padding changes the GEMMs' shapes, so bf16 sums round differently: bf16's tolerance, relative
+    assert max(r["logits"]) <= 3e-2 * (1 + r["scale"]) and r["kv"] < 5e-2, r
