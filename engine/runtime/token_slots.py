@@ -22,7 +22,7 @@ _INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class TokenSlots:
-    """One rank's P slots over its EP group; `dist_all_to_all(out, inp)` is the group's exchange."""
+    """One rank's P slots over its EP group; `exchange(out, inp)`: the group's all-to-all."""
 
     def __init__(self, ep: int, e_local: int, hidden: int, topk: int, max_rows: int, dtype, device) -> None:
         self.ep, self.e_local, self.hidden, self.topk, self.max_rows = ep, e_local, hidden, topk, max_rows

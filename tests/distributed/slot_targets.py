@@ -117,7 +117,8 @@ def pieces_rank(ctx, model_dir: str | None):
     from pdrollout.engine.model.checkpoint import random_model
     from pdrollout.engine.model.kv_cache import KVCache
     from pdrollout.engine.model.loader import load_model
-    from pdrollout.engine.model.qwen3_moe import Collectives, ForwardBatch, SeqSlice, Shard
+    from pdrollout.engine.model.qwen3_moe import Collectives, Shard
+    from prefill_batch import batch_of
     from pdrollout.engine.protocol.config import ModelConfig, load_preset
     from pdrollout.engine.protocol.topology import Topology
     from pdrollout.engine.runtime.collectives import PathContext, RankCollectives, make_groups
@@ -148,16 +149,8 @@ def pieces_rank(ctx, model_dir: str | None):
     a = [(i * 37) % 500 + 2 for i in range(40)]
     out = {"logits": [], "kv": 0.0}
     for step, segs in enumerate(([(a[:30], 0, 0), (a[:9], 0, 128)], [(a[30:], 30, 0)], [(a[9:20], 9, 128)])):
-        ids, pos, slots, seqs, rows, t = [], [], [], [], [], 0
-        for tokens, start, base in segs:
-            n = len(tokens)
-            ids, pos = ids + tokens, pos + list(range(start, start + n))
-            slots += range(base + start, base + start + n)
-            seqs.append(SeqSlice(t, n, start + n, torch.arange(base, base + start + n, device=dev)))
-            t += n
-            rows.append(t - 1)
-        long = lambda xs: torch.tensor(list(xs), dtype=torch.long, device=dev)
-        batch = ForwardBatch(long(ids), long(pos), long(slots), seqs, long(rows))
+        batch = batch_of(segs, dev)
+        t = batch.input_ids.shape[0]
         model.collectives = col
         col.begin("p", PathContext(step, [t]))
         got = graphs.forward(batch, shared=t)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_reference import PROMPTS, run_all
+from prefill_batch import batch_of
 from pdrollout.engine.model.kv_cache import KVCache
 from pdrollout.engine.model.loader import load_model
-from pdrollout.engine.model.qwen3_moe import ForwardBatch, SeqSlice
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig
 from pdrollout.engine.runtime.engine import Engine
 from pdrollout.engine.runtime.prefill_graphs import PrefillGraphs, buckets
@@ -24,21 +24,6 @@ def kv_for(model, blocks: int = 32) -> KVCache:
     cfg = model.cfg
     return KVCache(cfg.num_hidden_layers, blocks, BLOCK, model.model.layers[0].self_attn.kv_heads, cfg.head_dim,
                    torch.float32, "cpu")
-
-
-def batch_of(segments) -> ForwardBatch:
-    """Prefill segments (tokens, start, first slot): each one's context in consecutive slots."""
-    ids, pos, slots, seqs, logit_rows, t = [], [], [], [], [], 0
-    for tokens, start, base in segments:
-        n = len(tokens)
-        ids += tokens
-        pos += range(start, start + n)
-        slots += range(base + start, base + start + n)
-        seqs.append(SeqSlice(t, n, start + n, torch.arange(base, base + start + n)))
-        t += n
-        logit_rows.append(t - 1)
-    long = lambda xs: torch.tensor(list(xs), dtype=torch.long)
-    return ForwardBatch(long(ids), long(pos), long(slots), seqs, long(logit_rows))
 
 
 def test_buckets_bound_the_padding_and_end_at_the_bound():
@@ -170,10 +155,7 @@ def test_cuda_graphed_pieces_equal_the_eager_forward(tiny_model, dtype):
     a = [(i * 37) % 500 + 2 for i in range(40)]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for segs in ([(a[:30], 0, 0), (a[:9], 0, 128)], [(a[30:], 30, 0)], [(a[9:20], 9, 128)]):
-        step = batch_of(segs)
-        step = ForwardBatch(step.input_ids.to(dev), step.positions.to(dev), step.slot_mapping.to(dev),
-                            [SeqSlice(q.q_start, q.q_len, q.ctx_len, q.slots.to(dev)) for q in step.seqs],
-                            step.logits_indices.to(dev))
+        step = batch_of(segs, dev)
         torch.testing.assert_close(graphs.forward(step), model(step, kv_ref), **tol)
     null = kv.null_slot
     for i in range(cfg.num_hidden_layers):
