@@ -12,6 +12,7 @@ import checkout_guard
 
 checkout_guard.check(Path(__file__).resolve().parent.parent)
 
+import lanes  # noqa: E402
 import procs  # noqa: E402
 
 from pdrollout.engine.model.checkpoint import write_checkpoint  # noqa: E402
@@ -105,15 +106,36 @@ def no_leftover_processes(request):
                     + "\n".join(what), pytrace=False)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    lanes.assign(items)   # before xdist's own hook reads the xdist_group marks
+
+
+_CHAOS_ROWS: list[dict] = []   # gathered from the reports: under xdist the rows are made in the workers
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if rep.when == "teardown" and procs.CHAOS_TABLE:
+        rep.user_properties.append(("chaos", list(procs.CHAOS_TABLE)))
+        procs.CHAOS_TABLE.clear()
+    return rep
+
+
+def pytest_runtest_logreport(report):
+    _CHAOS_ROWS.extend(rows for key, value in report.user_properties if key == "chaos" for rows in value)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The chaos tests' table (fault, exit code, time to exit), so CI's log shows it."""
-    if not procs.CHAOS_TABLE:
+    if not _CHAOS_ROWS:
         return
     tr = terminalreporter
     tr.section("chaos: exit code and time to exit per fault")
     tr.write_line("| fault | expected | exit code | time to exit (s) | tree gone (s) | client saw |")
     tr.write_line("|---|---|---|---:|---:|---|")
-    for r in procs.CHAOS_TABLE:
+    for r in _CHAOS_ROWS:
         client = "; ".join(f"{k}: {v[0]}" for k, v in sorted(r["client"].items()))
         tr.write_line(f"| {r['fault']} | {r['expected']} | {r['code']} | {r['exit_s']} | {r['tree_gone_s']} "
                       f"| {client} |")

@@ -260,7 +260,8 @@ def _sh(*cmd: str) -> str:
 def netns():
     """A network namespace with lo up and a veth pair to it; (name, the namespace's address)."""
     tag = f"pdrc{os.getpid() % 100000}"
-    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    # 10.200-239: clear of the real-node cluster's 10.244 pods and 10.250 nodes (tests/lanes.py runs both at once)
+    net = f"10.{200 + os.getpid() % 40}.{os.getpid() % 250}"
     host, inner = f"{net}.1", f"{net}.2"
     _sh("ip", "netns", "add", tag)
     try:
