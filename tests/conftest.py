@@ -106,9 +106,15 @@ def no_leftover_processes(request):
                     + "\n".join(what), pytrace=False)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    lanes.assign(items)   # before xdist's own hook reads the xdist_group marks
+    lanes.check(items)
+    lanes.order(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """-n N: tests/lanes.py's units, unless --dist names another scheduling."""
+    return lanes.scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 _CHAOS_ROWS: list[dict] = []   # gathered from the reports: under xdist the rows are made in the workers

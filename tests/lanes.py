@@ -1,44 +1,58 @@
 """How `pytest -n 2` (pytest-xdist, as .ci/run runs it) splits the suite between its two workers.
 
-A test that shares an expensive fixture with others must run on the worker that already holds it: the
-control planes (`cluster`: kwok's; `real_cluster`: the real kubelets) are session-scoped, so all their
-tests form one lane each, and a module's tests share its module-scoped servers, so they go as one unit.
-Every other test is a unit of its own. The two cluster lanes go first: they are the longest units and
-spend most of their time waiting on Kubernetes, which leaves the CPU to the other worker's tests."""
+A unit of work is one test file, so a module's tests share its module-scoped servers, except the
+operator tests: the control planes are session-scoped fixtures, so every test of the real-node cluster
+(`real_cluster`, files tests/operator/test_real_*.py) is one lane and every other operator test (kwok's
+`cluster`) another, each started once. The two lanes go first: they are the longest units and spend
+most of their time waiting on Kubernetes, which leaves the CPU to the other worker's tests.
+
+The unit is decided from the test's id alone: xdist's controller schedules ids, not items (and its own
+`xdist_group` marks do not reach the ids under pytest 9.2). `check` holds the path rule to the
+fixtures each test really uses."""
 from __future__ import annotations
 
 import pytest
 
-# session-scoped fixture -> its lane, most expensive first (a test that needs both goes to the first)
-LANES = {"real_cluster": "real-nodes", "cluster": "kwok"}
-_SHARED = ("module", "class", "package")
+OPERATOR = "tests/operator/"
+REAL_NODES = OPERATOR + "test_real_"
+LANES = ("real-nodes", "kwok")   # in the order they start
 
 
-def lane_of(item: pytest.Item) -> str | None:
-    """The unit `item` runs in (None: a unit of its own)."""
-    closure = getattr(item, "fixturenames", ())
-    for fixture, lane in LANES.items():
-        if fixture in closure:
-            return lane
-    defs = getattr(item, "_fixtureinfo", None)
-    if defs is not None:
-        for name in closure:
-            if any(d.scope in _SHARED for d in defs.name2fixturedefs.get(name, ())):
-                return item.nodeid.split("::", 1)[0]
-    return None
+def unit_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(REAL_NODES):
+        return "real-nodes"
+    if path.startswith(OPERATOR):
+        return "kwok"
+    return path
 
 
-def assign(items: list[pytest.Item]) -> None:
-    """Marks every test with its unit (xdist_group) and puts the cluster lanes first. Identical on
-    every worker (xdist checks that they collected the same list)."""
-    order = list(LANES.values())
+def check(items: list[pytest.Item]) -> None:
+    """Fails the collection where a test's cluster fixture and its file disagree: such a test would
+    start a second control plane on the other worker."""
+    wrong = []
     for item in items:
-        lane = lane_of(item)
-        if lane is not None:
-            item.add_marker(pytest.mark.xdist_group(lane))
-    first = {lane: i for i, lane in enumerate(order)}
+        closure = getattr(item, "fixturenames", ())
+        needs = "real-nodes" if "real_cluster" in closure else "kwok" if "cluster" in closure else None
+        if needs and unit_of(item.nodeid) != needs:
+            wrong.append(f"{item.nodeid} uses the {needs} cluster but runs in {unit_of(item.nodeid)!r}")
+    if wrong:
+        raise pytest.UsageError("tests/lanes.py: a cluster test outside its lane (move it, or its file, "
+                                f"under {REAL_NODES}* or {OPERATOR}):\n" + "\n".join(wrong))
 
-    def rank(item):
-        lane = next((m.args[0] for m in item.iter_markers("xdist_group")), None)
-        return first.get(lane, len(order))
-    items.sort(key=rank)   # stable: the rest keep their collection order
+
+def order(items: list[pytest.Item]) -> None:
+    """The lanes first; the rest keep their collection order. The same on every worker."""
+    rank = {lane: i for i, lane in enumerate(LANES)}
+    items.sort(key=lambda item: rank.get(unit_of(item.nodeid), len(LANES)))
+
+
+def scheduler(config, log):
+    """xdist's scope scheduling over `unit_of`'s units (units are handed out in collection order)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return LaneScheduling(config, log)
