@@ -22,6 +22,9 @@ from .trace import PRESSURE, PRIORITY_HINTS, sessions, work_left
 
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
 WATCH_S = 0.5                                   # how often the replay checks that its server lives
+# A killed server's sockets close before its process can be reaped: a request failing for that
+# reason may reach us before the server reads as exited
+DEATH_GRACE_S = 3.0
 
 # The signal the CLI's handler received. Its KeyboardInterrupt can be raised inside a finalizer
 # (aiohttp's ClientResponse.__del__), where Python prints and drops it; the replay's watcher raises
@@ -228,13 +231,23 @@ def replay(url: str, rows: list[dict], **kw) -> tuple[dict, list[RequestRecord]]
     try:
         summary = asyncio.run(r.run())
     except (aiohttp.ClientError, asyncio.TimeoutError, BenchError) as e:
-        died = r.watch() if r.watch is not None else None
+        died = _died_within(r.watch, DEATH_GRACE_S)
         if died:    # a request that failed because the server died: say that, with its log
             raise BenchError(died) from e
         if isinstance(e, BenchError):
             raise
         raise BenchError(f"HTTP to {url} failed: {type(e).__name__}: {e}") from e
     return summary, r.records
+
+
+def _died_within(watch: Callable[[], str | None] | None, grace_s: float) -> str | None:
+    """What `watch` says of the server's death, once it reads as dead within `grace_s` (None: alive)."""
+    if watch is None:
+        return None
+    end = time.monotonic() + grace_s
+    while (died := watch()) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    return died
 
 
 def speculation_of(url: str) -> dict:

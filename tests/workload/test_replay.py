@@ -156,6 +156,22 @@ def test_short_output_is_a_clear_error():
             replay(srv.url, TRACE[:1], pressure="P1", progress=False)
 
 
+def test_a_request_that_fails_before_its_dead_server_is_reaped_names_the_death():
+    """A killed server's sockets close before it can be reaped: the request fails first and the
+    server reads as exited a little later (here on the watch's third look). The error is the death,
+    with its log, not the broken connection; a server that stays alive leaves the HTTP error."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"   # nothing listens: every request fails
+    looks = []
+    dies_late = lambda: (looks.append(1), "the server exited with -9 during the replay" if len(looks) >= 3 else None)[1]
+    with pytest.raises(BenchError, match="the server exited with -9 during the replay"):
+        replay(url, TRACE[:1], pressure="P1", progress=False, watch=dies_late)
+    with pytest.raises(BenchError, match=r"HTTP to http://127\.0\.0\.1:\d+ failed"):
+        replay(url, TRACE[:1], pressure="P1", progress=False, watch=lambda: None)
+
+
 def test_run_bench_against_url_writes_results_and_plots(tmp_path):
     with FakeServer() as srv:
         results = run_bench(TRACE, str(tmp_path), modes=["pd"], url=srv.url, pressure="P2",
