@@ -12,13 +12,13 @@ import checkout_guard
 
 checkout_guard.check(Path(__file__).resolve().parent.parent)
 
-import lanes  # noqa: E402
 import procs  # noqa: E402
 
 from pdrollout.engine.model.checkpoint import write_checkpoint  # noqa: E402
 from pdrollout.engine.protocol.config import load_preset  # noqa: E402
 
 TINY = load_preset("tiny")
+pytest_plugins = ("lanes",)   # how `pytest -n N` splits the suite
 
 # pytest names test modules `tests.<dir>.<file>`; rank processes start by spawn and unpickle their
 # target by that name, so the repository root must be importable there too. Appended, not
@@ -104,17 +104,6 @@ def no_leftover_processes(request):
         procs.kill_all(left)
         pytest.fail(f"the test left {len(left)} process(es) running after {LEFTOVER_GRACE_S:.0f}s:\n"
                     + "\n".join(what), pytrace=False)
-
-
-def pytest_collection_modifyitems(items):
-    lanes.check(items)
-    lanes.order(items)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """-n N: tests/lanes.py's units, unless --dist names another scheduling."""
-    return lanes.scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 _CHAOS_ROWS: list[dict] = []   # gathered from the reports: under xdist the rows are made in the workers

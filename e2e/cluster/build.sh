@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local Kubernetes control plane from Go sources (module proxy only), once per version.
 # Idempotent: a component whose cache directory holds a `.ok` stamp is reused as it is.
-# Outputs: ${PDROLLOUT_CACHE:-~/.cache/pdrollout}/{k8s,etcd,kwok,helm}-<version>/bin.
+# Outputs: ${PDROLLOUT_CACHE:-~/.cache/pdrollout}/cluster-tools-<k8s version>/bin (all but kwok) and kwok-<version>/bin.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/versions.sh"
@@ -13,6 +13,12 @@ ldflags="-s -w"
 command -v go >/dev/null || { echo "[cluster] Go is required to build the control plane" >&2; exit 1; }
 
 log() { echo "[cluster] $(date +%H:%M:%S) $*"; }
+
+# One builder per cache: a second caller (a test beside .ci/run's background build) waits, then
+# finds everything built.
+mkdir -p "$PDROLLOUT_CACHE"
+exec 9>"$PDROLLOUT_CACHE/build.lock"
+flock 9
 
 # build_once NAME BINDIR RECIPE CMD...: run CMD unless BINDIR/.ok holds the same RECIPE (what went into
 # the build: versions, flags, wrapper go.sum), timing it.
@@ -27,10 +33,6 @@ build_once() {
   log "$name: built in $((SECONDS - t0)) s"
 }
 
-build_etcd() {
-  (cd "$here/etcd" && nice -n 10 go build -trimpath -ldflags="$ldflags" -o "$ETCD_BIN/etcd" .)
-}
-
 # Version stamps hack/lib/version.sh would set; helm checks a chart's kubeVersion against them.
 k8s_minor="${K8S_VERSION#v1.}"; k8s_minor="${k8s_minor%%.*}"
 k8s_ldflags="$ldflags"
@@ -39,39 +41,45 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   k8s_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 
-# One `go build` for all commands so they share one compile of the common packages; kubelet and
-# kube-proxy are the real-node mode's (start.sh --real-nodes), from the same source version.
-build_k8s() {
-  (cd "$here/k8s" && nice -n 10 go build -trimpath -ldflags="$k8s_ldflags" -o "$K8S_BIN/" \
+# tools/go.mod must build what versions.sh names (one place for the versions, checked here).
+check_versions() {
+  local want
+  for want in "github.com/coredns/coredns $COREDNS_VERSION" "go.etcd.io/etcd/server/v3 $ETCD_VERSION" \
+      "helm.sh/helm/v3 $HELM_VERSION" "sigs.k8s.io/scheduler-plugins $SCHEDULER_PLUGINS_VERSION" \
+      "k8s.io/kubernetes => k8s.io/kubernetes $K8S_VERSION"; do
+    grep -q "^[[:space:]]*$want\$" "$here/tools/go.mod" \
+      || { echo "[cluster] e2e/cluster/tools/go.mod does not have '$want' (versions.sh)" >&2; return 1; }
+  done
+}
+
+# One `go build` for every command, so they share one compile of the common packages; kubelet and
+# kube-proxy are the real-node mode's (start.sh --real-nodes); gang is the tests' gang scheduler,
+# with the PodGroup CRD of the same module beside it.
+build_tools() {
+  check_versions
+  (cd "$here/tools" && go build -trimpath -ldflags="$k8s_ldflags" -o "$TOOLS_DIR/bin/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kubectl \
     k8s.io/kubernetes/cmd/kubelet \
-    k8s.io/kubernetes/cmd/kube-proxy)
-}
-
-build_coredns() {
-  grep -q "github.com/coredns/coredns $COREDNS_VERSION\$" "$here/coredns/go.mod" \
-    || { echo "[cluster] e2e/cluster/coredns/go.mod does not require coredns $COREDNS_VERSION" >&2; return 1; }
-  (cd "$here/coredns" && nice -n 10 go build -trimpath -ldflags="$ldflags" -o "$COREDNS_BIN/coredns" .)
+    k8s.io/kubernetes/cmd/kube-proxy \
+    helm.sh/helm/v3/cmd/helm \
+    ./cmd/etcd ./cmd/coredns ./cmd/gang)
+  local plugins
+  plugins="$(cd "$here/tools" && go list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins)"
+  cp "$plugins/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" "$PODGROUP_CRD"
 }
 
 build_tool() {  # build_tool BINDIR MODULE/PATH@VERSION
-  GOBIN="$1" nice -n 10 go install -trimpath -ldflags="$ldflags" "$2"
+  GOBIN="$1" go install -trimpath -ldflags="$ldflags" "$2"
 }
 
 # Contents only (not paths), so every checkout of the same sources shares one cached build.
 sum() { cat "$@" | sha256sum | cut -c1-16; }
 t_all=$SECONDS
-build_once "etcd $ETCD_VERSION" "$ETCD_BIN" "$ETCD_VERSION $ldflags $(sum "$here/etcd/go.sum" "$here/etcd/main.go")" \
-  build_etcd
+build_once "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, gang scheduler" \
+  "$TOOLS_DIR/bin" "$K8S_VERSION $k8s_ldflags $(cd "$here/tools" && sum go.mod go.sum tools.go cmd/*/main.go)" build_tools
 build_once "kwok $KWOK_VERSION" "$KWOK_BIN" "$KWOK_VERSION $ldflags" \
   build_tool "$KWOK_BIN" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-build_once "helm $HELM_VERSION" "$HELM_BIN" "$HELM_VERSION $ldflags" \
-  build_tool "$HELM_BIN" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-build_once "kubernetes $K8S_VERSION" "$K8S_BIN" "$K8S_VERSION $k8s_ldflags $(sum "$here/k8s/go.sum" "$here/k8s/tools.go")" \
-  build_k8s
-build_once "coredns $COREDNS_VERSION" "$COREDNS_BIN" \
-  "$COREDNS_VERSION $ldflags $(sum "$here/coredns/go.sum" "$here/coredns/main.go")" build_coredns
 log "control plane ready in $((SECONDS - t_all)) s: $CLUSTER_PATH"

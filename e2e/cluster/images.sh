@@ -82,7 +82,7 @@ base="$(layer base "$(echo "$IMAGE_SUITE $base_pkgs ${excludes[*]} pth1" | hash)
 excludes=()
 
 # --- pause: Kubernetes' pause.c of the kubelet's version, static ------------------------------------
-k8s_src="$(cd "$here/k8s" && GOTOOLCHAIN=local GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
+k8s_src="$(cd "$here/tools" && GOTOOLCHAIN=local GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
   | "$py" -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')"
 build_pause() {
   gcc -Os -static -Wall -DVERSION="$K8S_VERSION" -o "$1/pause" "$k8s_src/build/pause/linux/pause.c"

@@ -1,19 +1,25 @@
 # Pinned versions of the local control plane; sourced by build.sh and start.sh (one place).
-# Kubernetes 1.34 wants etcd >= 3.5.13; 3.6 is its tested line. kwok v0.7.0 and helm v3.19.5 are
-# the newest releases whose go.mod accepts Go 1.24+, so a go1.24..1.26 toolchain builds all of it.
+# Kubernetes 1.34 wants etcd >= 3.5.13; 3.6 is its tested line. All but kwok are built by one
+# `go build` of the module in tools/ (its go.mod must require these versions; build.sh checks), so
+# their shared packages compile once; etcd 3.6.16 needs a go1.26 toolchain.
 K8S_VERSION=v1.34.4
 ETCD_VERSION=v3.6.16
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.5
-# Cluster DNS of the real-node mode; its version is the one in e2e/cluster/coredns/go.mod.
+# Cluster DNS of the real-node mode.
 COREDNS_VERSION=v1.13.2
+# The gang scheduler of the tests: kube-scheduler with the Coscheduling plugin of this release line.
+SCHEDULER_PLUGINS_VERSION=v0.34.7
 PDROLLOUT_CACHE="${PDROLLOUT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdrollout}"
-K8S_BIN="$PDROLLOUT_CACHE/k8s-$K8S_VERSION/bin"
-ETCD_BIN="$PDROLLOUT_CACHE/etcd-$ETCD_VERSION/bin"
+TOOLS_DIR="$PDROLLOUT_CACHE/cluster-tools-$K8S_VERSION"
+K8S_BIN="$TOOLS_DIR/bin"
+ETCD_BIN="$TOOLS_DIR/bin"
+HELM_BIN="$TOOLS_DIR/bin"
+COREDNS_BIN="$TOOLS_DIR/bin"
+GANG_SCHEDULER="$TOOLS_DIR/bin/gang"
+PODGROUP_CRD="$TOOLS_DIR/podgroups.yaml"
 KWOK_BIN="$PDROLLOUT_CACHE/kwok-$KWOK_VERSION/bin"
-HELM_BIN="$PDROLLOUT_CACHE/helm-$HELM_VERSION/bin"
-COREDNS_BIN="$PDROLLOUT_CACHE/coredns-$COREDNS_VERSION/bin"
-CLUSTER_PATH="$K8S_BIN:$ETCD_BIN:$KWOK_BIN:$HELM_BIN:$COREDNS_BIN"
+CLUSTER_PATH="$TOOLS_DIR/bin:$KWOK_BIN"
 
 # Real-node mode (start.sh DIR --real-nodes N): the node runtime comes from Debian's packages (installed
 # by node-deps.sh); kubelet and kube-proxy are built into K8S_BIN above, from the same source version.

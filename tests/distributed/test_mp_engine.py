@@ -40,7 +40,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # per worker: each test a unit of its own (tests/lanes.py)
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("mp")
     model = write_checkpoint(load_preset("tiny"), d / "tiny", seed=0)

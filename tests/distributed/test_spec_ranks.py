@@ -20,7 +20,7 @@ PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [(i * 7) % VOCAB for i in range(11)] * 2,
            [7, 7, 7, 7, 7, 7]]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # per worker: each test a unit of its own (tests/lanes.py)
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("spec")
     model = write_checkpoint(tiny_config(vocab_size=VOCAB), d / "loopy", seed=0)

@@ -644,7 +644,7 @@ def _plan(tmp_path, part: str, seeds: str) -> tuple[Path, list[list[str]]]:
     in the order they came up."""
     out = tmp_path / "out"
     r = tool_run(["bench", "plan", str(out), part, seeds, "--", "--preset", "tiny",
-                  "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "120"],
+                  "--model-preset", "tiny", "--model", str(tmp_path / "model"), "--job-timeout", "300"],
                  env={**os.environ, "DEVICE": "cpu", "COMMIT": "dry-run", "PART_BUDGET_S": "400"},
                  capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

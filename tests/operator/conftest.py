@@ -25,7 +25,8 @@ def _versions() -> dict[str, str]:
     out = subprocess.run(["bash", "-c", f"set -a; source {CLUSTER}/versions.sh; env"], capture_output=True, text=True,
                          check=True).stdout
     env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return {k: env[k] for k in ("K8S_BIN", "ETCD_BIN", "KWOK_BIN", "HELM_BIN", "CLUSTER_PATH")}
+    return {k: env[k] for k in ("K8S_BIN", "ETCD_BIN", "KWOK_BIN", "HELM_BIN", "CLUSTER_PATH", "GANG_SCHEDULER",
+                                "PODGROUP_CRD")}
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,8 @@ def tools() -> dict[str, str]:
     v = _versions()
     paths = {"helm": f"{v['HELM_BIN']}/helm", "kubectl": f"{v['K8S_BIN']}/kubectl",
              "promtool": shutil.which("promtool"), "hadolint": shutil.which("hadolint"),
-             "PATH": f"{v['CLUSTER_PATH']}:{os.environ['PATH']}"}
+             "PATH": f"{v['CLUSTER_PATH']}:{os.environ['PATH']}", "gang-scheduler": v["GANG_SCHEDULER"],
+             "podgroup-crd": v["PODGROUP_CRD"]}
     return paths
 
 

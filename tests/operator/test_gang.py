@@ -1,6 +1,6 @@
 """Gang scheduling against the real API server with a real gang scheduler: kube-scheduler (this
 cluster's version) with the Coscheduling plugin of kubernetes-sigs/scheduler-plugins, built by
-e2e/cluster/gang-scheduler.sh, and its PodGroup CRD. A two-node group that can be placed only in part
+e2e/cluster/build.sh with the control plane, and its PodGroup CRD. A two-node group that can be placed only in part
 never binds a pod (no GPUs held), while the same group without `gang` binds the pod that fits; once the
 group fits, both pods bind."""
 import json
@@ -22,12 +22,7 @@ SCHEDULER = "pdrollout-gang"
 
 @pytest.fixture(scope="module")
 def gang_scheduler(cluster, tmp_path_factory):
-    r = subprocess.run(["bash", str(ROOT / "e2e/cluster/gang-scheduler.sh")], capture_output=True, text=True,
-                       timeout=3000)
-    if r.returncode:
-        pytest.fail(f"e2e/cluster/gang-scheduler.sh failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    built = Path(r.stdout.strip().splitlines()[-1])
-    cluster.kubectl("apply", "--server-side", "-f", str(built / "podgroups.yaml"))
+    cluster.kubectl("apply", "--server-side", "-f", cluster.tools["podgroup-crd"])
     cluster.kubectl("wait", "--for=condition=Established", "crd/podgroups.scheduling.x-k8s.io", "--timeout=60s")
     d = tmp_path_factory.mktemp("gang")
     (d / "config.yaml").write_text(yaml.safe_dump({
@@ -39,7 +34,7 @@ def gang_scheduler(cluster, tmp_path_factory):
                                   "queueSort": {"enabled": [{"name": "Coscheduling"}], "disabled": [{"name": "*"}]}},
                       "pluginConfig": [{"name": "Coscheduling", "args": {"permitWaitingTimeSeconds": 10}}]}]}))
     log = open(d / "scheduler.log", "wb")
-    proc = subprocess.Popen([str(built / "bin/kube-scheduler"), f"--config={d / 'config.yaml'}",
+    proc = subprocess.Popen([cluster.tools["gang-scheduler"], f"--config={d / 'config.yaml'}",
                              "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "-v=2"],
                             stdout=log, stderr=subprocess.STDOUT)
     yield {"log": d / "scheduler.log", "proc": proc}

@@ -19,7 +19,7 @@ def _pdrollout(*args, timeout):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")   # per worker: each test a unit of its own (tests/lanes.py)
 def tiny_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-model")
     r = _pdrollout("checkpoint", "--config", "tiny", "--out", str(out), timeout=300)
