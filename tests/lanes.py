@@ -78,20 +78,15 @@ def load_costs(path: Path = COSTS) -> dict[str, float]:
 
 def order(items, costs: dict[str, float]) -> dict[str, str]:
     """Sorts `items` in place: the lanes, then units by cost, longest first (a unit missing from
-    `costs`, a new test, counts as the median unit); a unit's tests keep their order. The same on
-    every worker. Returns the units."""
+    `costs`, a new test, counts as the median unit). The sort is stable and xdist queues a unit where
+    its first test is, so a unit's tests keep their order. The same on every worker. Returns the units."""
     unit = units(items)
     default = statistics.median(costs.values()) if costs else 0.0
-    cost: dict[str, float] = {}
-    for item in items:
-        u = unit[item.nodeid]
-        cost.setdefault(u, costs.get(u, default))
-    first_seen = {u: i for i, u in reversed(list(enumerate(unit[item.nodeid] for item in items)))}
     rank = {lane: i for i, lane in enumerate(LANES)}
 
     def key(item):
         u = unit[item.nodeid]
-        return (rank.get(u, len(LANES)), -cost[u], first_seen[u])
+        return rank.get(u, len(LANES)), -costs.get(u, default)
 
     items.sort(key=key)
     return unit
