@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..protocol.config import FP8_BLOCK, ModelConfig
-from . import fp8
+from . import fp8, ops
 
 Layout = Literal["per-expert", "fused"]
 SHARD_BYTES = 4 << 30
@@ -212,7 +212,7 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
     finally:
         torch.set_default_dtype(prev)
     shard = shard or Shard()
-    model = model.to_empty(device=device)
+    model = model.materialize(device)
     gen = torch.Generator(device=device)
     for name, p in model.named_parameters():
         # Seeded per name, so a replicated tensor is the same on every rank of a sharded model;
@@ -231,7 +231,6 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
         else:
             p.normal_(0.0, _init_std(name, p.shape), generator=gen)
     model.tie_weights_if_needed()
-    d = cfg.head_dim
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    model.inv_freq = ops.rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
     model.fuse_projections()
     return model

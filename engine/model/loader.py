@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..protocol.config import ModelConfig
-from . import fp8
+from . import fp8, ops
 from .backends import REFERENCE, Backends
 from .qwen3_moe import Qwen3MoeModel, Shard
 
@@ -182,10 +182,10 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
                 if key.endswith("weight_scale_inv") and block is None else ""
             raise CheckpointError(f"unexpected tensor {key!r} in checkpoint (not part of a Qwen3-MoE "
                                   f"model with this config){hint}")
-    model = model.to_empty(device=device)
+    model = model.materialize(device)
     model.load_state_dict(loaded, strict=False, assign=True)
     model.tie_weights_if_needed()
-    model.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))).to(device)
+    model.inv_freq = ops.rope_inv_freq(cfg.rope_theta, d, device)
     for p in model.parameters():
         p.requires_grad_(False)
     model.fuse_projections()

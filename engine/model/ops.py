@@ -14,6 +14,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def rope_inv_freq(theta: float, head_dim: int, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies, on `device` (the default device if None). Computed on the CPU:
+    under a meta-device context arange runs a Python kernel that imports torch._dynamo."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+    return inv.to(torch.get_default_device() if device is None else device)
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -299,7 +299,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends, layers: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, Embedding skips its own init: normal_ on the meta device runs a Python
+        # kernel that imports torch._dynamo, seconds of CPU in every process that builds a model.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, backends) for i in range(layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -339,13 +342,17 @@ class Qwen3MoeModel(nn.Module):
         self.mtp = MTPHead(cfg, shard, backends) if mtp and cfg.num_nextn_predict_layers else None
         for p in self.parameters():
             p.requires_grad_(False)
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", ops.rope_inv_freq(cfg.rope_theta, cfg.head_dim), persistent=False)
 
     def fuse_projections(self) -> int:
         """Every attention layer's q/k/v as one weight (Attention.fuse_qkv), after loading and after a
         memory resume; returns how many were fused."""
         return sum(m.fuse_qkv() for m in self.modules() if isinstance(m, Attention))
+
+    def materialize(self, device) -> "Qwen3MoeModel":
+        """A meta-built model's tensors allocated, uninitialized, on `device`. Module.to_empty's
+        empty_like runs a Python kernel on meta inputs, which imports torch's symbolic shapes."""
+        return self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
     def tie_weights_if_needed(self):
         if self.cfg.tie_word_embeddings:
