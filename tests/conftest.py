@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import checkout_guard
+# One OpenMP thread a process, set before torch loads so every worker, server and rank inherits it:
+# the suite runs two workers on two cores, each beside its own servers, and a process of more threads
+# than its share of the cores spins at every op's barrier while the other runs (two bench tests side
+# by side took 303 s each with torch's default of one thread a core, 26 s with one; README).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import checkout_guard  # noqa: E402
 
 checkout_guard.check(Path(__file__).resolve().parent.parent)
 

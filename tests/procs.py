@@ -102,7 +102,7 @@ class Served:
         parent = {} if prefix else {EXIT_WITH_PARENT: str(os.getpid())}
         self.proc = subprocess.Popen([*(prefix or []), *PDROLLOUT, "serve", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **parent, **(env or {})})
+                                     env={**os.environ, **parent, **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
         if wait_ready and (not self._ready.wait(ready_timeout) or self.url is None):
             self.kill()

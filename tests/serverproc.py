@@ -21,7 +21,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [*SERVE, "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--log-level", "info", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+            env={**os.environ, **(env or {})})
         threading.Thread(target=self._pump, daemon=True).start()
         self.url = self._wait_ready(timeout=240)
         self.http = httpx.Client(base_url=self.url, timeout=120)

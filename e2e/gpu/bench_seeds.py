@@ -194,7 +194,7 @@ def run_job(job: dict, gpu: str | None, args, log, url: str | None = None, pid: 
     whose process is `pid`)."""
     out = job_dir(args, job)
     cmd = ["pdrollout", "bench", "--modes", job["mode"], "--preset", args.preset, "--seed", str(job["seed"]),
-           "--pressure", job["pressure"], "--no-progress", "--out", str(out),
+           "--pressure", job["pressure"], "--no-progress", "--no-plots", "--out", str(out),
            "--priority", job["variant"].get("priority", "none")]
     if url:
         cmd += ["--url", url]

@@ -52,7 +52,7 @@ def run_one(url: str, trace: Path, out: Path, activation: str, timeout_s: float)
         raise RuntimeError(f"PUT /control asked activation {activation!r}, the server reports {applied['activation']!r}")
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["pdrollout", "bench", "--url", url, "--modes", activation, "--trace", str(trace), "--pressure", "P1",
-           "--no-progress", "--out", str(out)]
+           "--no-progress", "--no-plots", "--out", str(out)]
     with open(out / "bench.log", "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
     if rc != 0:

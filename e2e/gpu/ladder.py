@@ -72,7 +72,7 @@ def bench(group: str, name: str, mode: str, control: dict) -> dict:
         serve += ["--expert-backend", BACKEND]
     src = ["--trace", DECODE_ONLY] if group == "decode" else ["--preset", PRESET]
     args = [sys.executable, "-m", "pdrollout.engine.cli", "bench", "--modes", mode, "--model", MODEL, *src,
-            "--pressure", PRESSURE, "--device", DEVICE, "--no-progress", "--out", out]
+            "--pressure", PRESSURE, "--device", DEVICE, "--no-progress", "--no-plots", "--out", out]
     args += [f"--serve-arg={a}" for a in serve]
     p = subprocess.run(args, capture_output=True, text=True)
     os.makedirs(out, exist_ok=True)

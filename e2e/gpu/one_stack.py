@@ -182,7 +182,7 @@ def small(out: Path) -> dict:
         t0 = time.monotonic()
         r = subprocess.run(["pdrollout", "bench", "--modes", "normal,mixed,pd", "--model", str(mdir), "--preset", "small",
                             "--pressure", "P1", "--seed", str(seed), "--device", "cuda", "--serve-arg=--engine-config",
-                            f"--serve-arg={engine}", "--no-progress", "--out", str(out / f"small-s{seed}-{name}"),
+                            f"--serve-arg={engine}", "--no-progress", "--no-plots", "--out", str(out / f"small-s{seed}-{name}"),
                             "--serve-arg=--step-log", f"--serve-arg={out}/steplog-small-s{seed}-{name}-{{mode}}", *extra],
                            capture_output=True, text=True, timeout=560)
         (out / f"small-s{seed}-{name}.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])

@@ -268,8 +268,9 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
               model: str | None = None, url: str | None = None, device: str | None = None,
               pressure: str = "trace", seed: int = 0, progress: bool = True,
               serve_args: tuple[str, ...] = (), meta: dict | None = None,
-              priority: str = "none", repeats: int = 1) -> dict[str, dict]:
-    """Bench each mode on a fresh server (or the one at `url`), write results and plots.
+              priority: str = "none", repeats: int = 1, plots: bool = True) -> dict[str, dict]:
+    """Bench each mode on a fresh server (or the one at `url`), write results and (unless not
+    `plots`) plots.
 
     `repeats` > 1: every mode on that many fresh servers, in rounds whose mode order is reversed
     every other round (a drift over the run falls on every mode alike); each mode's median server
@@ -332,12 +333,12 @@ def run_bench(rows: list[dict], out_dir: str, *, modes: list[str] | None = None,
                            "order": [labels if r % 2 == 0 else labels[::-1] for r in range(repeats)]}
     path = write_results(out_dir, results, info, records if repeats == 1 else
                          {f"{m}-r{s['repeat']}": recs for m, done in runs.items() for s, recs in done})
-    plots = write_plots(out_dir, results, records)
+    plots = write_plots(out_dir, results, records) if plots else []
     print(format_table(results))
     for mode, summary in results.items():
         if summary["engines"] > 1:      # a fleet behind a router: its engines one by one
             print(f"[bench] mode {mode}, per engine:\n{format_groups(summary)}")
     if spread is not None:
         print(format_repeats(spread))
-    print(f"[bench] wrote {path} and {', '.join(os.path.basename(p) for p in plots)}")
+    print(f"[bench] wrote {', '.join([path, *(os.path.basename(p) for p in plots)])}")
     return results

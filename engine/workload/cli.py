@@ -65,7 +65,8 @@ def _cmd_bench(a) -> int:
     try:
         run_bench(rows, a.out, modes=modes, model=a.model, url=a.url, device=a.device,
                   pressure=a.pressure, seed=a.seed, progress=not a.no_progress,
-                  serve_args=tuple(a.serve_arg), meta=meta, priority=a.priority, repeats=a.repeats)
+                  serve_args=tuple(a.serve_arg), meta=meta, priority=a.priority, repeats=a.repeats,
+                  plots=not a.no_plots)
     except BenchError as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 1
@@ -122,4 +123,6 @@ def add_bench_parser(subparsers) -> None:
                         "tokens still to come (what an RL client knows), so long trajectories go first")
     b.add_argument("--out", required=True, help="directory for results.json, records and plots")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--no-plots", action="store_true",
+                   help="no PNGs, results.json and the records only (plotting is half of a short bench's CPU)")
     b.set_defaults(func=_cmd_bench)

@@ -107,8 +107,7 @@ def test_sigstop_of_a_rank_ends_the_group_when_no_one_reads_the_servers_stderr(t
     die of a BrokenPipeError on the line before the exit, and the server then served on, forever,
     beside a stopped rank."""
     proc = subprocess.Popen([*PDROLLOUT, "serve", *serve_args(tiny_model)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     late = threading.Timer(240.0, proc.kill)   # a server that never gets ready ends the read below
     late.start()
     try:

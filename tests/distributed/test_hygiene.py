@@ -97,8 +97,7 @@ def test_bench_takes_its_server_down_on_a_signal(tiny_model, tmp_path, sig):
     serve_args = [f"--serve-arg={a}" for a in ("--nproc", "2", "--adp", "1", "--ep", "2")]
     proc = subprocess.Popen([*PDROLLOUT, "bench", "--model", str(tiny_model), "--modes", "pd", "--preset", "tiny",
                              "--device", "cpu", "--out", str(out), "--no-progress", *serve_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log = out / "server-pd.log"
     tail = lambda: (log.read_text() if log.exists() else "(no server log)")[-4000:]
     try:

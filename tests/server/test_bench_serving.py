@@ -85,7 +85,7 @@ def test_sglang_bench_serving_against_our_server(start_server, tmp_path):
            "--num-prompts", str(num_prompts), "--random-input-len", "32", "--random-output-len", "8",
            "--tokenizer", str(tok), "--output-file", str(out), "--seed", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                       env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, **OFFLINE})
     assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}\n{srv.log[-3000:]}"
     res = json.loads(out.read_text().splitlines()[-1])
     assert res["completed"] == num_prompts

@@ -94,12 +94,14 @@ def test_bench_fails_fast_with_the_log_when_its_server_dies(tiny_model, tmp_path
 
 def test_bench_results_carry_the_servers_speculation_and_its_acceptance(tiny_model, tmp_path):
     """A server with n-gram speculation: the results name it and sum the requests' meta_info
-    acceptance (drafts proposed and accepted, output tokens per D iteration); the work is the same."""
+    acceptance (drafts proposed and accepted, output tokens per D iteration); the work is the same.
+    --no-plots: results and records, no PNG."""
     out = tmp_path / "bench"
     r = _pdrollout("bench", "--modes", "pd", "--model", str(tiny_model), "--preset", "tiny", "--pressure", "P2",
-                   "--device", "cpu", "--no-progress", "--out", str(out), "--serve-arg=--speculative",
+                   "--device", "cpu", "--no-progress", "--no-plots", "--out", str(out), "--serve-arg=--speculative",
                    "--serve-arg=ngram", "--serve-arg=--speculative-k", "--serve-arg=3", timeout=600)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert not list(out.glob("*.png")) and (out / "records-pd.jsonl").exists()
     m = json.loads((out / "results.json").read_text())["modes"]["pd"]
     want = stats(generate("tiny", 0))
     assert (m["speculative"], m["speculative_k"], m["weights"]) == ("ngram", 3, "float32")
@@ -146,7 +148,7 @@ def test_bench_repeats_each_mode_on_fresh_servers_and_takes_the_median_server(ti
     modes' medians, and the records of every server."""
     out = tmp_path / "bench"
     r = _pdrollout("bench", "--modes", "normal,pd", "--model", str(tiny_model), "--preset", "tiny", "--pressure",
-                   "P1", "--device", "cpu", "--no-progress", "--repeats", "2", "--out", str(out),
+                   "P1", "--device", "cpu", "--no-progress", "--no-plots", "--repeats", "2", "--out", str(out),
                    "--serve-arg=--step-log", f"--serve-arg={tmp_path}/steps/{{run}}", timeout=900)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     order = [line.split(":")[0].removeprefix("[bench] ") for line in r.stdout.splitlines() if "server " in line
