@@ -1,6 +1,6 @@
 """Alert rules evaluated on recorded scrapes: a Recorder scrapes a /metrics URL on a fixed grid, as
 Prometheus does, and turns the scrapes into promtool's input series; `rules` renders the chart's
-PrometheusRule with short windows. Used by tests/operator/test_operator_alerts.py (kwok) and
+PrometheusRule with short windows. Used by tests/operator/test_operator_alerts.py (fake nodes) and
 test_real_nodes.py (a real stall)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The chart as the kwok-cluster tests install it (release, namespace, ServiceAccount), and the engines'
+"""The chart as the fake-node cluster's tests install it (release, namespace, ServiceAccount), and the engines'
 admin tokens derived from the key the chart generated, as the operator derives them."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The live objects of a rollout against what the pure builders say (kwok and real-node tests)."""
+"""The live objects of a rollout against what the pure builders say (fake-node and real-node tests)."""
 from pdrollout.operator import builders
 from pdrollout.operator.models import PDRolloutSpec
 from chart_install import SYSTEM_NS, admin_token

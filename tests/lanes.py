@@ -4,7 +4,7 @@ A unit of work is one test, or one whole file where a test of it uses a fixture 
 (module, class or package scope: its servers are shared, so its tests stay on one worker). The
 operator tests are two lanes: their control planes are session-scoped fixtures, so every test of the
 real-node cluster (`real_cluster`, files tests/operator/test_real_*.py) is one lane and every other
-operator test (kwok's `cluster`) another, each started once. The lanes go first (they are the
+operator test (the fake nodes' `cluster`) another, each started once. The lanes go first (they are the
 longest units; on a fresh machine they wait for .ci/run's builds); then the units, longest first by
 tests/costs.json (seconds per unit from a measured run; `python tests/lanes.py JUNIT_XML` rewrites
 it), so no long unit starts last.
@@ -27,7 +27,7 @@ import pytest
 
 OPERATOR = "tests/operator/"
 REAL_NODES = OPERATOR + "test_real_"
-LANES = ("real-nodes", "kwok")   # in the order they start
+LANES = ("real-nodes", "fake-nodes")   # in the order they start
 COSTS = Path(__file__).with_name("costs.json")
 SHARED_SCOPES = ("class", "module", "package")
 
@@ -37,7 +37,7 @@ def lane_of(nodeid: str) -> str | None:
     if path.startswith(REAL_NODES):
         return "real-nodes"
     if path.startswith(OPERATOR):
-        return "kwok"
+        return "fake-nodes"
     return None
 
 
@@ -64,7 +64,7 @@ def check(items) -> None:
     wrong = []
     for item in items:
         closure = getattr(item, "fixturenames", ())
-        needs = "real-nodes" if "real_cluster" in closure else "kwok" if "cluster" in closure else None
+        needs = "real-nodes" if "real_cluster" in closure else "fake-nodes" if "cluster" in closure else None
         if needs and lane_of(item.nodeid) != needs:
             wrong.append(f"{item.nodeid} uses the {needs} cluster but runs in {lane_of(item.nodeid) or 'no lane'}")
     if wrong:

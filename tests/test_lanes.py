@@ -32,14 +32,14 @@ def test_a_test_is_a_unit_unless_its_file_shares_a_fixture_and_the_operator_test
                    "tests/b.py::t1": "tests/b.py", "tests/b.py::t2": "tests/b.py",
                    "tests/c.py::t1": "tests/c.py::t1",        # a session fixture is per worker: no reason to stay
                    "tests/operator/test_real_fleet.py::f": "real-nodes",
-                   "tests/operator/test_cluster.py::c": "kwok", "tests/operator/test_builders.py::b": "kwok"}
+                   "tests/operator/test_cluster.py::c": "fake-nodes", "tests/operator/test_builders.py::b": "fake-nodes"}
 
 
 def test_the_lanes_go_first_then_units_longest_first_each_units_tests_together_in_order():
     items = [item("tests/a.py::t1", "s", shared=True), item("tests/operator/test_cluster.py::c"), item("tests/b.py::t2"),
              item("tests/operator/test_real_nodes.py::r"), item("tests/a.py::t3"), item("tests/new.py::n"),
              item("tests/c.py::t4")]
-    lanes.order(items, {"tests/a.py": 10.0, "tests/b.py::t2": 30.0, "tests/c.py::t4": 1.0, "kwok": 0.0})
+    lanes.order(items, {"tests/a.py": 10.0, "tests/b.py::t2": 30.0, "tests/c.py::t4": 1.0, "fake-nodes": 0.0})
     # tests/new.py::n is not in the costs: the median unit (10 s), after the one it ties with
     assert [i.nodeid for i in items] == ["tests/operator/test_real_nodes.py::r", "tests/operator/test_cluster.py::c",
                                           "tests/b.py::t2", "tests/a.py::t1", "tests/a.py::t3", "tests/new.py::n",
@@ -49,9 +49,9 @@ def test_the_lanes_go_first_then_units_longest_first_each_units_tests_together_i
 def test_a_cluster_test_outside_its_lane_fails_the_collection():
     lanes.check([item("tests/operator/test_real_x.py::t", "real_cluster", "tools"),
                  item("tests/operator/test_gang.py::t", "cluster"), item("tests/server/test_s.py::t", "tiny_model")])
-    with pytest.raises(pytest.UsageError, match=r"tests/server/test_s.py::t uses the kwok cluster but runs in no lane"):
+    with pytest.raises(pytest.UsageError, match=r"tests/server/test_s.py::t uses the fake-nodes cluster but runs in no lane"):
         lanes.check([item("tests/server/test_s.py::t", "cluster")])
-    with pytest.raises(pytest.UsageError, match="test_fleet.py::t uses the real-nodes cluster but runs in kwok"):
+    with pytest.raises(pytest.UsageError, match="test_fleet.py::t uses the real-nodes cluster but runs in fake-nodes"):
         lanes.check([item("tests/operator/test_fleet.py::t", "real_cluster", "cluster")])
 
 
@@ -94,7 +94,7 @@ def test_r(i, record):
 import pytest
 @pytest.mark.parametrize("i", range(3))
 def test_k(i, record):
-    record("kwok", i)
+    record("fake-nodes", i)
 """,
     "tests/conftest.py": """
 import json, os, pytest
@@ -106,7 +106,7 @@ def record():
     return write
 """,
 }
-COUNTS = {"shared": 4, "split": 6, "real-nodes": 2, "kwok": 3}
+COUNTS = {"shared": 4, "split": 6, "real-nodes": 2, "fake-nodes": 3}
 
 
 def run_suite(tmp_path: Path, workers: int) -> dict[str, list]:
@@ -135,5 +135,5 @@ def workers_of(rows, *kinds) -> set[str]:
 
 def test_pytest_n_2_puts_the_lanes_first_in_one_queue(tmp_path):
     rows = run_suite(tmp_path, 2)
-    assert len(set(rows["shared"])) == 1 and len(workers_of(rows, "real-nodes")) == len(workers_of(rows, "kwok")) == 1
+    assert len(set(rows["shared"])) == 1 and len(workers_of(rows, "real-nodes")) == len(workers_of(rows, "fake-nodes")) == 1
     assert len(workers_of(rows, "split")) == 2, rows["split"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local Kubernetes control plane from Go sources (module proxy only), once per version.
 # Idempotent: a component whose cache directory holds a `.ok` stamp is reused as it is.
-# Outputs: ${PDROLLOUT_CACHE:-~/.cache/pdrollout}/cluster-tools-<k8s version>/bin (all but kwok) and kwok-<version>/bin.
+# Output: ${PDROLLOUT_CACHE:-~/.cache/pdrollout}/cluster-tools-<k8s version>/bin.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/versions.sh"
@@ -65,21 +65,15 @@ build_tools() {
     k8s.io/kubernetes/cmd/kubelet \
     k8s.io/kubernetes/cmd/kube-proxy \
     helm.sh/helm/v3/cmd/helm \
-    ./cmd/etcd ./cmd/coredns ./cmd/gang)
+    ./cmd/etcd ./cmd/coredns ./cmd/gang ./cmd/fakenodes)
   local plugins
   plugins="$(cd "$here/tools" && go list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins)"
   cp "$plugins/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" "$PODGROUP_CRD"
 }
 
-build_tool() {  # build_tool BINDIR MODULE/PATH@VERSION
-  GOBIN="$1" go install -trimpath -ldflags="$ldflags" "$2"
-}
-
 # Contents only (not paths), so every checkout of the same sources shares one cached build.
 sum() { cat "$@" | sha256sum | cut -c1-16; }
 t_all=$SECONDS
-build_once "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, gang scheduler" \
+build_once "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, gang scheduler, fakenodes" \
   "$TOOLS_DIR/bin" "$K8S_VERSION $k8s_ldflags $(cd "$here/tools" && sum go.mod go.sum tools.go cmd/*/main.go)" build_tools
-build_once "kwok $KWOK_VERSION" "$KWOK_BIN" "$KWOK_VERSION $ldflags" \
-  build_tool "$KWOK_BIN" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 log "control plane ready in $((SECONDS - t_all)) s: $CLUSTER_PATH"

@@ -1,4 +1,4 @@
-# Helpers shared by start.sh (kwok mode) and real-nodes.sh; sourced after `dir` is set.
+# Helpers shared by start.sh (fake nodes) and real-nodes.sh; sourced after `dir` is set.
 
 log() { echo "[cluster] $(date +%H:%M:%S) $*"; }
 # the reason again last: the logs' tails before it would bury it in a caller's last-N-bytes view

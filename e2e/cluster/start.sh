@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a throwaway Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler and kwok (fake GPU nodes), with freshly generated certificates.
+# kube-scheduler and fakenodes (fake GPU nodes: tools/cmd/fakenodes), with freshly generated certificates.
 #
 #   bash e2e/cluster/start.sh DIR [GPU_NODES]     # default 4 GPU nodes + 1 CPU node
 #   export KUBECONFIG=DIR/kubeconfig
@@ -9,7 +9,7 @@
 # Everything listens on 127.0.0.1; pod IPs come from 127.1.<node>.0/24 and node IPs are 127.0.1.<n>,
 # so whatever follows a pod or node address stays on loopback. Ports are picked free at start.
 #
-#   bash e2e/cluster/start.sh DIR --real-nodes N  # real kubelets instead of kwok: see real-nodes.sh
+#   bash e2e/cluster/start.sh DIR --real-nodes N  # real kubelets instead of fake nodes: see real-nodes.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ "${2:-}" = --real-nodes ]; then exec bash "$here/real-nodes.sh" "$1" "${3:-2}"; fi
@@ -20,7 +20,7 @@ gpu_nodes="${2:-4}"
 mkdir -p "$dir"/{certs,logs,pids}
 dir="$(cd "$dir" && pwd)"
 export PATH="$CLUSTER_PATH:$PATH"
-for b in etcd kube-apiserver kube-controller-manager kube-scheduler kwok kubectl; do
+for b in etcd kube-apiserver kube-controller-manager kube-scheduler fakenodes kubectl; do
   [ -x "$(command -v "$b")" ] && [[ "$(command -v "$b")" == "$PDROLLOUT_CACHE"/* ]] \
     || { echo "[cluster] $b is not built; run: bash e2e/cluster/build.sh" >&2; exit 1; }
 done
@@ -67,17 +67,16 @@ wait_for 120 kube-apiserver kubectl --kubeconfig "$kc" get --raw /readyz
 common=(--kubeconfig "$kc" --authentication-kubeconfig "$kc" --authorization-kubeconfig "$kc"
         --bind-address 127.0.0.1 --leader-elect=false --profiling=false)
 log "kube-controller-manager and kube-scheduler"
-# Fake nodes never fail: a long node grace period keeps a briefly late kwok heartbeat (a busy CI
-# machine) from turning every node NotReady, which would mark every pod unready for good (kwok sets
-# pod readiness once, at start).
+# Fake nodes never fail: a long node grace period keeps a briefly late heartbeat (a busy CI machine)
+# from turning every node NotReady, which would mark every pod unready for good (fakenodes sets pod
+# readiness once, at start).
 start kube-controller-manager kube-controller-manager "${common[@]}" --secure-port "$kcm_port" \
   --service-account-private-key-file "$c/sa.key" --root-ca-file "$c/ca.crt" \
   --use-service-account-credentials=false --controllers '*' --node-monitor-grace-period 10m
 start kube-scheduler kube-scheduler "${common[@]}" --secure-port "$sched_port"
 
-log "kwok (fake nodes; pod IPs from each node's 127.1.<n>.0/24)"
-start kwok kwok --kubeconfig "$kc" --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
-  --cidr 127.1.255.0/24 --node-ip 127.0.1.254
+log "fakenodes (pod IPs from each node's 127.1.<n>.0/24)"
+start fakenodes fakenodes --kubeconfig "$kc" --node-annotation pdrollout.io/fake-node=true
 
 node() {  # node NAME INDEX GPUS
   cat <<EOF
@@ -86,12 +85,11 @@ apiVersion: v1
 kind: Node
 metadata:
   name: $1
-  annotations: {kwok.x-k8s.io/node: fake, node.alpha.kubernetes.io/ttl: "0"}
+  annotations: {pdrollout.io/fake-node: "true", node.alpha.kubernetes.io/ttl: "0"}
   labels:
     kubernetes.io/hostname: $1
     kubernetes.io/os: linux
     kubernetes.io/arch: amd64
-    type: kwok
     pdrollout.io/gpu-node: "$([ "$3" -gt 0 ] && echo true || echo false)"
 spec:
   podCIDR: 127.1.$2.0/24
@@ -110,7 +108,7 @@ EOF
   node cpu-0 100 0
 } >"$dir/nodes.yaml"
 kubectl --kubeconfig "$kc" apply -f "$dir/nodes.yaml" >/dev/null
-wait_for 60 "kwok to mark nodes Ready" \
+wait_for 60 "fakenodes to mark nodes Ready" \
   kubectl --kubeconfig "$kc" wait --for=condition=Ready node --all --timeout=1s
 # The controller-manager is working once it has made the default ServiceAccount.
 wait_for 120 "the default ServiceAccount" kubectl --kubeconfig "$kc" get serviceaccount default -n default

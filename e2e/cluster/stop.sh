@@ -101,5 +101,5 @@ if grep -qs '^CLUSTER_MODE=real$' "$dir/cluster.env"; then
   done
 fi
 
-for name in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_pid "$name"; done
+for name in fakenodes kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_pid "$name"; done
 echo "[cluster] stopped ($dir)"

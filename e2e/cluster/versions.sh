@@ -1,10 +1,9 @@
 # Pinned versions of the local control plane; sourced by build.sh and start.sh (one place).
-# Kubernetes 1.34 wants etcd >= 3.5.13; 3.6 is its tested line. All but kwok are built by one
+# Kubernetes 1.34 wants etcd >= 3.5.13; 3.6 is its tested line. All are built by one
 # `go build` of the module in tools/ (its go.mod must require these versions; build.sh checks), so
 # their shared packages compile once; etcd 3.6.16 needs a go1.26 toolchain.
 K8S_VERSION=v1.34.4
 ETCD_VERSION=v3.6.16
-KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.5
 # Cluster DNS of the real-node mode.
 COREDNS_VERSION=v1.13.2
@@ -18,8 +17,7 @@ HELM_BIN="$TOOLS_DIR/bin"
 COREDNS_BIN="$TOOLS_DIR/bin"
 GANG_SCHEDULER="$TOOLS_DIR/bin/gang"
 PODGROUP_CRD="$TOOLS_DIR/podgroups.yaml"
-KWOK_BIN="$PDROLLOUT_CACHE/kwok-$KWOK_VERSION/bin"
-CLUSTER_PATH="$TOOLS_DIR/bin:$KWOK_BIN"
+CLUSTER_PATH="$TOOLS_DIR/bin"
 
 # Real-node mode (start.sh DIR --real-nodes N): the node runtime comes from Debian's packages (installed
 # by node-deps.sh); kubelet and kube-proxy are built into K8S_BIN above, from the same source version.

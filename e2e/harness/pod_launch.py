@@ -90,7 +90,7 @@ class PodProcess:
 
 
 def report_exit(cluster, ns: str, pod: dict, code: int) -> None:
-    """What a kubelet reports when the engine container exits and restarts (kwok runs no containers)."""
+    """What a kubelet reports when the engine container exits and restarts (fake nodes run no containers)."""
     c = pod["spec"]["containers"][0]
     cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
                     "-p", json.dumps({"status": {"containerStatuses": [{

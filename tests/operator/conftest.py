@@ -25,7 +25,7 @@ def _versions() -> dict[str, str]:
     out = subprocess.run(["bash", "-c", f"set -a; source {CLUSTER}/versions.sh; env"], capture_output=True, text=True,
                          check=True).stdout
     env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    return {k: env[k] for k in ("K8S_BIN", "ETCD_BIN", "KWOK_BIN", "HELM_BIN", "CLUSTER_PATH", "GANG_SCHEDULER",
+    return {k: env[k] for k in ("K8S_BIN", "ETCD_BIN", "HELM_BIN", "CLUSTER_PATH", "GANG_SCHEDULER",
                                 "PODGROUP_CRD")}
 
 
@@ -206,7 +206,7 @@ def namespace(cluster, request) -> str:
 
 def models_claim(cluster, ns: str) -> None:
     """The GPU examples' precondition ("create it first"): a PVC `models`, bound here to a hostPath PV
-    of its own so the scheduler places the pods (kwok runs no containers: nothing is read from it)."""
+    of its own so the scheduler places the pods (fake nodes run no containers: nothing is read from it)."""
     pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"models-{ns}"},
           "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
                    "hostPath": {"path": "/models"}, "claimRef": {"namespace": ns, "name": "models"}}}

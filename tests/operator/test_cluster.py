@@ -1,4 +1,4 @@
-"""The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)
+"""The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler, fake nodes)
 built from source: helm install, apply, exact objects and env, status, validation, group restart,
 garbage collection. Engine-facing paths are in test_live_engine.py."""
 import base64
@@ -41,7 +41,7 @@ def cond(obj, type_) -> dict:
 
 
 def test_helm_install_and_example(cluster, installed, operator, namespace, wait):
-    # The chart's operator Deployment runs (as a kwok pod) and the CRD serves.
+    # The chart's operator Deployment runs (as a fake node's pod) and the CRD serves.
     pods = cluster.get("pods", "-n", installed["namespace"])["items"]
     assert pods and all(p["status"]["phase"] == "Running" for p in pods)
 
@@ -64,7 +64,7 @@ def test_helm_install_and_example(cluster, installed, operator, namespace, wait)
         and env["PDROLLOUT_QP_RANGE_P"] == "16:32" and env["NCCL_SOCKET_IFNAME"] == "eth0" \
         and env["NVSHMEM_IB_ENABLE_IBGDA"] == "0"
 
-    # The pod runs on a kwok GPU node with a loopback pod IP; its index label feeds the node rank.
+    # The pod runs on a fake GPU node with a loopback pod IP; its index label feeds the node rank.
     pod = wait("pod Running", when(lambda: cluster.get("pod", f"{name}-0", "-n", namespace),
                                    lambda p: p.get("status", {}).get("phase") == "Running"), timeout=60)
     assert pod["spec"]["nodeName"].startswith("gpu-")
@@ -203,7 +203,7 @@ def test_spec_the_api_server_refuses_sets_invalid_spec(cluster, operator, namesp
 def test_pod_template_overrides_reach_the_pods(cluster, operator, namespace, wait):
     """podTemplate, validated by the real API server as part of the StatefulSet: the pod carries the extra
     env, volume, mount, annotation, pull secret, toleration and priority class, and the scheduler obeys the
-    nodeSelector (gpu-1 of the kwok nodes)."""
+    nodeSelector (gpu-1 of the fake nodes)."""
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "rollout-high"},
         "value": 1000}))

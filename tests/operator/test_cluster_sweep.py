@@ -13,7 +13,7 @@ from real_cluster import sweep_dead_clusters
 def _cluster(parent, name: str, pid: int):
     d = parent / name
     (d / "pids").mkdir(parents=True)
-    (d / "cluster.env").write_text("CLUSTER_MODE=kwok\n")
+    (d / "cluster.env").write_text("CLUSTER_MODE=fake-nodes\n")
     (d / "pids" / "etcd.pid").write_text(f"{pid}\n")
     return d
 

@@ -1,5 +1,5 @@
 """spec.replicas: a fleet of engine groups as child PDRollouts. The pure plan and child specs first, then
-the operator against the kwok cluster (the chart's RBAC): children, scale subresource, one-at-a-time roll."""
+the operator against the fake-node cluster (the chart's RBAC): children, scale subresource, one-at-a-time roll."""
 import json
 import time
 from pathlib import Path

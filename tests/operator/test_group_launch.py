@@ -1,5 +1,5 @@
 """A two-pod `device: cpu` PDRollout against the real API server: the pods the StatefulSet controller
-made (kwok nodes give them loopback IPs) are run as real process trees with exactly their own
+made (fake nodes give them loopback IPs) are run as real process trees with exactly their own
 command, args and env (e2e/harness/pod_launch.py), so the operator reads one engine across both pods.
 Node 0 is the API (client Service `<name>-api`), controls go to node 0 and reach every rank without a
 restart, a killed node ends the group with the peer-lost code and the operator recreates the group,

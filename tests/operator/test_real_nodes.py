@@ -1,7 +1,7 @@
 """The chart and the engine on real nodes: two kubelets with Debian's containerd and runc, images built
 here, everything inside the cluster's network namespaces (e2e/cluster/start.sh DIR --real-nodes 2).
 
-What kwok cannot show: the operator pod really starts from its image with the chart's ServiceAccount and
+What fake nodes cannot show: the operator pod really starts from its image with the chart's ServiceAccount and
 passes its readiness probe; an engine container runs `pdrollout serve` on the CPU and answers on its pod
 IP, through a Service IP (kube-proxy) and a DNS name (CoreDNS); `kubectl logs`/`exec` reach the kubelets;
 and deleting everything leaves nothing behind, on the API server nor in the nodes' runtimes."""
@@ -73,7 +73,7 @@ def test_nodes_are_real_kubelets(real_cluster):
         assert info["kubeletVersion"] == server, info
         assert info["containerRuntimeVersion"].startswith("containerd://1."), info
         assert {"type": "InternalIP", "address": ip} in n["status"]["addresses"]
-        assert "kwok.x-k8s.io/node" not in n["metadata"].get("annotations", {})
+        assert "pdrollout.io/fake-node" not in n["metadata"].get("annotations", {})
         # The address lives in that node's namespace, where its kubelet serves (10250, TLS).
         i = real_cluster.nodes.index(name)
         assert f" {ip}/" in real_cluster.run("ip", "-o", "addr", node=i).stdout

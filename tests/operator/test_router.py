@@ -1,5 +1,5 @@
 """spec.router: the sglang-router Deployment, its discovery RBAC and the client Service in front of it.
-Pure builders first, then the operator against the kwok cluster (the chart's own RBAC)."""
+Pure builders first, then the operator against the fake-node cluster (the chart's own RBAC)."""
 import json
 from pathlib import Path
 

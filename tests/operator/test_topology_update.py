@@ -42,7 +42,7 @@ def _pods(cluster, ns, name) -> list[dict]:
 
 @pytest.mark.cluster
 def test_ep_adp_and_node_count_changes_are_one_group_update_each(cluster, operator, namespace, wait):
-    """On the real API server (kwok nodes): EP 16->8, then ADP 8->4, then nodes 2->1. Each is one
+    """On the real API server (fake nodes): EP 16->8, then ADP 8->4, then nodes 2->1. Each is one
     GroupUpdate (counted once, a Normal event), the whole group on the new hash, never a GroupRestart;
     the ConfigMap's layout is the one the new pods were made for."""
     name = TWO_NODE["metadata"]["name"]

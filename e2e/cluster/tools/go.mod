@@ -2,8 +2,9 @@
 // (client-go, apimachinery, grpc, ...) once: Kubernetes (k8s.io/kubernetes has replace lines that
 // `go install` refuses, so every staging module is pointed at its published v0.Y.Z here, and
 // k8s.io/kubernetes itself at K8S_VERSION, below the v1.34.7 that scheduler-plugins asks for), etcd,
-// CoreDNS, helm and the gang scheduler. kwok v0.7.0 is built on its own: it does not compile against
-// Kubernetes 0.34's apimachinery. Versions: ../versions.sh, which build.sh checks against this file.
+// CoreDNS, helm, the gang scheduler and cmd/fakenodes (the fake GPU nodes' stand-in kubelet, in place
+// of kwok, whose own build compiled a second client-go: kwok v0.7.0 does not compile against Kubernetes
+// 0.34's apimachinery). Versions: ../versions.sh, which build.sh checks against this file.
 module pdrollout.io/cluster/tools
 
 go 1.26.0

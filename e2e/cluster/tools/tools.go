@@ -1,7 +1,7 @@
 //go:build tools
 
 // Package tools pins the commands built from other modules: the Kubernetes control plane, kubelet
-// and kube-proxy (the real-node mode), kubectl and helm. Never compiled; cmd/ holds our own three.
+// and kube-proxy (the real-node mode), kubectl and helm. Never compiled; cmd/ holds our own four.
 package tools
 
 import (
