@@ -167,6 +167,9 @@ router="$(layer router "$(echo "$router_pin py$pyver" | hash)" build_router)"
 # --- images -----------------------------------------------------------------------------------------
 version="$("$py" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$root/pyproject.toml")"
 env_py='["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED=1", "PYTHONDONTWRITEBYTECODE=1"]'
+# The CPU engine's pods share this machine's cores with each other and the tests: one OpenMP thread a
+# process, as in the tests' own processes (tests/conftest.py says why).
+env_engine="${env_py%]}, \"OMP_NUM_THREADS=1\"]"
 # image NAME CONFIG_JSON LAYER...: the image's recipe (name, config, layers), from which start.sh streams
 # the OCI archive into each node's containerd (no multi-GB archive on disk); prints NAME:TAG RECIPE.
 image() {
@@ -189,7 +192,7 @@ read -r op_ref op_recipe < <(image operator '{"architecture": "amd64", "os": "li
   "Entrypoint": ["pdrollout-operator"], "Cmd": ["--liveness=http://0.0.0.0:8080/healthz"],
   "Env": '"$env_py"', "User": "65532:65532", "ExposedPorts": {"8080/tcp": {}}}}' "$base" "$odeps" "$app")
 read -r eng_ref eng_recipe < <(image engine-cpu '{"architecture": "amd64", "os": "linux", "config": {
-  "Entrypoint": ["pdrollout"], "Cmd": ["serve", "--help"], "Env": '"$env_py"',
+  "Entrypoint": ["pdrollout"], "Cmd": ["serve", "--help"], "Env": '"$env_engine"',
   "ExposedPorts": {"30000/tcp": {}, "29500/tcp": {}}}}' "$base" "$torch" "$edeps" "$app" "$model")
 # The router's tag is its release (ROUTER_IMAGE in engine/protocol/router.py, the operator's default).
 read -r router_ref router_recipe < <(image "pdrollout-router:${router_pin#*==}" '{"architecture": "amd64", "os": "linux",

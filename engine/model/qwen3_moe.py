@@ -7,7 +7,7 @@ Sharding seams for the distributed engine: attention heads (`Shard.atp_*`) and e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -299,8 +299,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, backends: Backends, layers: int):
         super().__init__()
-        # Given its weight, Embedding skips its own init: normal_ on the meta device runs a Python
-        # kernel that imports torch._dynamo, seconds of CPU in every process that builds a model.
+        # Given its weight, Embedding skips its init (normal_ on meta imports torch._dynamo, seconds).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, backends) for i in range(layers))

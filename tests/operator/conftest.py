@@ -32,7 +32,7 @@ def _versions() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tools() -> dict[str, str]:
     """Paths of helm, kubectl, promtool, hadolint. Builds the control plane once (cached by version)."""
-    r = subprocess.run(["bash", str(CLUSTER / "build.sh")], capture_output=True, text=True)
+    r = subprocess.run(["bash", str(CLUSTER / "build.sh")], capture_output=True, text=True, timeout=2400)
     if r.returncode:
         pytest.fail(f"e2e/cluster/build.sh failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     v = _versions()
