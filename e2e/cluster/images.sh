@@ -7,9 +7,9 @@
 #   bash e2e/cluster/images.sh          # prints the image references (also in $IMAGES_DIR/refs.env)
 #
 # Every layer is cached under $IMAGES_DIR/layers, keyed by what went into it, so an edit to our package
-# rebuilds only the small app layer; torch (the big one) is keyed by its pin alone.
+# rebuilds only the small app layer; torch (the big one) is keyed by the versions it links.
 #   base      debootstrap --variant=minbase of $IMAGE_SUITE + python3 (Debian's Python, same minor as ours)
-#   torch     $IMAGE_TORCH and what it needs (the CUDA runtime wheels it links too; not triton)
+#   torch     the venv's torch and what it needs (the CUDA runtime wheels it links too; not triton)
 #   deps      the package's own dependencies (pyproject.toml) / the operator's pins (images/operator.Dockerfile)
 #   app       our package (engine + operator) and its two commands
 #   model     the tiny random checkpoint from `pdrollout checkpoint --config tiny` at /models/tiny
@@ -32,10 +32,13 @@ pip=("$py" -m pip install -q --disable-pip-version-check --no-warn-script-locati
 mkdir -p "$IMAGES_DIR/layers"
 exec 8>"$IMAGES_DIR/.lock"
 flock 8  # one builder per cache; a second waits and then finds everything cached
+rm -f "$IMAGES_DIR"/layers/*.tar "$IMAGES_DIR"/layers/*.tar.sha256  # layers kept as tarballs before 2026-12-07
 # A failed build leaves no half-made stage behind (nor a mount debootstrap made inside one).
+unmount_under() {
+  awk -v d="$1" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | while read -r m; do umount -l "$m"; done
+}
 cleanup() {
-  awk -v d="$IMAGES_DIR/stage." 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r \
-    | while read -r m; do umount -l "$m"; done
+  unmount_under "$IMAGES_DIR/stage."
   rm -rf "$IMAGES_DIR"/stage.* "$IMAGES_DIR"/layers/*.part
 }
 trap cleanup EXIT
@@ -45,20 +48,22 @@ hash() { sha256sum | cut -c1-16; }
 # The image's Python must be the minor version our wheels are resolved for.
 pyver="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 
-# layer NAME KEY FN: the layer tarball for KEY, made by `FN STAGE_DIR` unless cached; path on stdout.
+# layer NAME KEY FN: the layer for KEY, a tree made by `FN STAGE_DIR` unless cached, measured by oci.py;
+# its descriptor's path on stdout (the tree is tarred only as an image streams into a node).
 layer() {
-  local name="$1" key="$2" fn="$3" out="$IMAGES_DIR/layers/$1-$2.tar"
-  if [ ! -f "$out.sha256" ]; then
+  local name="$1" key="$2" fn="$3" tree="$IMAGES_DIR/layers/$1-$2"
+  if [ ! -f "$tree.json" ]; then
     log "layer $name ($key): building"
     local t0=$SECONDS stage
-    rm -f "$IMAGES_DIR/layers/$name"-*.tar "$IMAGES_DIR/layers/$name"-*.tar.sha256  # older keys
+    rm -rf "$IMAGES_DIR/layers/$name"-*  # older keys
     stage="$(mktemp -d "$IMAGES_DIR/stage.XXXXXX")"
     "$fn" "$stage" >&2
-    "$py" "$here/oci.py" layer "$stage" "$out" "${excludes[@]}" >/dev/null
-    rm -rf "$stage"
-    log "layer $name: $(du -h "$out" | cut -f1) in $((SECONDS - t0)) s"
+    unmount_under "$stage"
+    mv "$stage" "$tree"
+    "$py" "$here/oci.py" layer "$tree" "$tree.json" "${excludes[@]}" >/dev/null
+    log "layer $name: $("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["size"] >> 20)' "$tree.json") MiB in $((SECONDS - t0)) s"
   fi
-  echo "$out"
+  echo "$tree.json"
 }
 excludes=()
 
@@ -90,29 +95,49 @@ build_pause() {
 }
 pause="$(layer pause "$(echo "$K8S_VERSION $(gcc -dumpfullversion)" | hash)" build_pause)"
 
-# --- torch: the PyPI wheel with what it links, less triton -------------------------------------------
+# --- torch: the venv's own install of it (the same wheels, no second download), less triton ------------
 # PyPI has no CPU-only torch for x86_64: its wheel is CUDA-built and its libraries link the CUDA runtime
 # wheels (nvidia-*), so those come along (unused on a CPU). Triton is only for GPU kernels and never
-# imported on a CPU, so it stays out.
-build_torch() {
-  local lib="$1/opt/pdrollout/lib"
-  "${pip[@]}" --no-deps --target "$lib" "$IMAGE_TORCH"
-  mapfile -t needs < <("$py" - "$lib" <<'PY'
-import sys
-from importlib.metadata import distributions
+# imported on a CPU, so it stays out. The files are hard links into the venv (copies across file
+# systems): the layer's 4 GB tree costs no disk of its own.
+torch_closure() {  # torch_closure [DEST]: torch and what it needs here, as name==version; with DEST, linked there
+  "$py" - "$@" <<'PY'
+import os, shutil, sys
+from importlib.metadata import distribution
 from packaging.requirements import Requirement
-dist = next(d for d in distributions(path=[sys.argv[1]]) if d.metadata["Name"] == "torch")
-for r in map(Requirement, dist.requires or []):
-    if r.marker and not r.marker.evaluate({"extra": ""}):
-        continue
-    if r.name == "triton":
-        continue
-    print(str(r).split(";")[0])
+
+todo, seen, done = [("torch", ())], {}, set()
+while todo:                      # requirements with the extras they were asked with (cuda-toolkit[cudart,...])
+    want, extras = todo.pop()
+    d = distribution(want)
+    name = d.metadata["Name"].lower().replace("_", "-")
+    seen[name] = d
+    for extra in ("", *extras):
+        if (name, extra) in done:
+            continue
+        done.add((name, extra))
+        for r in map(Requirement, d.requires or []):
+            if r.name != "triton" and (r.marker is None or r.marker.evaluate({"extra": extra})):
+                todo.append((r.name, tuple(r.extras)))
+for name in sorted(seen):
+    print(f"{name}=={seen[name].version}")
+if len(sys.argv) > 1:
+    dest = sys.argv[1]
+    for d in seen.values():
+        for f in d.files or []:
+            rel = os.path.normpath(str(f))
+            if rel.startswith(".."):       # console scripts: the venv's bin/, not the library
+                continue
+            src, dst = str(f.locate()), os.path.join(dest, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
 PY
-)
-  "${pip[@]}" --target "$lib" "${needs[@]}"
 }
-torch="$(layer torch "$(echo "$IMAGE_TORCH py$pyver no-triton" | hash)" build_torch)"
+build_torch() { torch_closure "$1/opt/pdrollout/lib" >/dev/null; }
+torch="$(layer torch "$( (torch_closure; echo "py$pyver") | hash)" build_torch)"
 
 # --- the package's dependencies (engine) and the operator's pins -----------------------------------
 mapfile -t engine_deps < <("$py" - "$root/pyproject.toml" <<'PY'
@@ -175,7 +200,7 @@ env_engine="${env_py%]}, \"OMP_NUM_THREADS=1\"]"
 image() {
   local name="$1" cfg="$2"; shift 2
   local key ref out
-  key="$( (echo "$cfg"; cat "${@/%/.sha256}") | hash)"
+  key="$( (echo "$cfg"; cat "$@") | hash)"
   ref="pdrollout.local/$name:$version-${key:0:12}"
   case "$name" in *:*) ref="pdrollout.local/$name"; name="${name%%:*}" ;; esac  # NAME:TAG: a fixed tag
   out="$IMAGES_DIR/$name.image.json"
@@ -200,8 +225,8 @@ read -r router_ref router_recipe < <(image "pdrollout-router:${router_pin#*==}" 
   "User": "65532:65532", "ExposedPorts": {"30000/tcp": {}, "29000/tcp": {}}}}' "$base" "$router")
 
 # The layer digests: a node keeps only the unpacked snapshots after importing (half the disk).
-layers=""
-for l in "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model" "$router"; do layers+="$(cat "$l.sha256") "; done
+layers="$("$py" -c 'import json, sys; print(" ".join(json.load(open(p))["digest"] for p in sys.argv[1:]))' \
+  "$base" "$pause" "$torch" "$edeps" "$odeps" "$app" "$model" "$router")"
 cat >"$IMAGES_DIR/refs.env" <<EOF
 PAUSE_IMAGE=$pause_ref
 PAUSE_RECIPE=$pause_recipe
@@ -212,7 +237,7 @@ ENGINE_RECIPE=$eng_recipe
 ENGINE_MODEL=/models/tiny
 ROUTER_IMAGE=$router_ref
 ROUTER_RECIPE=$router_recipe
-LAYER_DIGESTS="${layers% }"
+LAYER_DIGESTS="$layers"
 EOF
 log "images ready in $((SECONDS - t_all)) s ($IMAGES_DIR/refs.env)"
 cat "$IMAGES_DIR/refs.env"

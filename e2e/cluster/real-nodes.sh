@@ -191,32 +191,33 @@ done
 
 log "importing images into each node's containerd (in the background)"
 t0=$SECONDS
-pids=()
-for ((i = 0; i < nodes; i++)); do
-  (set -e
-   ctr=(ctr --address "$dir/nodes/node-$i/containerd.sock" -n k8s.io)
-   have="$("${ctr[@]}" images ls -q)"
-   for ref in $have; do  # earlier builds of our images: their layers go with them (containerd's GC)
-     # --sync: the GC is done before the imports below start. Asynchronous, it removed a base-layer
-     # snapshot that an import had just found present and was unpacking onto ("parent snapshot ...
-     # does not exist").
-     case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE $ROUTER_IMAGE " in
-       *" $ref "*) ;;
-       *) "${ctr[@]}" images rm --sync "$ref"; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
-     esac
-   done
-   for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE" \
-              "$ROUTER_IMAGE=$ROUTER_RECIPE"; do
-     mark="${roots[$i]}/.imported-$(echo "${img%%=*}" | tr '/:' '__')"
-     if [ -f "$mark" ] && grep -qx "${img%%=*}" <<<"$have"; then echo "${img%%=*}: present"; continue; fi
-     python3 "$here/oci.py" image --recipe "${img#*=}" --out - | "${ctr[@]}" images import -
-     touch "$mark"
-   done
-   # Unpacked, the layer blobs are dead weight (what containerd's discard_unpacked_layers does on a pull).
-   for d in $LAYER_DIGESTS; do "${ctr[@]}" content rm "$d" 2>/dev/null || true; done
-  ) >>"$dir/logs/import-$i.log" 2>&1 &
-  pids+=($!)
-done
+# One node after the other, each image's layer blobs removed as soon as it is unpacked: an import holds
+# the blobs beside the unpacked copy (the torch layer twice, ~4 GB more), so at most one is in flight.
+import_node() {  # import_node I
+  local i="$1" ref img mark have  # called in an || list, where set -e is off: each step returns on failure
+  local ctr=(ctr --address "$dir/nodes/node-$i/containerd.sock" -n k8s.io)
+  have="$("${ctr[@]}" images ls -q)" || return
+  for ref in $have; do  # earlier builds of our images: their layers go with them (containerd's GC)
+    # --sync: the GC is done before the imports below start. Asynchronous, it removed a base-layer
+    # snapshot that an import had just found present and was unpacking onto ("parent snapshot ...
+    # does not exist").
+    case " $PAUSE_IMAGE $OPERATOR_IMAGE $ENGINE_IMAGE $ROUTER_IMAGE " in
+      *" $ref "*) ;;
+      *) "${ctr[@]}" images rm --sync "$ref" || return; rm -f "${roots[$i]}/.imported-$(echo "$ref" | tr '/:' '__')" ;;
+    esac
+  done
+  for img in "$PAUSE_IMAGE=$PAUSE_RECIPE" "$OPERATOR_IMAGE=$OPERATOR_RECIPE" "$ENGINE_IMAGE=$ENGINE_RECIPE" \
+             "$ROUTER_IMAGE=$ROUTER_RECIPE"; do
+    mark="${roots[$i]}/.imported-$(echo "${img%%=*}" | tr '/:' '__')"
+    if [ -f "$mark" ] && grep -qx "${img%%=*}" <<<"$have"; then echo "${img%%=*}: present"; continue; fi
+    python3 "$here/oci.py" image --recipe "${img#*=}" --out - | "${ctr[@]}" images import - || return
+    # Unpacked, the layer blobs are dead weight (what containerd's discard_unpacked_layers does on a pull).
+    for d in $LAYER_DIGESTS; do "${ctr[@]}" content rm "$d" 2>/dev/null || true; done
+    touch "$mark"
+  done
+}
+(for ((i = 0; i < nodes; i++)); do import_node "$i" >>"$dir/logs/import-$i.log" 2>&1 || exit $((i + 1)); done) &
+importing=$!
 
 # --- control plane, inside $ns_cp -------------------------------------------------------------------
 cp=(nsenter --net="/run/netns/$ns_cp")
@@ -279,9 +280,7 @@ EOF
 log "CoreDNS on $cp_ip:53"
 start coredns "${cp[@]}" "$(bin coredns)" -conf "$dir/Corefile"
 
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || die "image import into node-$i failed: $(tail -n 1 "$dir/logs/import-$i.log")"
-done
+wait "$importing" || { i=$(($? - 1)); die "image import into node-$i failed: $(tail -n 1 "$dir/logs/import-$i.log")"; }
 log "images imported in $((SECONDS - t0)) s"
 
 # --- nodes: kubelet and kube-proxy, each inside its node's namespace ---------------------------------

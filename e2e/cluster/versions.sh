@@ -25,5 +25,4 @@ NODE_PACKAGES="containerd runc containernetworking-plugins iptables conntrack de
 CNI_BIN=/usr/lib/cni
 # Images (images.sh): a Debian root filesystem of this suite, and the Python wheels pinned here.
 IMAGE_SUITE=bookworm
-IMAGE_TORCH="torch==2.11.0"
 IMAGES_DIR="$PDROLLOUT_CACHE/images"
