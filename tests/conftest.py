@@ -128,11 +128,43 @@ def pytest_runtest_logreport(report):
     _CHAOS_ROWS.extend(rows for key, value in report.user_properties if key == "chaos" for rows in value)
 
 
+# ---- free disk, so a CI log tells when the disk ran short ------------------------------------
+_DISK: dict[str, list[float]] = {}   # path -> [start, lowest, last] GB free
+
+
+def _watch_disk(paths: list[str]) -> None:
+    import shutil
+    import threading
+    import time
+
+    def sample():
+        while True:
+            for p in paths:
+                gb = shutil.disk_usage(p).free / 1e9
+                start, low, _ = _DISK.get(p, [gb, gb, gb])
+                _DISK[p] = [start, min(low, gb), gb]
+            time.sleep(5)
+
+    threading.Thread(target=sample, daemon=True, name="disk-watch").start()
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):   # the controller (or a run without xdist) watches
+        import tempfile
+        cache = os.environ.get("PDROLLOUT_CACHE") or os.path.expanduser("~/.cache/pdrollout")
+        paths = {os.stat(p).st_dev: p for p in (tempfile.gettempdir(), cache) if os.path.isdir(p)}
+        _watch_disk(sorted(paths.values()))
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The chaos tests' table (fault, exit code, time to exit), so CI's log shows it."""
+    """Free disk over the run, and the chaos tests' table (fault, exit code, time to exit), so CI's
+    log shows them."""
+    tr = terminalreporter
+    for p, (start, low, last) in sorted(_DISK.items()):
+        tr.write_line(f"[pdrollout] free disk on {p}'s file system: {start:.1f} GB at the start, "
+                      f"{low:.1f} GB at the lowest, {last:.1f} GB at the end")
     if not _CHAOS_ROWS:
         return
-    tr = terminalreporter
     tr.section("chaos: exit code and time to exit per fault")
     tr.write_line("| fault | expected | exit code | time to exit (s) | tree gone (s) | client saw |")
     tr.write_line("|---|---|---|---:|---:|---|")

@@ -33,6 +33,11 @@ def _env_file(path: Path) -> dict[str, str]:
     return out
 
 
+def _free_disk() -> str:
+    cache = os.environ.get("PDROLLOUT_CACHE") or os.path.expanduser("~/.cache/pdrollout")
+    return f"{shutil.disk_usage(cache if os.path.isdir(cache) else '/').free / 1e9:.1f} GB free on the cache's disk"
+
+
 @dataclass
 class RealCluster:
     dir: Path
@@ -138,7 +143,7 @@ def real_cluster(tools) -> RealCluster:
         t0 = time.monotonic()
         r = _script(str(CLUSTER / step), timeout=timeout)
         if r.returncode:
-            pytest.fail(f"e2e/cluster/{step} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+            pytest.fail(f"e2e/cluster/{step} failed ({_free_disk()}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
         print(f"\n[real-nodes] {step}: {time.monotonic() - t0:.1f}s", file=sys.stderr)
     for gone in sweep_dead_clusters(Path(tempfile.gettempdir())):
         print(f"[real-nodes] cleaned up {gone}: its test run was killed", file=sys.stderr)
@@ -147,7 +152,10 @@ def real_cluster(tools) -> RealCluster:
     r = _script(str(CLUSTER / "start.sh"), str(d), "--real-nodes", "2", timeout=900)
     if r.returncode:
         _script(str(CLUSTER / "stop.sh"), str(d), timeout=300)
-        pytest.fail(f"start.sh --real-nodes 2 failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+        # the reason first: the components' log tails after it run to pages
+        reason = [ln for ln in r.stderr.splitlines() if ln.startswith("[cluster] failed:")]
+        pytest.fail(f"start.sh --real-nodes 2 failed ({_free_disk()}): {' '.join(reason) or '(no reason printed)'}\n"
+                    f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     print(f"[real-nodes] 2 nodes up in {time.monotonic() - t0:.1f}s at {d}", file=sys.stderr)
     c = RealCluster(dir=d, info=_env_file(d / "cluster.env"), path=tools["PATH"])
     yield c

@@ -76,4 +76,7 @@ sum() { cat "$@" | sha256sum | cut -c1-16; }
 t_all=$SECONDS
 build_once "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, gang scheduler, fakenodes" \
   "$TOOLS_DIR/bin" "$K8S_VERSION $k8s_ldflags $(cd "$here/tools" && sum go.mod go.sum tools.go cmd/*/main.go)" build_tools
+for old in "$PDROLLOUT_CACHE"/cluster-tools-*; do  # builds of other versions (~0.5 GB each)
+  [ "$old" = "$TOOLS_DIR" ] || { log "removing $old (another version)"; rm -rf "$old"; }
+done
 log "control plane ready in $((SECONDS - t_all)) s: $CLUSTER_PATH"

@@ -38,6 +38,20 @@ PY
       || "$PDROLLOUT_VENV/bin/pip" install --no-deps -e "$root"
     echo "$stamp" > "$PDROLLOUT_VENV/.editable"
   fi
+  # Venvs of other dependency lists (~5 GB each) pile up as pyproject.toml changes: keep the one most
+  # recently used beside this one (another checkout may still be on it), remove the rest.
+  touch "$PDROLLOUT_VENV/.used"
+  local v stamps=() stale
+  for v in "$PDROLLOUT_CACHE"/venv-*/; do
+    v="${v%/}"
+    [ "$v" = "$PDROLLOUT_VENV" ] || stamps+=("$( [ -e "$v/.used" ] && echo "$v/.used" || echo "$v")")
+  done
+  if [ ${#stamps[@]} -gt 1 ]; then
+    for stale in $(ls -1dt "${stamps[@]}" | tail -n +2); do
+      echo "[pdrollout] removing the unused venv ${stale%/.used}" >&2
+      rm -rf "${stale%/.used}"
+    done
+  fi
   flock -u 9
   # The venv is shared by every checkout on the machine and its editable install points at the last
   # one that refreshed it: each shell imports its own checkout's sources through a shim on
