@@ -1,7 +1,8 @@
 """spec.replicas: a fleet of engine groups as child PDRollouts. The pure plan and child specs first, then
 the operator against the fake-node cluster (the chart's RBAC): children, scale subresource, one-at-a-time roll."""
 import json
-import time
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,62 @@ def _serving(child: dict, pods: list[dict]) -> bool:
         for p in mine)
 
 
+class Watch:
+    """Every event of one kind in a namespace (`kubectl get --watch`), as the API server sends them: a
+    state held for less than a poll's interval is still seen (fake nodes start a pod at once)."""
+
+    def __init__(self, cluster, kind: str, ns: str) -> None:
+        self.events: list[tuple[int, str, dict]] = []
+        self.proc = subprocess.Popen([cluster.tools["kubectl"], "get", kind, "-n", ns, "--watch",
+                                      "--output-watch-events", "-o", "json"], env=cluster.env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        buf, dec = "", json.JSONDecoder()
+        for line in self.proc.stdout:
+            buf += line
+            while buf.strip():
+                try:
+                    ev, end = dec.raw_decode(buf.lstrip())
+                except ValueError:
+                    break
+                buf = buf.lstrip()[end:]
+                obj = ev["object"]
+                self.events.append((int(obj["metadata"]["resourceVersion"]), ev["type"], obj))
+
+    def stop(self) -> list[tuple[int, str, dict]]:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.reader.join(10)
+        return self.events
+
+
+def _states(pod_events, child_events, image: str, since: int) -> list[dict]:
+    """The fleet's state {group: (on the new image, serving)} just before resource version `since` and
+    after each later event of both kinds, in the order etcd committed them (one etcd: resource
+    versions are its revisions). A watch's list gives each object's last version, not its history,
+    so only the states from `since` on (after the lists) are a history."""
+    pods, children, out = {}, {}, []
+
+    def state() -> dict:
+        return {fleet.index_of(c): (c["spec"]["image"] == image, _serving(c, list(pods.values())))
+                for c in children.values()}
+
+    for rv, kind, obj, store in sorted([(*e, pods) for e in pod_events] + [(*e, children) for e in child_events],
+                                       key=lambda e: e[0]):
+        if rv >= since and not out:
+            out.append(state())
+        if kind == "DELETED" or obj["metadata"].get("deletionTimestamp"):
+            store.pop(obj["metadata"]["name"], None)
+        else:
+            store[obj["metadata"]["name"]] = obj
+        if out:
+            out.append(state())
+    return out
+
+
 @pytest.mark.cluster
 def test_replicas_scale_and_one_group_at_a_time(cluster, operator, namespace, wait):
     doc = cpu_doc(2)
@@ -124,19 +181,29 @@ def test_replicas_scale_and_one_group_at_a_time(cluster, operator, namespace, wa
     wait("three groups ready", fleet_ready(3), timeout=90)
     # an image update reaches the three groups at once: maxUnavailableGroups (1) holds across them, in order
     image = doc["spec"]["image"] + "-next"
-    cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge",
-                    "-p", json.dumps({"spec": {"image": image}}))
-    seen, end = [], time.monotonic() + 180
-    while time.monotonic() < end:
-        groups, pods = _groups(cluster, namespace, name), cluster.get("pods", "-n", namespace)["items"]
-        state = {i: (c["spec"]["image"] == image, _serving(c, pods)) for i, c in groups.items()}
-        seen.append(state)
-        if len(state) == 3 and all(new and ok for new, ok in state.values()):
-            break
-        time.sleep(0.3)
+    watches = Watch(cluster, "pods", namespace), Watch(cluster, "pdrollouts", namespace)
+    try:
+        # a watch's first events are its list: from then on, every change after it is sent
+        wait("both watches listing", lambda: all(w.events for w in watches), timeout=30)
+        since = int(json.loads(cluster.kubectl("patch", "pdrollout", name, "-n", namespace, "--type=merge", "-o", "json",
+                                               "-p", json.dumps({"spec": {"image": image}})).stdout)
+                    ["metadata"]["resourceVersion"])
+
+        def history() -> list[dict]:
+            pods, pdrs = (list(w.events) for w in watches)
+            return _states(pods, [e for e in pdrs if fleet.LABEL_FLEET in e[2]["metadata"].get("labels", {})],
+                           image, since)
+
+        wait("the three groups serving on the new image",
+             lambda: (h := history()) and h[-1] == {i: (True, True) for i in range(3)}, timeout=180)
+    finally:
+        for w in watches:
+            w.stop()
+    seen = history()
+    assert seen[0] == {i: (False, True) for i in range(3)}, seen[0]
     assert seen[-1] == {i: (True, True) for i in range(3)}, seen[-1]
     assert max(sum(not ok for _, ok in s.values()) for s in seen) <= 1, seen
-    assert any(s[0] == (True, False) for s in seen), "group 0 was never seen updating"
+    assert any(s.get(0) == (True, False) for s in seen), "group 0 was never seen updating"
     for i in (1, 2):
         first = next(s for s in seen if s[i][0])
         assert first[i - 1] == (True, True), f"group {i} got the image before group {i - 1} served on it: {first}"
