@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..protocol.config import FP8_BLOCK, ModelConfig
-from . import fp8, ops
+from . import fp8
 
 Layout = Literal["per-expert", "fused"]
 SHARD_BYTES = 4 << 30
@@ -231,6 +231,5 @@ def random_model(cfg: ModelConfig, device, dtype: torch.dtype, seed: int = 0, sh
         else:
             p.normal_(0.0, _init_std(name, p.shape), generator=gen)
     model.tie_weights_if_needed()
-    model.inv_freq = ops.rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
     model.fuse_projections()
     return model

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..protocol.config import ModelConfig
-from . import fp8, ops
+from . import fp8
 from .backends import REFERENCE, Backends
 from .qwen3_moe import Qwen3MoeModel, Shard
 
@@ -185,7 +185,6 @@ def load_model(model_dir: str | Path, *, device="cpu", dtype: torch.dtype | None
     model = model.materialize(device)
     model.load_state_dict(loaded, strict=False, assign=True)
     model.tie_weights_if_needed()
-    model.inv_freq = ops.rope_inv_freq(cfg.rope_theta, d, device)
     for p in model.parameters():
         p.requires_grad_(False)
     model.fuse_projections()

@@ -37,8 +37,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are wanted
     phase: Phase = Phase.MIXED    # passed down to the collectives (which path) and the expert comm
     # The first num_decode rows are decode rows (one token each); the rest prefill segments.
-    # Block tables and lengths of the decode rows, for attention backends that read them
-    # (tensor-only metadata: a CUDA graph can hold them).
+    # Block tables and lengths of the decode rows, for attention backends (a CUDA graph can hold them).
     num_decode: int = 0
     block_tables: torch.Tensor | None = None   # int32 [num_decode, max_blocks]
     seq_lens: torch.Tensor | None = None       # int32 [num_decode]
@@ -326,8 +325,7 @@ class MTPHead(nn.Module):
 class Qwen3MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), collectives: Collectives | None = None,
                  backends: Backends = REFERENCE, mtp: bool = False, head_only: bool = False):
-        """`head_only`: the MTP head with the embedding and lm_head, no target layers (the unsharded
-        head rank 0 runs beside a sharded target: runtime/mtp.py)."""
+        """`head_only`: the MTP head, embedding and lm_head, no target layers (runtime/mtp.py)."""
         super().__init__()
         if head_only and not (mtp and cfg.num_nextn_predict_layers):
             raise ValueError("head_only builds the MTP head: needs mtp and config num_nextn_predict_layers")
@@ -349,9 +347,11 @@ class Qwen3MoeModel(nn.Module):
         return sum(m.fuse_qkv() for m in self.modules() if isinstance(m, Attention))
 
     def materialize(self, device) -> "Qwen3MoeModel":
-        """A meta-built model's tensors allocated, uninitialized, on `device`. Module.to_empty's
-        empty_like runs a Python kernel on meta inputs, which imports torch's symbolic shapes."""
-        return self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        """A meta-built model's weights allocated, uninitialized, and RoPE's frequencies computed on
+        `device` (Module.to_empty's empty_like on meta inputs imports torch's symbolic shapes)."""
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        self.inv_freq = ops.rope_inv_freq(self.cfg.rope_theta, self.cfg.head_dim, device)
+        return self
 
     def tie_weights_if_needed(self):
         if self.cfg.tie_word_embeddings:
