@@ -5,6 +5,7 @@ and writes the fleet's status. The groups themselves are ordinary PDRollouts (ha
 from __future__ import annotations
 
 import json
+import threading
 
 import kopf
 
@@ -13,6 +14,18 @@ from pdrollout.operator.models import GROUP, KIND, PLURAL, VERSION, ConditionTyp
 
 INVALID_SPEC = ConditionType.INVALID_SPEC.value
 _DOWN = {Phase.FAILED.value, Phase.RESTARTING.value, Phase.UPDATING.value}
+
+
+# The change handler and the observer's tick act on one fleet from two threads. A tick reads the spec
+# when it starts: after a change handler deleted the groups (spec.replicas unset), a tick begun on the
+# old spec created group 0 again, and nothing deleted it. One lock a fleet, and each act checks under
+# it that its spec is still the fleet's newest (generation) before it touches a group.
+_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _current(namespace: str, name: str, meta) -> bool:
+    live = kube.get_custom(GROUP, VERSION, PLURAL, namespace, name)
+    return live is not None and live["metadata"].get("generation") == meta.get("generation")
 
 
 def _children(name: str, namespace: str, uid: str) -> list[dict]:
@@ -60,6 +73,11 @@ def front(name: str, namespace: str, s: PDRolloutSpec, body, uid: str, logger) -
 
 def leave(name: str, namespace: str, uid: str, logger) -> None:
     """spec.replicas unset: this rollout is one group again; its former groups go."""
+    with _LOCKS.setdefault(uid, threading.Lock()):
+        _leave(name, namespace, uid, logger)
+
+
+def _leave(name: str, namespace: str, uid: str, logger) -> None:
     for child in _children(name, namespace, uid):
         kube.delete_custom(GROUP, VERSION, PLURAL, namespace, child["metadata"]["name"], child["metadata"]["uid"])
         logger.info(f"deleted group {child['metadata']['name']}: spec.replicas is unset")
@@ -67,6 +85,15 @@ def leave(name: str, namespace: str, uid: str, logger) -> None:
 
 def sync(name: str, namespace: str, spec: dict, s: PDRolloutSpec, body, meta, status: dict, patch,
          logger) -> None:
+    with _LOCKS.setdefault(meta["uid"], threading.Lock()):
+        if not _current(namespace, name, meta):
+            logger.debug(f"spec generation {meta.get('generation')} is not the newest: its groups are left alone")
+            return
+        _sync(name, namespace, spec, s, body, meta, status, patch, logger)
+
+
+def _sync(name: str, namespace: str, spec: dict, s: PDRolloutSpec, body, meta, status: dict, patch,
+          logger) -> None:
     limit = builders.max_name_length()
     if not fleet.name_fits(name, s.replicas, limit):
         message = (f"spec.replicas: {s.replicas} groups are named '{fleet.child_name(name, s.replicas - 1)}' "
