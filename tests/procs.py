@@ -16,6 +16,7 @@ import httpx
 
 from pdrollout.engine.server.cli import EXIT_WITH_PARENT
 
+_FORKSERVER = "multiprocessing.forkserver"   # its command line, and that of every process forked from it
 CHAOS_TABLE: list[dict] = []   # rows of tests/distributed/test_chaos.py, printed in the terminal summary
 PDROLLOUT = [sys.executable, "-c", "import sys; from pdrollout.engine.cli import main; sys.exit(main())"]
 
@@ -73,8 +74,10 @@ def cmdline(pid: int) -> str:
 
 
 def rank_pids(server_pid: int) -> list[int]:
-    """The rank processes a launcher spawned (multiprocessing's spawn children), oldest first."""
-    return sorted(p for p in descendants(server_pid) if "spawn_main" in cmdline(p))
+    """The rank processes a launcher started (the children of its forkserver), oldest first."""
+    kids = children_map()
+    servers = [p for p in kids.get(server_pid, []) if _FORKSERVER in cmdline(p)]
+    return sorted(r for s in servers for r in kids.get(s, []))
 
 
 def wait_gone(pids, timeout: float) -> list[int]:
@@ -165,8 +168,8 @@ class Leftovers:
 
     def _exempt(self, pid: int, parent: dict[int, int]) -> bool:
         while pid > 1:
-            if pid in self.exempt or pid in self.before:
-                return True
+            if pid in self.exempt or pid in self.before and not _session_helper(pid, parent):
+                return True   # a fixture's tree; pytest's forkserver is older than the test, its ranks not
             pid = parent.get(pid, 0)
         return False
 
@@ -178,14 +181,18 @@ class Leftovers:
         mine = set(descendants(self.me))
         entry = f"{TEST_TOKEN}={self.token}".encode()
         return [pid for pid in all_pids()
-                if pid != self.me and alive(pid) and not self._exempt(pid, parent) and not _session_helper(pid)
+                if pid != self.me and alive(pid) and not self._exempt(pid, parent) and not _session_helper(pid, parent)
                 and (pid in mine or environ_has(pid, entry))]
 
 
-def _session_helper(pid: int) -> bool:
-    """multiprocessing's resource tracker (or forkserver): started on first use, lives with pytest."""
+def _session_helper(pid: int, parent: dict[int, int]) -> bool:
+    """multiprocessing's resource tracker or forkserver: started on first use, lives with pytest. Not
+    the processes forked from the forkserver (tests/ranks.py's ranks), though they share its command
+    line: a rank is checked like any other process."""
     cmd = cmdline(pid)
-    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+    if "multiprocessing.resource_tracker" in cmd:
+        return True
+    return _FORKSERVER in cmd and _FORKSERVER not in cmdline(parent.get(pid, 0))
 
 
 def kill_all(pids) -> None:

@@ -1,4 +1,4 @@
-"""Start N real rank processes (spawn) on one host and collect their results; never hang.
+"""Start N real rank processes on one host and collect their results; never hang.
 
 The parent hosts a TCPStore on a free port (port 0); each child joins it, initializes a gloo
 default group, runs `target(ctx, *args)` and writes its result to a file before a hard
@@ -66,20 +66,18 @@ def _child(rank: int, world: int, host: str, port: int, out_path: str,
 
 def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float = 120.0,
               pg_timeout_s: float = 300.0) -> list[RankOutcome]:
-    """Run `target(ctx, *args)` on `world` spawned processes; kills all of them at `timeout_s`."""
+    """Run `target(ctx, *args)` on `world` rank processes; kills all of them at `timeout_s`."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+    from pdrollout.engine.runtime.node import start_process
 
     host = "127.0.0.1"
     store = dist.TCPStore(host, 0, world, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    mpc = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pdrollout-ranks-") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [mpc.Process(target=_child, args=(r, world, host, store.port, outs[r], target, args,
-                                                  pg_timeout_s), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
+        # forked from the forkserver, as the engine's ranks are (one per pytest worker, torch imported once)
+        procs = [start_process(_child, (r, world, host, store.port, outs[r], target, args, pg_timeout_s), f"rank{r}")
+                 for r in range(world)]
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -99,3 +97,10 @@ def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float =
             res.append(RankOutcome(r, p.exitcode, val))
     del store
     return res
+
+
+def report_start(out_path: str, name: str) -> None:
+    """A rank target for the start-up test: what the rank found when its target began."""
+    import sys
+    with open(out_path, "w") as f:
+        f.write(f"{os.getppid()} {'torch' in sys.modules} {os.environ.get(name, '-')}")

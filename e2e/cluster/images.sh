@@ -167,7 +167,7 @@ build_app() {
   "${pip[@]}" --no-deps --target "$s/opt/pdrollout/lib" "$t"
   rm -rf "$t" "$s/opt/pdrollout/lib/bin"  # pip's scripts name the build machine's interpreter
   mkdir -p "$s/usr/local/bin"
-  # The guard matters: the engine's rank processes start by multiprocessing's spawn, which imports
+  # The guard matters: the engine's rank processes start from multiprocessing's forkserver, which imports
   # this script again as __mp_main__; without it every rank ran `main()` (a second server) anew.
   local cmd mod
   for cmd in pdrollout=pdrollout.engine.cli pdrollout-operator=pdrollout.operator.__main__; do

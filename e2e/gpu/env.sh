@@ -11,7 +11,7 @@ ln -sfn "$ROOT/engine" /tmp/pdshim/pdrollout/engine
 ln -sfn "$ROOT/operator" /tmp/pdshim/pdrollout/operator
 export PYTHONPATH="/tmp/pdshim:/tmp/site:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-# The __main__ guard matters: CUDA ranks start by spawn, which re-imports this script as the
+# The __main__ guard matters: ranks start from a forkserver, which re-imports this script as the
 # children's main module; without the guard every rank would run the command again.
 cat > /tmp/pdshim/pdrollout_cli <<PY
 #!/usr/bin/env python3

@@ -98,16 +98,20 @@ class LauncherGone(ConnectionError):
 
 def leave_with_launcher(rank: int, poll_s: float = 0.5) -> None:
     """A rank outlives no launcher: once it is gone (a signal before its handlers, SIGKILL, the OOM
-    killer) the rank is reparented, and leaves within poll_s with the lost-peer code. A rank left
-    behind in a deleted pod kept running until the pod's grace ended, joined the next group under
-    node 0's stable name, and took that group down when it was killed (a second group restart)."""
+    killer) the rank is reparented (its parent, the launcher's forkserver, ends with the launcher:
+    node.start_process), and leaves within poll_s with the lost-peer code. A rank left behind in a
+    deleted pod kept running until the pod's grace ended, joined the next group under node 0's
+    stable name, and took that group down when it was killed (a second group restart)."""
+    import multiprocessing
     parent = os.getppid()
+    starter = multiprocessing.parent_process()
+    launcher = starter.pid if starter is not None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
         # the same last words as any other ending: an orphan's log tail is all anyone reads
-        gone = LauncherGone(f"this rank's launcher (pid {parent}) is gone; leaving")
+        gone = LauncherGone(f"this rank's launcher (pid {launcher}) is gone; leaving")
         say(last_words(rank, EXIT_PEER_LOST, gone))
         os._exit(EXIT_PEER_LOST)
 

@@ -172,7 +172,7 @@ class RankCounters:
         self.ranks = ranks
         if array is None:
             import multiprocessing
-            array = multiprocessing.get_context("spawn").Array("d", len(ranks) * len(COUNTER_FIELDS), lock=False)
+            array = multiprocessing.get_context("forkserver").Array("d", len(ranks) * len(COUNTER_FIELDS), lock=False)
         self.array = array
 
     def _base(self, rank: int) -> int:
@@ -242,18 +242,48 @@ def stop_spawning() -> None:
         _leaving = True
 
 
-def spawn(layout: GroupLayout, ranks, target, args: tuple) -> LocalRanks:
-    """Start `target(rank, *args)` for each rank in its own spawned process (CUDA needs spawn)."""
+# Ranks fork from one server process per launcher (multiprocessing's forkserver, started with this
+# process's first rank) that imported torch once: a spawned rank, a fresh interpreter, spent ~2 CPU-s
+# on that import (docs/DISTRIBUTED.md). The server never touches CUDA, so each rank initializes its
+# own, as under spawn.
+PRELOAD = ["torch", "torch.distributed"]
+
+
+def _enter(env: dict[str, str], target, args: tuple) -> None:
+    """In the forked rank: its launcher's environment as it was at the start (the server's is that of
+    when the server started; multiprocessing restores the directory and sys.path itself)."""
+    # The server hands every child a copy of the launcher's end of the pipe by which it sees the
+    # launcher alive: held by a rank, it kept the server (the rank's parent) up after the launcher
+    # died, and the rank never saw itself orphaned (launcher.leave_with_launcher).
+    from multiprocessing import forkserver
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
+def start_process(target, args: tuple, name: str):
+    """`target(*args)` in a rank process forked from the forkserver, started; a daemon, so it ends
+    with its launcher's interpreter."""
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    p = ctx.Process(target=_enter, args=(dict(os.environ), target, args), name=name, daemon=True)
+    p.start()
+    return p
+
+
+def spawn(layout: GroupLayout, ranks, target, args: tuple) -> LocalRanks:
+    """Start `target(rank, *args)` for each rank in its own process (start_process)."""
     out = LocalRanks(layout)
     with _spawning:
         if _leaving:
             raise RuntimeError("this launcher is stopping: no rank starts now")
         for r in ranks:
-            p = ctx.Process(target=target, args=(r, *args), name=f"pdrollout-rank{r}", daemon=True)
-            p.start()
-            out.procs[r] = p
+            out.procs[r] = start_process(target, (r, *args), f"pdrollout-rank{r}")
     return out
 
 

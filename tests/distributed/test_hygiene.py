@@ -49,6 +49,27 @@ def served(tiny_model, tmp_path):
         s.kill()
 
 
+def test_ranks_fork_from_one_server_with_their_launchers_environment(tmp_path, monkeypatch):
+    """node.start_process: every rank of a launcher forks from one server that imported torch before
+    any rank asked (the rank imports nothing of it again), and each rank gets the launcher's
+    environment of the moment it starts, not the server's (started with the first rank)."""
+    from pdrollout.engine.runtime.node import start_process
+    from ranks import report_start
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("PDROLLOUT_TEST_START", value)
+        out = tmp_path / f"{value}.txt"
+        p = start_process(report_start, (str(out), "PDROLLOUT_TEST_START"), f"start-{value}")
+        p.join(60)
+        assert p.exitcode == 0 and out.exists(), p.exitcode
+        seen.append(out.read_text().split())
+    (server1, preloaded1, env1), (server2, preloaded2, env2) = seen
+    assert server1 == server2 != str(os.getpid()), seen
+    assert "multiprocessing.forkserver" in open(f"/proc/{server1}/cmdline").read(), seen
+    assert preloaded1 == preloaded2 == "True", seen
+    assert (env1, env2) == ("first", "second"), seen
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_takes_its_tree_down_on_a_signal(served, sig):
     srv = served()
