@@ -10,6 +10,9 @@ export GOTOOLCHAIN=local          # never download a toolchain
 export GOFLAGS="-p=2 -buildvcs=false"
 export CGO_ENABLED=0              # static binaries; no C toolchain needed
 ldflags="-s -w"
+# -s -w drops the debug info at link, so the compiler need not make it either (-dwarf=false: ~9 %
+# less CPU for the build, README).
+gcflags="all=-dwarf=false"
 command -v go >/dev/null || { echo "[cluster] Go is required to build the control plane" >&2; exit 1; }
 
 log() { echo "[cluster] $(date +%H:%M:%S) $*"; }
@@ -57,7 +60,7 @@ check_versions() {
 # with the PodGroup CRD of the same module beside it.
 build_tools() {
   check_versions
-  (cd "$here/tools" && go build -trimpath -ldflags="$k8s_ldflags" -o "$TOOLS_DIR/bin/" \
+  (cd "$here/tools" && go build -trimpath -gcflags="$gcflags" -ldflags="$k8s_ldflags" -o "$TOOLS_DIR/bin/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
@@ -75,7 +78,7 @@ build_tools() {
 sum() { cat "$@" | sha256sum | cut -c1-16; }
 t_all=$SECONDS
 build_once "kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, gang scheduler, fakenodes" \
-  "$TOOLS_DIR/bin" "$K8S_VERSION $k8s_ldflags $(cd "$here/tools" && sum go.mod go.sum tools.go cmd/*/main.go)" build_tools
+  "$TOOLS_DIR/bin" "$K8S_VERSION $gcflags $k8s_ldflags $(cd "$here/tools" && sum go.mod go.sum tools.go cmd/*/main.go)" build_tools
 for old in "$PDROLLOUT_CACHE"/cluster-tools-*; do  # builds of other versions (~0.5 GB each)
   [ "$old" = "$TOOLS_DIR" ] || { log "removing $old (another version)"; rm -rf "$old"; }
 done
