@@ -68,7 +68,7 @@ def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float =
               pg_timeout_s: float = 300.0) -> list[RankOutcome]:
     """Run `target(ctx, *args)` on `world` rank processes; kills all of them at `timeout_s`."""
     import torch.distributed as dist
-    from pdrollout.engine.runtime.node import start_process
+    from pdrollout.engine.runtime.local_ranks import start_process
 
     host = "127.0.0.1"
     store = dist.TCPStore(host, 0, world, True, wait_for_workers=False,

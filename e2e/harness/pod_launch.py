@@ -89,16 +89,21 @@ class PodProcess:
         return self.log.read_text(errors="replace")[-n:]
 
 
-def report_exit(cluster, ns: str, pod: dict, code: int) -> None:
-    """What a kubelet reports when the engine container exits and restarts (fake nodes run no containers)."""
+def report_exit(cluster, ns: str, pod: dict, code: int, gone_ok: bool = False) -> None:
+    """What a kubelet reports when the engine container exits and restarts (fake nodes run no containers).
+    `gone_ok`: the pod may already be deleted (the operator recreating its group on another pod's
+    report), as a kubelet then has nothing to report."""
     c = pod["spec"]["containers"][0]
-    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
+    r = cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", ns, "--subresource=status", "--type=merge",
                     "-p", json.dumps({"status": {"containerStatuses": [{
                         "name": c["name"], "image": c["image"], "imageID": "", "ready": False, "restartCount": 1,
                         "started": False, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
                         "lastState": {"terminated": {"exitCode": code, "reason": "Error",
                                                      "startedAt": "2026-11-30T10:00:00Z",
-                                                     "finishedAt": "2026-11-30T10:05:00Z"}}}]}}))
+                                                     "finishedAt": "2026-11-30T10:05:00Z"}}}]}}),
+                        check=False)
+    if r.returncode and not (gone_ok and "NotFound" in r.stderr):
+        raise AssertionError(f"reporting {pod['metadata']['name']}'s exit failed ({r.returncode}): {r.stderr}")
 
 
 def launch(container: dict, *, pod_name: str, node_rank: int, pod_ip: str, config_dir: Path,

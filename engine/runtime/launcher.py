@@ -43,7 +43,7 @@ class RankGroup:
     rank: int
     layout: GroupLayout
     store: object
-    local: object = None          # node.LocalRanks, or None under torchrun
+    local: object = None          # local_ranks.LocalRanks, or None under torchrun
     counters: object = None       # node.RankCounters of this node's ranks
     stop_watch: object = field(default=None)
 
@@ -99,7 +99,7 @@ class LauncherGone(ConnectionError):
 def leave_with_launcher(rank: int, poll_s: float = 0.5) -> None:
     """A rank outlives no launcher: once it is gone (a signal before its handlers, SIGKILL, the OOM
     killer) the rank is reparented (its parent, the launcher's forkserver, ends with the launcher:
-    node.start_process), and leaves within poll_s with the lost-peer code. A rank left behind in a
+    local_ranks.start_process), and leaves within poll_s with the lost-peer code. A rank left behind in a
     deleted pod kept running until the pod's grace ended, joined the next group under node 0's
     stable name, and took that group down when it was killed (a second group restart)."""
     import multiprocessing
@@ -133,7 +133,8 @@ def _run_worker(rank: int, layout: GroupLayout, store, config_json: str, options
 def start_ranks(layout: GroupLayout, config, options, host: str | None = None) -> RankGroup:
     """Node 0's rank 0: from torchrun's environment, or host the store and spawn ranks 1..L-1."""
     import torch.distributed as dist
-    from .node import RankCounters, bind_gloo, connect_store, join, spawn
+    from .local_ranks import spawn
+    from .node import RankCounters, bind_gloo, connect_store, join
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != layout.world:
@@ -167,7 +168,7 @@ def start_engine(config, layout: GroupLayout, options, host: str | None = None):
     import threading
     import torch.distributed as dist
     from .engine import Engine
-    from .node import watch
+    from .local_ranks import watch
     from .worker import Worker
     check_device(config, options)
     group = start_ranks(layout, config, options, host)
@@ -195,7 +196,7 @@ def reap_children(grace_s: float = 2.0) -> None:
     joining, before any engine held its ranks, must not leave them behind."""
     import multiprocessing
     import time
-    from .node import stop_spawning
+    from .local_ranks import stop_spawning
     stop_spawning()
     live = multiprocessing.active_children()
     for p in live:

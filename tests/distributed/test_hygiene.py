@@ -50,10 +50,10 @@ def served(tiny_model, tmp_path):
 
 
 def test_ranks_fork_from_one_server_with_their_launchers_environment(tmp_path, monkeypatch):
-    """node.start_process: every rank of a launcher forks from one server that imported torch before
+    """local_ranks.start_process: every rank of a launcher forks from one server that imported torch before
     any rank asked (the rank imports nothing of it again), and each rank gets the launcher's
     environment of the moment it starts, not the server's (started with the first rank)."""
-    from pdrollout.engine.runtime.node import start_process
+    from pdrollout.engine.runtime.local_ranks import start_process
     from ranks import report_start
     seen = []
     for value in ("first", "second"):

@@ -221,7 +221,8 @@ def test_node_0_fails_its_join_at_once_when_a_rank_it_started_exits():
     `pdrollout bench` waits for /health."""
     import multiprocessing as mp
     from pdrollout.engine.protocol.exits import PeerLostError
-    from pdrollout.engine.runtime.node import LocalRanks, join
+    from pdrollout.engine.runtime.local_ranks import LocalRanks
+    from pdrollout.engine.runtime.node import join
     port = free_port()
     layout = GroupLayout(nproc_per_node=2, adp=1, ep=2, master_addr="127.0.0.1", master_port=port,
                          join_timeout_s=300)

@@ -22,7 +22,7 @@ from serverproc import ServerProcess
 from rl_common import ENGINE, TRAINER, checkpoint
 
 pytestmark = pytest.mark.timeout(900)
-N = 40   # tokens per request: long enough to be caught in flight on CPU
+N = 200   # tokens per request: each stream still in flight once the last has its first tokens (40 were not, on a fast CPU)
 PROMPTS = [[(7 * i + 3 * k) % 400 + 5 for k in range(6 + 5 * i)] for i in range(4)]
 
 
