@@ -168,7 +168,7 @@ class Leftovers:
 
     def _exempt(self, pid: int, parent: dict[int, int]) -> bool:
         while pid > 1:
-            if pid in self.exempt or pid in self.before and not _session_helper(pid, parent):
+            if pid in self.exempt or (pid in self.before and not _session_helper(pid, parent)):
                 return True   # a fixture's tree; pytest's forkserver is older than the test, its ranks not
             pid = parent.get(pid, 0)
         return False

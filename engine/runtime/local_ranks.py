@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..protocol.layout import GroupLayout
 
+
 @dataclass
 class LocalRanks:
     """The processes this node started and how they ended."""
