@@ -1,6 +1,7 @@
 """A real `pdrollout serve` subprocess on 127.0.0.1 (port 0: it prints the port it bound)."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -74,3 +75,27 @@ class ServerProcess:
                 self.proc.wait()
         self.http.close()
         return self.proc.returncode
+
+
+def start_stream(pool, url: str, body: dict):
+    """Submit `body` as a streamed /generate to `pool` and return once its first chunk came (so it is
+    running), with the future of its last chunk. A poll of the stats can miss a request that lives
+    only a few steps on a fast machine; the request's own stream cannot."""
+    first = threading.Event()
+
+    def read():
+        last = None
+        with httpx.Client(base_url=url, timeout=120) as c, \
+                c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line.removeprefix("data: "))
+                    first.set()
+        return last
+
+    done = pool.submit(read)
+    while not first.wait(0.05):
+        if done.done():
+            raise AssertionError(f"stream ended before its first chunk: {done.result()}")
+    return done

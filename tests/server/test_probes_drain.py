@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+from serverproc import start_stream
 
 TOKEN = "drain-test-token"
 LONG = {"input_ids": [4, 8, 15, 16, 23, 42], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
@@ -56,8 +56,7 @@ def test_prestop_drain_then_sigterm_counts_one_drain(start_server, tmp_path):
     with cf.ThreadPoolExecutor(3) as pool:
         long_f = pool.submit(srv.http.post, "/generate", json=LONG)
         srv.wait_for(lambda s: s["num_running_reqs"] == 1, what="long request running")
-        short_f = pool.submit(httpx.post, srv.url + "/generate", json=SHORT, timeout=60)
-        srv.wait_for(lambda s: s["num_running_reqs"] == 2, what="short request running")
+        short_f = start_stream(pool, srv.url, SHORT)
         t0 = time.monotonic()
         hook = pool.submit(_drain, srv.url, str(token))
         # While the hook waits: unready (the Service drops the pod), still listening, no new work.
@@ -68,7 +67,7 @@ def test_prestop_drain_then_sigterm_counts_one_drain(start_server, tmp_path):
         assert srv.http.get("/health").status_code == 503
         refused = srv.http.post("/generate", json=SHORT)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        assert short_f.result().json()["meta_info"]["finish_reason"]["type"] == "length"
+        assert short_f.result()["meta_info"]["finish_reason"]["type"] == "length"
         done = hook.result()
         waited = time.monotonic() - t0
         # The long request outlives the drain: the hook returns at its deadline saying so.
