@@ -99,6 +99,17 @@ def run_ranks(target: Callable, world: int, args: tuple = (), timeout_s: float =
     return res
 
 
+def assert_ok(outs: list[RankOutcome]) -> None:
+    """Every rank exited 0; else each failed rank's exit code, error and traceback, in full (a list
+    in an assert message is cut to 240 characters, which hides which rank failed first and why)."""
+    bad = [o for o in outs if o.exitcode != EXIT_OK]
+    if bad:
+        raise AssertionError("\n".join(
+            f"rank {o.rank}: exit code {o.exitcode}\n"
+            + (o.result.get("traceback") or o.result.get("error", "") if isinstance(o.result, dict) else repr(o.result))
+            for o in bad))
+
+
 def report_start(out_path: str, name: str) -> None:
     """A rank target for the start-up test: what the rank found when its target began."""
     import sys

@@ -7,7 +7,7 @@ import pytest
 
 from pdrollout.engine.protocol import netenv
 from pdrollout.engine.protocol.exits import EXIT_COMM
-from ranks import EXIT_OK, run_ranks
+from ranks import assert_ok, run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks inherit sys.path and import the target
 from expert_targets import expert_rank  # noqa: E402
@@ -16,7 +16,7 @@ from expert_targets import expert_rank  # noqa: E402
 @pytest.mark.timeout(300)
 def test_concurrent_p_and_d_match_single_rank_reference():
     outs = run_ranks(expert_rank, 4, (6,), timeout_s=240)
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     for o in outs:
         r = o.result
         assert not r["alive"] and r["failures"] == [], r["failures"]

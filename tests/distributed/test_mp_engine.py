@@ -182,7 +182,7 @@ def test_serve_control_change_lands_at_the_same_step_on_every_rank(setup):
         body = lambda i, n: {"input_ids": PROMPTS[i % 4], "sampling_params": {"max_new_tokens": n, "temperature": 0,
                                                                            "ignore_eos": True}}
         outs = {}
-        ts = [threading.Thread(target=lambda i=i: outs.__setitem__(i, _http(url + "/generate", body(i, 12))))
+        ts = [threading.Thread(target=lambda i=i: outs.__setitem__(i, _http(url + "/generate", body(i, 40))))
               for i in range(3)]
         for t in ts:
             t.start()

@@ -2,7 +2,7 @@
 import pytest
 
 from harness import Scenario, run_scenarios
-from ranks import EXIT_OK, EXIT_STALL, run_ranks
+from ranks import EXIT_STALL, assert_ok, run_ranks
 from pdrollout.engine.runtime.rendezvous import RENDEZVOUS
 from pdrollout.engine.runtime.collective_trace import check_order
 
@@ -42,7 +42,7 @@ def ladder(request):
            Scenario(name="delayed-ack", ordering="fine-grained", slots=1, epochs=1, boundaries=8,
                     d_iters=8, p_compute_s=0.06, d_compute_s=0.001, rendezvous=request.param)]
     outs = run_ranks(run_scenarios, 4, (scs,), timeout_s=240)
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     runs = _by_name(outs)
     assert all(r["scenario"]["rendezvous"] == request.param for rs in runs.values() for r in rs.values())
     return runs

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from ranks import EXIT_OK, run_ranks
+from ranks import assert_ok, run_ranks
 from pdrollout.engine.runtime.rendezvous import (POST_D, PRE_D, RENDEZVOUS, RendezvousMismatchError, decode, distances, encode,
                                                      make_rendezvous, merge)
 
@@ -65,7 +65,7 @@ def _agree(ctx, kinds):
 def agreed(request):
     world = request.param
     outs = run_ranks(_agree, world, (KINDS,), timeout_s=240)
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     return world, {o.rank: o.result for o in outs}
 
 

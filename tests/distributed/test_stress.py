@@ -4,7 +4,7 @@ import time
 import pytest
 
 from harness import Scenario, run_scenarios
-from ranks import EXIT_OK, run_ranks
+from ranks import assert_ok, run_ranks
 from pdrollout.engine.runtime.rendezvous import RENDEZVOUS
 from pdrollout.engine.runtime.collective_trace import check_order
 
@@ -21,7 +21,7 @@ def test_rank_skew_stress_2000_rounds(rendezvous):
     t0 = time.monotonic()
     outs = run_ranks(run_scenarios, 4, ([sc],), timeout_s=560)
     wall = time.monotonic() - t0
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     runs = {o.rank: o.result[0] for o in outs}
     for r in runs.values():
         assert not r["stalled"] and "protocol_error" not in r

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ranks import EXIT_OK, run_ranks
+from ranks import assert_ok, run_ranks
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks inherit sys.path and import the target
 from slot_targets import slots_rank  # noqa: E402
@@ -15,7 +15,7 @@ from slot_targets import slots_rank  # noqa: E402
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_token_slots_equal_one_rank_with_no_host_read(world):
     outs = run_ranks(slots_rank, world, ("float32",), timeout_s=200)
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     for o in outs:
         r = o.result
         assert max(r["err"]) < 1e-5, r["err"]
@@ -28,5 +28,5 @@ def test_token_slots_equal_one_rank_with_no_host_read(world):
 @pytest.mark.timeout(240)
 def test_token_slots_in_bf16_stay_within_one_rounding():
     outs = run_ranks(slots_rank, 2, ("bfloat16",), timeout_s=200)
-    assert all(o.exitcode == EXIT_OK for o in outs), [(o.exitcode, o.result) for o in outs]
+    assert_ok(outs)
     assert all(max(o.result["err"]) < 0.05 for o in outs), [o.result["err"] for o in outs]
