@@ -77,6 +77,21 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def iter_sse(lines):
+    """The events of `data: {json}` lines up to `data: [DONE]`; asserts the terminator came."""
+    n = 0
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        n += 1
+        yield json.loads(data)
+    raise AssertionError(f"stream ended without data: [DONE] after {n} events")
+
+
 def start_stream(pool, url: str, body: dict):
     """Submit `body` as a streamed /generate to `pool` and return once its first chunk came (so it is
     running), with the future of its last chunk. A poll of the stats can miss a request that lives
@@ -88,10 +103,8 @@ def start_stream(pool, url: str, body: dict):
         with httpx.Client(base_url=url, timeout=120) as c, \
                 c.stream("POST", "/generate", json={**body, "stream": True}) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    last = json.loads(line.removeprefix("data: "))
-                    first.set()
+            for last in iter_sse(r.iter_lines()):
+                first.set()
         return last
 
     done = pool.submit(read)

@@ -1,7 +1,6 @@
 """A real `pdrollout serve` subprocess on 127.0.0.1 (port 0: it prints the port it bound)."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from serverproc import ServerProcess  # noqa: E402  (shared with tests outside this folder)
+from serverproc import ServerProcess, iter_sse  # noqa: E402  (shared with tests outside this folder)
 
 
 @pytest.fixture(scope="session")
@@ -46,14 +45,4 @@ def sse():
 
 
 def sse_events(lines) -> list:
-    """Parses `data: {json}` lines up to `data: [DONE]`; asserts the terminator came."""
-    out = []
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            return out
-        out.append(json.loads(data))
-    raise AssertionError(f"stream ended without data: [DONE] after {len(out)} events")
+    return list(iter_sse(lines))

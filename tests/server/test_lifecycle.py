@@ -10,8 +10,9 @@ import sys
 import time
 
 import httpx
-from pdrollout.engine.protocol.exits import EXIT_CONFIG
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdrollout.engine.protocol.exits import EXIT_CONFIG
 from serverproc import start_stream
 
 LONG = {"input_ids": [4, 8, 15, 16, 23, 42], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
