@@ -178,10 +178,14 @@ def test_engine_pod_serves_on_cpu(real_cluster, real_namespace):
     out = json.loads(body)
     assert out["meta_info"]["completion_tokens"] == 4, out
 
-    # A Service IP is answered on the nodes, where kube-proxy put its rules (node-1: across nodes).
+    # A Service IP is answered on the nodes, where kube-proxy put its rules (node-1: across nodes). The
+    # pod's Ready reaches kube-proxy through its EndpointSlice, a watch behind the pod's: until then the
+    # Service IP refuses (a CI run met it 0 ms after the pod was Ready).
     cluster_ip = c.get("service", "engine", "-n", ns)["spec"]["clusterIP"]
-    code, body = c.http(f"http://{cluster_ip}/health", node=1)
-    assert code == 200, (code, body)
+    deadline = time.monotonic() + 30
+    while (answer := c.http(f"http://{cluster_ip}/health", node=1))[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert answer[0] == 200, answer
 
     # From inside a container (the operator's engine peers resolve each other like this): CoreDNS.
     fqdn = f"engine.{ns}.svc.cluster.local"
