@@ -219,13 +219,14 @@ def stop_engine(engine) -> None:
     engine.ranks.join()
 
 
-def run_worker_node(layout: GroupLayout, config, options, host: str | None = None, port: int | None = None) -> int:
+def run_worker_node(layout: GroupLayout, config, options, host: str | None = None, port: int | None = None,
+                    metrics_port: int | None = None) -> int:
     """Node k > 0: start this node's ranks, serve /health and /metrics, exit with their verdict."""
     from .node import WorkerNode, bind_gloo, log_stderr
     check_device(config, options)
     bind_gloo(host)
     node = WorkerNode(layout, _child, (layout, config.model_dump_json(), asdict(options)), host, port,
-                      exit_wait_s=2 * options.watchdog_bound_s + 10, log=log_stderr)
+                      exit_wait_s=2 * options.watchdog_bound_s + 10, log=log_stderr, metrics_port=metrics_port)
     return node.run()
 
 

@@ -200,8 +200,9 @@ class WorkerNode:
     on the engine port. Exits when its ranks exit, with their most telling code."""
 
     def __init__(self, layout: GroupLayout, target, args: tuple, host: str | None, port: int | None,
-                 exit_wait_s: float = 60.0, log=print) -> None:
+                 exit_wait_s: float = 60.0, log=print, metrics_port: int | None = None) -> None:
         self.layout, self.host, self.port, self.log = layout, host, port, log
+        self.metrics_port = metrics_port   # /metrics alone on a second port (a policy admits scrapers there)
         self.exit_wait_s = exit_wait_s   # how long the other ranks may take to reach the group's verdict
         self.counters = RankCounters(layout.local_ranks)
         self.stopping = False
@@ -231,7 +232,8 @@ class WorkerNode:
     def run(self) -> int:
         """Serve until the ranks end (or SIGTERM); returns the node's exit code."""
         stop = self._stop
-        server = self._serve() if self.port is not None else None
+        servers = [self._serve(port, only) for port, only in ((self.port, False), (self.metrics_port, True))
+                   if port is not None]
         self.log(f"pdrollout node {self.layout.node_rank}: started ranks {list(self.layout.local_ranks)} "
                  f"({self.layout.describe()})")
         while not stop.wait(0.2) and self.local.first_exit() is None:
@@ -249,19 +251,23 @@ class WorkerNode:
         self.log(f"pdrollout node {self.layout.node_rank}: ranks ended "
                  + ", ".join(f"{r}: {c} ({exit_name(c)})" for r, c in codes.items())
                  + f"; exit {code} ({exit_name(code)})")
-        if server is not None:
+        for server in servers:
             server.shutdown()
         return code
 
-    def _serve(self):
-        """A small threaded HTTP server: /health and /metrics only (the API is node 0's)."""
+    def _serve(self, port: int, metrics_only: bool):
+        """A small threaded HTTP server: /health, /live and /metrics (the API is node 0's), or
+        /metrics alone."""
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         import json
         node = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):   # noqa: N802 (http.server's name)
-                if self.path == "/health":
+                if metrics_only and self.path != "/metrics":
+                    self._send(404, b'{"error": {"message": "this port serves /metrics only", "code": 404}}',
+                               "application/json")
+                elif self.path == "/health":
                     status, body = node.health()
                     self._send(status, json.dumps(body).encode(), "application/json")
                 elif self.path.split("?")[0] == "/live":   # this node's ranks run (a stall ends them)
@@ -288,11 +294,11 @@ class WorkerNode:
             def log_message(self, *_):
                 pass
 
-        server = ThreadingHTTPServer((self.host or "127.0.0.1", self.port), Handler)
+        server = ThreadingHTTPServer((self.host or "127.0.0.1", port), Handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="node-http", daemon=True).start()
-        self.log(f"pdrollout node {self.layout.node_rank}: /health and /metrics on "
-                 f"http://{server.server_address[0]}:{server.server_address[1]}")
+        self.log(f"pdrollout node {self.layout.node_rank}: {'/metrics' if metrics_only else '/health and /metrics'} "
+                 f"on http://{server.server_address[0]}:{server.server_address[1]}")
         return server
 
 

@@ -79,6 +79,10 @@ class Scheduler:
         """Raises RequestError for input this replica cannot take; changes nothing."""
         if not isinstance(rid, str) or not rid:
             raise RequestError("rid must be a non-empty string")
+        try:   # every rank hashes it (a seed, the step log's digest): a lone surrogate has no bytes
+            rid.encode()
+        except UnicodeEncodeError as e:
+            raise RequestError(f"rid is not valid Unicode text: {e.reason} at character {e.start}") from None
         if rid in self.reqs:
             raise RequestError(f"request id {rid!r} is already running")
         if not isinstance(input_ids, list) or not input_ids:

@@ -19,6 +19,7 @@ from ..protocol.config import ControlSettings
 from ..scheduler.request import RequestError, SamplingParams
 from .auth import AuthPolicy
 from .bridge import EngineBridge, EngineUnavailable, Tracked
+from .client_strings import check_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, GenerateItem, RolloutFinishRequest, error_body, parse, validation_message
 from .rollouts import RolloutTracker
@@ -46,6 +47,7 @@ class ServerSettings:
     admin_token: Optional[str] = field(default=None, repr=False)
     api_key: Optional[str] = field(default=None, repr=False)      # SGLang's --api-key (auth.py)
     admin_peers: tuple = ()                                        # trusted peer networks (auth.py)
+    metrics_port: Optional[int] = None    # a second listener for /metrics alone (0: any free port)
 
     @property
     def model_name(self) -> str:
@@ -74,6 +76,7 @@ class Server:
         self.update_lock = asyncio.Lock()    # one weight update (or memory op) at a time
         self.weight_version = "default"      # the engine's, mirrored for responses with no tokens
         self._background: set[asyncio.Task] = set()
+        self.metrics_runner: Optional[web.AppRunner] = None   # --metrics-port's listener (serve.py)
 
     @property
     def served_by(self) -> str:
@@ -274,6 +277,7 @@ async def read_json(request: web.Request, model: Optional[type[BaseModel]] = Non
         raise BadRequest("malformed JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    check_body(body)
     return parse(model, body) if model else body
 
 

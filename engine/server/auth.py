@@ -1,6 +1,6 @@
 """Who may call which route. SGLang's conventions plus trusted peers:
 
-* `--api-key` (SGLang's): every route but /health*, /metrics needs `Authorization: Bearer <key>`
+* `--api-key` (SGLang's) or `--api-key-file`: every route but /health*, /metrics, /live needs `Authorization: Bearer <key>`
   (or SGLang's `x-api-key: <key>` header).
 * the admin token (`--admin-token-file`, or SGLang's `--admin-api-key`): the admin routes need it;
   as in SGLang, with no admin token the api key guards them instead, and with neither they are open.
@@ -17,7 +17,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Optional
 
-OPEN_PREFIXES = ("/health", "/metrics")   # probes and scrapers carry no secret (SGLang exempts them too)
+OPEN_PREFIXES = ("/health", "/metrics", "/live")   # probes and scrapers carry no secret (SGLang exempts them too)
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -51,10 +51,15 @@ def _peer_ip(remote: Optional[str]):
 
 def _matches(headers, key: str) -> bool:
     scheme, _, given = headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+    if scheme.lower() == "bearer" and hmac.compare_digest(_bytes(given.strip()), _bytes(key)):
         return True
     x = headers.get("x-api-key")
-    return x is not None and hmac.compare_digest(x.strip().encode(), key.encode())
+    return x is not None and hmac.compare_digest(_bytes(x.strip()), _bytes(key))
+
+
+def _bytes(s: str) -> bytes:
+    # aiohttp decodes header bytes that are not UTF-8 as lone surrogates: compare them, never raise
+    return s.encode("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,12 @@ class Tracked:
             self.version_spans.append([version, start, len(self.output_ids)])
 
     @property
+    def failure(self) -> Optional[tuple[str, int]]:
+        """(message, HTTP status) when the server failed this request (finish_reason's status_code)."""
+        fr = self.finish_reason or {}
+        return (fr.get("message", "request failed"), fr["status_code"]) if fr.get("status_code") else None
+
+    @property
     def e2e_latency(self) -> Optional[float]:
         return None if self.finished_at is None else self.finished_at - self.arrival
 
@@ -285,40 +291,51 @@ class EngineBridge:
             t = self.tracked.get(o.rid)
             if t is None or t.finished:
                 continue
-            t.prompt_tokens, t.cached_tokens = o.prompt_tokens, o.cached_tokens
-            new, new_lps = o.new_token_ids, o.new_logprobs
-            t.engine_tokens += len(new)
-            if t.stop_matched is not None:
-                new = new_lps = []            # past the stop string: the engine's abort is on its way
-            elif t.stops is not None and new:
-                hit = t.stops.first_match(t.output_ids, new)
-                if hit is not None:
-                    new, new_lps = new[:hit[0]], new_lps[:hit[0]] if new_lps else new_lps
-                    t.stop_matched = hit[1]
-                    if not o.finished:
-                        self.fire(lambda e, rid=t.rid: e.abort(rid, "stop string matched"))
-            if new:
-                if t.first_token_at is None:
-                    t.first_token_at = now
-                    if t.log_metrics:
-                        self._metrics.first_token(now - t.arrival)
-                elif t.log_metrics and t.last_token_at is not None:
-                    self._metrics.inter_token(now - t.last_token_at, len(o.new_token_ids))
-                t.last_token_at = now
-                t.add_tokens(new, o.weight_version)
-                if t.return_logprob and new_lps:
-                    t.logprobs.extend(new_lps)
+            try:
+                self._apply(t, o, now)
+            except Exception as err:   # this request alone fails; the batch's other outputs go on
+                log.error("request %r: output processing failed\n%s", t.rid, traceback.format_exc())
+                if not t.finished:
+                    self.fire(lambda e, rid=t.rid: e.abort(rid, "output processing failed"))
+                    self._finish(t, {"type": "abort", "status_code": 500,
+                                     "message": f"output processing failed: {type(err).__name__}: {err}"}, now)
+
+    def _apply(self, t: Tracked, o, now: float) -> None:
+        """One engine output into its request's state: tokens, stop strings, metrics, its end."""
+        t.prompt_tokens, t.cached_tokens = o.prompt_tokens, o.cached_tokens
+        new, new_lps = o.new_token_ids, o.new_logprobs
+        t.engine_tokens += len(new)
+        if t.stop_matched is not None:
+            new = new_lps = []            # past the stop string: the engine's abort is on its way
+        elif t.stops is not None and new:
+            hit = t.stops.first_match(t.output_ids, new)
+            if hit is not None:
+                new, new_lps = new[:hit[0]], new_lps[:hit[0]] if new_lps else new_lps
+                t.stop_matched = hit[1]
+                if not o.finished:
+                    self.fire(lambda e, rid=t.rid: e.abort(rid, "stop string matched"))
+        if new:
+            if t.first_token_at is None:
+                t.first_token_at = now
                 if t.log_metrics:
-                    self._metrics.generated(len(new))
-            if o.routed_experts is not None:
-                t.routed_experts = _routes_kept(t, o.routed_experts)
-            if o.spec is not None:
-                t.spec_meta = o.spec_meta()
-            if o.finished:
-                stop = {"type": "stop", "matched": t.stop_matched} if t.stop_matched is not None else None
-                self._finish(t, stop or o.finish_reason, now)
-            elif t.wake is not None:
-                t.wake.put_nowait(t)
+                    self._metrics.first_token(now - t.arrival)
+            elif t.log_metrics and t.last_token_at is not None:
+                self._metrics.inter_token(now - t.last_token_at, len(o.new_token_ids))
+            t.last_token_at = now
+            t.add_tokens(new, o.weight_version)
+            if t.return_logprob and new_lps:
+                t.logprobs.extend(new_lps)
+            if t.log_metrics:
+                self._metrics.generated(len(new))
+        if o.routed_experts is not None:
+            t.routed_experts = _routes_kept(t, o.routed_experts)
+        if o.spec is not None:
+            t.spec_meta = o.spec_meta()
+        if o.finished:
+            stop = {"type": "stop", "matched": t.stop_matched} if t.stop_matched is not None else None
+            self._finish(t, stop or o.finish_reason, now)
+        elif t.wake is not None:
+            t.wake.put_nowait(t)
 
     def _finish(self, t: Tracked, reason: Optional[dict], now: float) -> None:
         t.finished, t.finish_reason, t.finished_at = True, reason or {"type": "abort"}, now

@@ -43,9 +43,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="SGLang's name: the admin token given inline (prefer --admin-token-file: a "
                         "command line is visible to other processes); not with --admin-token-file")
     p.add_argument("--api-key", default=None,
-                   help="SGLang's --api-key: every route but /health*, /metrics needs "
+                   help="SGLang's --api-key: every route but /health*, /metrics, /live needs "
                         "Authorization: Bearer <key> (or x-api-key); also guards the admin routes "
-                        "when no admin token is set")
+                        "when no admin token is set (prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file holding the api key (a mounted Secret; surrounding whitespace ignored); "
+                        "not with --api-key")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve GET /metrics alone on this port (0: a free one), for a network "
+                        "policy that admits scrapers to it and nothing else")
     p.add_argument("--admin-peers", default=None, metavar="CIDR[,CIDR...]",
                    help="requests from these peer addresses are admitted to every route without a key "
                         "(the RL trainer's pods); loopback is not trusted unless listed")
@@ -56,6 +62,24 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_spec_args(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def _secret(inline_flag: str, inline: str | None, file_flag: str, path: str | None, also: str = "") -> str | None:
+    """A key given inline or in a file (once, not empty); ValueError names the flag that is wrong
+    (`also`: where else the file's flag comes from)."""
+    if inline is not None and path:
+        raise ValueError(f"give it once: {inline_flag} or {file_flag}{also}, not both")
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"{file_flag}: {e.strerror}: {path}") from None
+        if not value:
+            raise ValueError(f"{file_flag} {path} is empty")
+        return value
+    if inline is not None and not inline.strip():
+        raise ValueError(f"{inline_flag} is empty")
+    return None if inline is None else inline.strip()
 
 
 def _fail(message: str, code: int) -> int:
@@ -82,23 +106,14 @@ def run_serve(args: argparse.Namespace) -> int:
                               **{**engine_overrides(args.engine_config), **spec_fields(args)})
     except (LayoutError, ValueError) as e:   # pydantic's ValidationError is a ValueError
         return _fail(str(e), EXIT_CONFIG)
-    admin_token = None
-    if args.admin_api_key is not None and args.admin_token_file:
-        return _fail("give the admin token once: --admin-api-key or --admin-token-file "
-                     f"(${ADMIN_TOKEN_FILE_ENV}), not both", EXIT_CONFIG)
-    if args.admin_token_file:
-        try:
-            admin_token = Path(args.admin_token_file).read_text().strip()
-        except OSError as e:
-            return _fail(f"--admin-token-file: {e.strerror}: {args.admin_token_file}", EXIT_CONFIG)
-        if not admin_token:
-            return _fail(f"--admin-token-file {args.admin_token_file} is empty", EXIT_CONFIG)
-    if args.admin_api_key is not None:
-        admin_token = args.admin_api_key.strip()
-        if not admin_token:
-            return _fail("--admin-api-key is empty", EXIT_CONFIG)
-    if args.api_key is not None and not args.api_key.strip():
-        return _fail("--api-key is empty", EXIT_CONFIG)
+    try:
+        admin_token = _secret("--admin-api-key", args.admin_api_key, "--admin-token-file", args.admin_token_file,
+                              f" (${ADMIN_TOKEN_FILE_ENV})")
+        api_key = _secret("--api-key", args.api_key, "--api-key-file", args.api_key_file)
+    except ValueError as e:
+        return _fail(str(e), EXIT_CONFIG)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}", EXIT_CONFIG)
     admin_peers: tuple = ()
     if args.admin_peers is not None:
         from .auth import parse_peers
@@ -113,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if error:
             return _fail(error.removeprefix("pdrollout serve: "), EXIT_CONFIG)
         if not layout.is_master:   # a worker node: its ranks, /health and /metrics; no API
-            rc = run_worker_node(layout, config, options, args.host, args.port)
+            rc = run_worker_node(layout, config, options, args.host, args.port, args.metrics_port)
             flush_quietly()
             os._exit(rc)
     settings = ServerSettings(model=args.model, served_model_name=args.served_model_name, host=args.host,
@@ -121,12 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
                               rollout_idle_s=args.rollout_idle,
                               incremental_streaming_output=args.incremental_streaming_output,
-                              admin_token=admin_token, api_key=args.api_key and args.api_key.strip(),
-                              admin_peers=admin_peers)
+                              admin_token=admin_token, api_key=api_key, admin_peers=admin_peers,
+                              metrics_port=args.metrics_port)
     if admin_peers:
         logging.getLogger("pdrollout.server").info(
             "admin peers (admitted without a key): %s", ", ".join(map(str, admin_peers)))
-    if admin_token is None and args.api_key is None and not admin_peers:
+    if admin_token is None and api_key is None and not admin_peers:
         logging.getLogger("pdrollout.server").warning(
             "no --admin-token-file: the admin routes (controls, weights, memory, pause, abort) are open")
     tokenizer = find_tokenizer(args.model, args.tokenizer)

@@ -25,13 +25,14 @@ from aiohttp import web
 
 from ..protocol.auth import ADMIN_TOKEN_FILE_ENV
 from .app import admin, json_response, server_of
+from .client_strings import query
 from .protocol import BadRequest
 
 DEFAULT_LIVE_BOUND_S = 60.0
 
 
 async def live(request: web.Request) -> web.Response:
-    raw = request.query.get("bound_s", str(DEFAULT_LIVE_BOUND_S))
+    raw = query(request, "bound_s", str(DEFAULT_LIVE_BOUND_S))
     try:
         bound = float(raw)
     except ValueError:

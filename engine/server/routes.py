@@ -25,3 +25,12 @@ def build_app(server: Server) -> web.Application:
     routes_chat.add_routes(app)
     lifecycle.add_routes(app)
     return app
+
+
+def build_metrics_app(server: Server) -> web.Application:
+    """`--metrics-port`'s listener: GET /metrics only, so a NetworkPolicy can admit scrapers to this
+    port and nothing else (a policy cannot tell paths apart)."""
+    app = web.Application(middlewares=[errors_middleware])
+    app[SERVER_KEY] = server
+    app.router.add_get("/metrics", metrics)
+    return app

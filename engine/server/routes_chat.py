@@ -13,8 +13,9 @@ from typing import Any, Optional, Union
 from aiohttp import web
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from .app import Server, json_response, read_json, server_of
+from .app import Server, error_response, json_response, read_json, server_of
 from .bridge import Tracked
+from .client_strings import header
 from .protocol import PRIORITY_MAX, BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, openai_sampling_params, version_meta
 from .routes_native import sse, wait_finished
 
@@ -27,8 +28,8 @@ class ChatRequest(_Strict):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[StrictBool] = None
-    max_tokens: Optional[StrictInt] = None
-    max_completion_tokens: Optional[StrictInt] = None
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)   # 0 refused, as /v1/completions does
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[StrictInt] = None
@@ -63,7 +64,9 @@ class ChatRequest(_Strict):
         return self
 
     def sampling_params(self) -> dict[str, Any]:
-        return openai_sampling_params(self, self.max_completion_tokens or self.max_tokens or 128)
+        # max_completion_tokens, OpenAI's newer name, wins
+        limit = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        return openai_sampling_params(self, 128 if limit is None else limit)
 
 
 def _flatten(messages: list[dict]) -> list[dict]:
@@ -107,7 +110,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"model {req.model!r} is not served here (serving {server.settings.model_name!r})", 404)
     item = GenerateItem(input_ids=prompt_ids(server, req), sampling_params=req.sampling_params(), rid=None,
                         return_logprob=req.logprobs, priority=req.priority)
-    tracked, queue = await server.submit([item], rollout_id=req.rollout_id or request.headers.get("X-Rollout-Id"))
+    tracked, queue = await server.submit([item], rollout_id=req.rollout_id or header(request, "X-Rollout-Id"))
     t = tracked[0]
     head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": server.settings.model_name}
     try:
@@ -115,6 +118,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, server, t, queue, head, usage)
         await wait_finished(tracked, queue)
+        if t.failure:
+            return error_response(*t.failure)
         text = t.text(server.tokenizer.decode)
         lps = {"content": [{"token": server.tokenizer.decode([i]), "logprob": lp}
                            for i, lp in zip(t.output_ids, t.logprobs)]} if req.logprobs else None

@@ -12,8 +12,9 @@ from importlib import metadata
 
 from aiohttp import web
 
-from .app import Server, admin, json_response, read_json, server_of
+from .app import Server, admin, error_response, json_response, read_json, server_of
 from .bridge import Tracked
+from .client_strings import header
 from .protocol import (AbortRequest, BadRequest, ContinueRequest, GenerateItem, GenerateRequest, PauseRequest,
                        generate_response, version_meta)
 from .server_info import engine_facts, public_settings, sglang_server_args
@@ -56,13 +57,15 @@ def sse(obj) -> bytes:
 async def generate(request: web.Request) -> web.StreamResponse:
     server = server_of(request)
     req = await read_json(request, GenerateRequest)
-    rollout_id = req.rollout_id or request.headers.get("X-Rollout-Id")
+    rollout_id = req.rollout_id or header(request, "X-Rollout-Id")
     items = req.items(server.tokenizer.encode if server.tokenizer else None)
     tracked, queue = await server.submit(items, rollout_id=rollout_id, log_metrics=req.log_metrics)
     try:
         if req.stream:
             return await _stream(request, server, tracked, queue, batched=req.batched)
         await wait_finished(tracked, queue)
+        if not req.batched and tracked[0].failure:
+            return error_response(*tracked[0].failure)
         bodies = [item_body(server, t) for t in tracked]
         return json_response(bodies if req.batched else bodies[0])
     finally:

@@ -12,8 +12,9 @@ from typing import Optional
 
 from aiohttp import web
 
-from .app import Server, json_response, read_json, server_of
+from .app import Server, error_response, json_response, read_json, server_of
 from .bridge import Tracked
+from .client_strings import header
 from .protocol import BadRequest, CompletionRequest, GenerateItem, version_meta
 from .routes_native import sse, wait_finished
 
@@ -70,7 +71,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     items = [GenerateItem(input_ids=p, sampling_params=sp, rid=None, return_logprob=want_logprobs,
                           priority=req.priority)
              for p in _prompts(server, req)]
-    rollout_id = req.rollout_id or request.headers.get("X-Rollout-Id")
+    rollout_id = req.rollout_id or header(request, "X-Rollout-Id")
     tracked, queue = await server.submit(items, rollout_id=rollout_id)
     head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
             "model": server.settings.model_name}
@@ -79,6 +80,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, server, tracked, queue, head, want_logprobs, usage)
         await wait_finished(tracked, queue)
+        if len(tracked) == 1 and tracked[0].failure:
+            return error_response(*tracked[0].failure)
         return json_response({**head, "choices": [_choice(server, t, 0, want_logprobs) for t in tracked],
                               "usage": _usage(tracked), "metadata": version_meta(
                                   tracked[0].version_spans, server.weight_version, len(tracked[0].output_ids))})

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from typing import Any, Callable, Optional
 
 from aiohttp import web
 
 from .app import Server, ServerSettings
-from .routes import build_app
+from .routes import build_app, build_metrics_app
 from ..protocol.shutdown import ABORT_WAIT_S, BRIDGE_STOP_S, RUNNER_SHUTDOWN_S
 from .bridge import EngineUnavailable
 
@@ -30,12 +31,30 @@ async def start(settings: ServerSettings, engine_factory: Callable[[], Any], tok
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None,
                            shutdown_timeout=RUNNER_SHUTDOWN_S)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    await _site(runner, settings.host, settings.port).start()
     host, port = runner.addresses[0][:2]
     settings.port = port                     # --port 0: report the port actually bound
+    if settings.metrics_port is not None:
+        scrape = web.AppRunner(build_metrics_app(server), access_log=None)
+        await scrape.setup()
+        await _site(scrape, settings.host, settings.metrics_port).start()
+        settings.metrics_port = scrape.addresses[0][1]
+        server.metrics_runner = scrape
+        log.info("/metrics also on http://%s:%d", host, settings.metrics_port)
     server.bridge.start()
-    return server, runner, f"http://{host}:{port}"
+    return server, runner, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _site(runner: web.AppRunner, host: str, port: int) -> web.BaseSite:
+    """`--host ::` listens on both stacks (asyncio's own `::` socket is IPv6 only), as a Go server's
+    does: a pod of a dual-stack cluster is reached on either address; v4 peers show as ::ffff:a.b.c.d."""
+    if host != "::":
+        return web.TCPSite(runner, host, port)
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(("::", port))
+    return web.SockSite(runner, sock)
 
 
 async def shutdown(server: Server, runner: web.AppRunner) -> None:
@@ -69,6 +88,8 @@ async def shutdown(server: Server, runner: web.AppRunner) -> None:
         while server.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     await runner.cleanup()
+    if server.metrics_runner is not None:
+        await server.metrics_runner.cleanup()
     await server.bridge.stop(BRIDGE_STOP_S)
 
 

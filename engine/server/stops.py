@@ -11,6 +11,11 @@ from typing import Callable, Optional
 
 from .protocol import BadRequest
 
+# Each new token decodes the last `window` tokens against every string on the event loop every
+# request shares: bounds that keep one request's stops from slowing the others' outputs.
+STOP_MAX_STRINGS = 64
+STOP_MAX_CHARS = 1024
+
 
 @dataclass(frozen=True)
 class StopStrings:
@@ -58,9 +63,13 @@ def take_stop_strings(sp: dict, tokenizer, where: str = "") -> tuple[dict, Optio
         return sp, None
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest(f"{where}sampling_params.stop must be a string or a list of strings, got {stop!r}")
+    if len(stop) > STOP_MAX_STRINGS:
+        raise BadRequest(f"{where}sampling_params.stop has {len(stop)} strings; at most {STOP_MAX_STRINGS}")
     for i, s in enumerate(stop):
         if not s:
             raise BadRequest(f"{where}sampling_params.stop[{i}] is an empty string")
+        if len(s) > STOP_MAX_CHARS:
+            raise BadRequest(f"{where}sampling_params.stop[{i}] is {len(s)} characters long; at most {STOP_MAX_CHARS}")
     if tokenizer is None:
         raise BadRequest(f"{where}sampling_params.stop needs a tokenizer (start the server with --tokenizer DIR, "
                          "or use stop_token_ids)")

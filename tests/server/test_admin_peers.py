@@ -112,11 +112,58 @@ def test_sglang_api_key_and_admin_api_key(tiny_model):
     assert api not in s.log and adm not in s.log
 
 
+def test_a_dual_stack_listener_admits_a_v4_trainer_by_its_mapped_address(tiny_model):
+    """On `--host ::` a v4 client's peer address is `::ffff:a.b.c.d`: it is the v4 peer it maps."""
+    s = ServerProcess(tiny_model, "--host", "::", "--admin-peers", f"{TRAINER}/32", "--api-key", "k")
+    port = s.url.rsplit(":", 1)[1]
+    try:
+        assert s.url.startswith("http://[::]:"), s.url
+        at = lambda source: httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                                         transport=httpx.HTTPTransport(local_address=source))
+        with at(TRAINER) as trainer, at(STRANGER) as stranger:
+            r = stranger.post("/pause_generation", json={})
+            assert r.status_code == 401, r.text
+            assert trainer.post("/pause_generation", json={}).status_code == 200
+            assert trainer.post("/continue_generation", json={}).status_code == 200
+            assert trainer.post("/generate", json=GEN).status_code == 200   # the key's routes too
+            assert stranger.post("/generate", json=GEN).status_code == 401
+    finally:
+        assert s.stop() == 0, s.log
+
+
+def test_api_key_file_live_and_the_metrics_port(tiny_model, tmp_path):
+    """The key from a file (a mounted Secret: not on the command line); the liveness probe carries no
+    key; --metrics-port serves /metrics and nothing else."""
+    key = "key-from-a-file"
+    (tmp_path / "key").write_text(key + "\n")
+    s = ServerProcess(tiny_model, "--api-key-file", str(tmp_path / "key"), "--metrics-port", "0")
+    try:
+        port = int(s.log.split("/metrics also on http://127.0.0.1:")[1].split()[0])
+        assert s.http.post("/generate", json=GEN).status_code == 401
+        assert s.http.post("/generate", json=GEN, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert s.http.get("/live").status_code == 200 and s.http.get("/health").status_code == 200
+        with open(f"/proc/{s.proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        scrape = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        r = scrape.get("/metrics")
+        assert r.status_code == 200 and "pdrollout:num_running_reqs" in r.text
+        for path in ("/generate", "/health", "/get_server_info", "/pause_generation"):
+            assert scrape.post(path, json=GEN).status_code in (404, 405), path
+            assert scrape.get(path).status_code == 404, path
+    finally:
+        assert s.stop() == 0, s.log
+    assert key not in s.log
+
+
 @pytest.mark.parametrize("args, why", [
     (["--admin-peers", "10.0.0.0/8,trainer-0"], "--admin-peers: 'trainer-0' is not an IP address or CIDR"),
     (["--admin-peers", ","], "--admin-peers: no address given"),
     (["--admin-api-key", "a", "--admin-token-file", "/dev/null"], "not both"),
-    (["--api-key", " "], "--api-key is empty")])
+    (["--api-key", " "], "--api-key is empty"),
+    (["--api-key", "a", "--api-key-file", "/dev/null"], "not both"),
+    (["--api-key-file", "/dev/null"], "--api-key-file /dev/null is empty"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file: No such file or directory"),
+    (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535]")])
 def test_bad_auth_flags_are_config_errors(tiny_model, args, why):
     r = subprocess.run([*SERVE, "--model", str(tiny_model), "--port", "0", *args],
                        capture_output=True, text=True, timeout=120)
