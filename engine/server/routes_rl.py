@@ -102,6 +102,10 @@ async def get_weight_version(request: web.Request) -> web.Response:
 async def _memory(request: web.Request, release: bool) -> web.Response:
     req = await read_json(request, MemoryRequest, allow_empty=True)
     server = server_of(request)
+    if not server.settings.enable_memory_saver:   # SGLang's memory saver off: a release there frees nothing
+        raise BadRequest(f"{request.path}: this server was started without --enable-memory-saver "
+                         "(/get_server_info: enable_memory_saver false), so it keeps its memory; "
+                         "start it with --enable-memory-saver to release and resume by tags")
 
     def apply(e):
         (e.release_memory if release else e.resume_memory)(req.tags)

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rl_common import ENGINE, TRAINER as TRAINER_SCRIPT, checkpoint
+import rl_clients
+from rl_common import ENGINE, checkpoint
 from rl_framework_calls import CALLS, TENSORS, TRAINER
 from serverproc import ServerProcess
 
@@ -47,7 +48,7 @@ def last_event(text: str) -> dict:
     return events[-1]
 
 
-TENSOR_TRAINER = str(Path(TRAINER_SCRIPT).with_name("rl_tensor_trainer.py"))
+TENSOR_TRAINER = str(Path(__file__).resolve().parent.parent / "rl_tensor_trainer.py")
 
 
 def push_tensors(url: str, model: str, ranks: int, fmt: dict) -> list[dict]:
@@ -67,9 +68,9 @@ def greedy(http: httpx.Client) -> list[int]:
 
 
 def push_weights(url: str, model: str, ranks: int, init_extra: dict) -> list[dict]:
-    r = subprocess.run([sys.executable, TRAINER_SCRIPT, "--url", url, "--model", model, "--engine-ranks", str(ranks),
-                        "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
-                        "--init-extra", json.dumps(init_extra)], capture_output=True, text=True, timeout=600)
+    r = rl_clients.run("rl_trainer.py", "--url", url, "--model", model, "--engine-ranks", str(ranks),
+                       "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
+                       "--init-extra", json.dumps(init_extra), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(x) for x in r.stdout.splitlines()]
 
@@ -86,7 +87,8 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
     token.write_text(TOKEN)
     ranks = 4 if topo.startswith("4") else 1
     s = ServerProcess(ckpts["s0"], *TOPOLOGIES[topo], "--engine-config", ENGINE, "--admin-token-file", str(token),
-                      "--admin-peers", f"{FRAMEWORK_ADDR}/32")
+                      "--admin-peers", f"{FRAMEWORK_ADDR}/32",
+                      "--enable-memory-saver")   # slime's --offload-rollout, verl's default
     framework = httpx.Client(base_url=s.url, timeout=300, transport=httpx.HTTPTransport(local_address=FRAMEWORK_ADDR))
     try:
         s0_tokens = greedy(framework)
