@@ -15,7 +15,7 @@ import pytest
 
 import rl_clients
 from rl_common import ENGINE, checkpoint
-from rl_framework_calls import CALLS, TENSORS, TRAINER
+from rl_framework_calls import CALLS, REFUSED, SLIME_SERVER_CHECK, TENSORS, TRAINER
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(1200)
@@ -96,7 +96,7 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
         subs = {"{prompt}": PROMPT, "{model}": ckpts["s1"], "{partial}": PROMPT + first["output_ids"]}
         for name, calls in CALLS.items():
             at_start = greedy(framework)
-            for method, path, body, reads in calls:
+            for method, path, body, reads, *headers in calls:
                 where = f"{name}: {method} {path} {json.dumps(body)[:120]}"
                 if method == TRAINER:
                     lines = push_weights(s.url, ckpts["s1"], ranks, body)
@@ -109,12 +109,13 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
                     assert len(answers) > 1 and all(a["status"] == 200 and a["body"]["success"] for a in answers), \
                         (where, answers)
                     continue
-                r = framework.request(method, path, **({} if body is None else {"json": fill(body, subs)}))
+                r = framework.request(method, path, headers=headers[0] if headers else None,
+                                      **({} if body is None else {"json": fill(body, subs)}))
                 assert r.status_code == 200, (where, r.status_code, r.text[:500])
                 out = last_event(r.text) if (body or {}).get("stream") else r.json()
                 for path_read, kind in (reads or {}).items():
                     assert isinstance(field(out, path_read), kind), (where, path_read, kind)
-                if path == "/v1/loads":
+                if path.startswith("/v1/loads"):
                     assert out["dp_rank_count"] == (2 if ranks == 4 else 1) and \
                         all(isinstance(x["num_running_reqs"], int) for x in out["loads"])
             assert not s.http.get("/get_server_info").json()["paused"], name
@@ -137,3 +138,35 @@ def test_init_group_leniency_and_strictness(server):
                          ({"master_port": 29500, "pp_rank": 1}, "pp_rank=1 is not supported")):
         r = server.http.post("/init_weights_update_group", json={**base, **extra})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("flags", list(SLIME_SERVER_CHECK))
+def test_slime_server_args_check_passes(flags, tiny_model):
+    """slime's external-engine start-up check (its fields and expected values, data from its source): on the
+    server's default arguments, and with --enable-memory-saver where slime runs with --offload-rollout."""
+    s = ServerProcess(tiny_model, *(["--enable-memory-saver"] if flags == "--offload-rollout" else []))
+    try:
+        for endpoint in ("/server_info", "/get_server_info"):   # slime tries the first, then the second
+            info = s.http.get(endpoint).json()
+            for name, expected in SLIME_SERVER_CHECK[flags].items():
+                assert info.get(name) == expected, (endpoint, name, info.get(name), expected)
+        # and what the flag decides: memory is released only with it, else a 400 naming it
+        r = s.http.post("/release_memory_occupation", json={})
+        if info["enable_memory_saver"]:
+            assert r.status_code == 200 and s.http.post("/resume_memory_occupation", json={}).status_code == 200
+        else:
+            assert r.status_code == 400 and "--enable-memory-saver" in r.json()["error"]["message"], r.text
+        assert s.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+                           ).status_code == 200
+    finally:
+        assert s.stop() == 0, s.log[-3000:]
+
+
+def test_refused_calls_name_what_is_unsupported(server):
+    """Routes and fields the frameworks call that this engine does not serve: a status and a message that
+    names them (never a bare 404, never a silent ignore); the server keeps serving."""
+    for framework, method, path, body, status, words in REFUSED:
+        r = server.http.request(method, path, **({} if body is None else {"json": body}))
+        assert r.status_code == status and words in r.text, (framework, path, r.status_code, r.text[:300])
+    r = server.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
