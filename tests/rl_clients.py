@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -77,11 +78,17 @@ def python() -> str:
     return str(clients_venv() / "bin" / "python")
 
 
-def run(script: str, *args: str, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
-    """One of tests/rl_*.py under the clients' python, tests/ on its path."""
+def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """One of tests/rl_*.py under the clients' python, tests/ on its path, to its exit. Its output goes
+    through files, not pipes: a torch_shm_manager it started (CPU tensors shared by name) outlives it
+    holding what it inherited, and a pipe would not reach its end until that daemon does."""
     env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([python(), str(HERE / script), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, **kw)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.run([python(), str(HERE / script), *args], stdout=out, stderr=err, text=True,
+                           timeout=timeout, env=env)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
 
 
 def popen(script: str, *args: str, **kw) -> subprocess.Popen:
