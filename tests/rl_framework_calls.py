@@ -40,6 +40,9 @@ REFUSED = [
     ("verl", "POST", "/load_lora_adapter_from_tensors", {"lora_name": "l", "config_dict": {},
                                                          "serialized_named_tensors": []}, 501, "LoRA adapters"),
     ("slime", "GET", "/v1/loads?include=memory", None, 400, "include=memory is not reported"),
+    # SkyRL 01dc9de: skyrl_train/inference_engines/remote_inference_engine.py (vLLM's sleep API sent to SGLang too)
+    ("skyrl", "POST", "/sleep", {"level": 1}, 501, "vLLM's sleep mode"),
+    ("skyrl", "POST", "/wake_up", {"tags": 1}, 501, "vLLM's sleep mode"),
 ]
 TRAINER = "TRAINER"
 TENSORS = "TENSORS"   # a trainer process pushes the new checkpoint with /update_weights_from_tensor

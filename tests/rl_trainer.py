@@ -76,6 +76,8 @@ def main() -> None:
     a.add_argument("--steps", default="init,update,destroy")
     a.add_argument("--port", type=int, default=0)
     a.add_argument("--source", default=None, help="bind the HTTP calls to this local address")
+    a.add_argument("--skyrl", action="store_true", help="SkyRL 01dc9de's bodies (remote_inference_engine.py): "
+                   "one tensor a request as {name, dtype, shape}, destroy with no body")
     a.add_argument("--init-extra", default="{}", help="JSON merged into the init body; "
                    '"master_port": "str" sends the port as a string (AReaL)')
     args = a.parse_args()
@@ -106,7 +108,14 @@ def main() -> None:
     if "wait" in steps:   # the caller says when (a line on stdin): the group stays formed meanwhile
         print(json.dumps({"waiting": True}), flush=True)
         input()
-    if "update" in steps:
+    if "update" in steps and args.skyrl:
+        for i, (name, t) in enumerate(tensors.items()):
+            body = {"name": name, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+            th, box = in_thread(lambda body=body: post(args.url + "/update_weights_from_distributed", body))
+            dist.broadcast(t.data, 0, group=pg)
+            th.join()
+            print(json.dumps({"update": box["r"], "bucket": i, "tensors": 1}), flush=True)
+    elif "update" in steps:
         for i, bucket in enumerate(slime_buckets(tensors, args.bucket_bytes)):
             body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": args.group,
@@ -120,8 +129,8 @@ def main() -> None:
             th.join()
             print(json.dumps({"update": box["r"], "bucket": i, "tensors": len(bucket)}), flush=True)
     if "destroy" in steps:
-        print(json.dumps({"destroy": post(args.url + "/destroy_weights_update_group", {"group_name": args.group})}),
-              flush=True)
+        body = {} if args.skyrl else {"group_name": args.group}
+        print(json.dumps({"destroy": post(args.url + "/destroy_weights_update_group", body)}), flush=True)
         if pg is not None:
             dist.destroy_process_group(pg)
     print(json.dumps({"done": True}), flush=True)

@@ -139,6 +139,10 @@ UNSUPPORTED = {
     "/load_lora_adapter": "LoRA adapters are not served: sync merged weights",
     "/unload_lora_adapter": "LoRA adapters are not served: sync merged weights",
     "/load_lora_adapter_from_tensors": "LoRA adapters are not served: sync merged weights",
+    "/sleep": "vLLM's sleep mode (SkyRL's remote engine calls it): use /release_memory_occupation with tags "
+              "(--enable-memory-saver)",
+    "/wake_up": "vLLM's sleep mode (SkyRL's remote engine calls it): use /resume_memory_occupation with tags "
+                "(--enable-memory-saver)",
     "/update_weights_from_ipc": "SGLang's checkpoint-engine IPC update: use /update_weights_from_tensor",
     "/init_weights_send_group_for_remote_instance": "remote-instance weight loading is not served",
     "/send_weights_to_remote_instance": "remote-instance weight loading is not served",

@@ -152,8 +152,13 @@ def test_slime_server_args_check_passes(flags, tiny_model):
                 assert info.get(name) == expected, (endpoint, name, info.get(name), expected)
         # and what the flag decides: memory is released only with it, else a 400 naming it
         r = s.http.post("/release_memory_occupation", json={})
-        if info["enable_memory_saver"]:
-            assert r.status_code == 200 and s.http.post("/resume_memory_occupation", json={}).status_code == 200
+        if info["enable_memory_saver"]:   # {} releases every tag; resuming two leaves the third, named
+            assert r.status_code == 200
+            for tags in (["weights"], ["kv_cache"]):
+                assert s.http.post("/resume_memory_occupation", json={"tags": tags}).status_code == 200
+            r = s.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400 and 'tag(s) cuda_graph still released' in r.text, r.text
+            assert s.http.post("/resume_memory_occupation", json={"tags": ["cuda_graph"]}).status_code == 200
         else:
             assert r.status_code == 400 and "--enable-memory-saver" in r.json()["error"]["message"], r.text
         assert s.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}

@@ -70,3 +70,28 @@ def test_sglang_helper_forms_the_group_and_slime_pushes_every_parameter(tmp_path
     finally:
         slime.close()
         assert s.stop() == 0, s.log[-3000:]
+
+
+def test_skyrl_pushes_one_tensor_a_request(tmp_path):
+    """SkyRL's remote SGLang engine: its init body, one tensor per /update_weights_from_distributed in SGLang's
+    earlier singular fields (name, dtype, shape), destroy with no body (the default group name)."""
+    s0, s1 = checkpoint(tmp_path / "s0", 0), checkpoint(tmp_path / "s1", 1)
+    fresh = ServerProcess(s1, "--engine-config", ENGINE)
+    try:
+        ref1 = greedy(fresh.http)
+    finally:
+        assert fresh.stop() == 0, fresh.log[-3000:]
+    s = ServerProcess(s0, "--engine-config", ENGINE)
+    try:
+        r = rl_clients.run("rl_trainer.py", "--url", s.url, "--model", s1, "--engine-ranks", "1", "--skyrl",
+                           "--group", "weight_update_group")
+        assert r.returncode == 0, r.stderr[-3000:] + s.log[-3000:]
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        answers = [x[k] for x in lines for k in ("init", "update", "destroy") if k in x]
+        assert len(answers) == 2 + len(load_file(f"{s1}/model.safetensors"))
+        assert all(a["status"] == 200 and a["body"]["success"] for a in answers), answers
+        assert greedy(s.http) == ref1
+        bad = s.http.post("/update_weights_from_distributed", json={"name": "model.norm.weight", "dtype": "float32"})
+        assert bad.status_code == 400 and "give name, dtype and shape together" in bad.text, bad.text
+    finally:
+        assert s.stop() == 0, s.log[-3000:]
