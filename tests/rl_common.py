@@ -1,4 +1,5 @@
-"""Shared by the RL-loop tests: the engine config, the trainer script, checkpoints made by the CLI."""
+"""Shared by the RL-loop tests: the engine config, checkpoints made by the CLI, a trainer's POST (the
+trainers run under the RL clients' python: tests/rl_clients.py)."""
 from __future__ import annotations
 
 import http.client
@@ -9,7 +10,6 @@ import urllib.parse
 from pathlib import Path
 
 ENGINE = json.dumps({"block_size": 4, "num_blocks": 256})
-TRAINER = str(Path(__file__).resolve().parent / "rl_trainer.py")
 
 
 def checkpoint(out: Path, seed: int) -> str:

@@ -12,6 +12,38 @@ GEN_READS = {"text": str, "output_ids": list, "meta_info.finish_reason.type": st
              "meta_info.output_token_logprobs": list}
 SERVER_ARGS = {"enable_memory_saver": bool, "enable_return_routed_experts": bool, "tp_size": int, "dp_size": int,
                "ep_size": int, "model_path": str}
+# slime's external-engine check (slime/backends/sglang_utils/sglang_engine.py, _compute_server_args and
+# _sanity_check_server_args): the fields of its expected server args not in _EXTERNAL_ENGINE_SKIP_CHECK_FIELDS,
+# by slime flag, with the value slime asserts /server_info reports. --fp16 adds dtype "float16" (this
+# engine serves bf16 checkpoints: not replayed).
+SLIME_SERVER_CHECK = {
+    "default": {"enable_memory_saver": False},                        # enable_memory_saver = args.offload_rollout
+    "--offload-rollout": {"enable_memory_saver": True},
+    "--use-rollout-routing-replay": {"enable_memory_saver": False, "enable_return_routed_experts": True},
+}
+# Calls a framework makes that this engine refuses: (framework, method, path, body, status, words in the message).
+REFUSED = [
+    # slime: rollout/sglang_rollout.py GenerateState (top_p != 1), sglang_engine.py check_weights / post_process_weights
+    # / pull_weights
+    ("slime", "POST", "/generate", {"input_ids": [3, 5], "sampling_params": {
+        "top_p": 0.9, "max_new_tokens": 2, "custom_params": {"return_top_p_token_ids": True}}}, 400,
+     "custom_params.return_top_p_token_ids is not supported"),
+    ("slime", "POST", "/weights_checker", {"action": "snapshot"}, 501, "/weights_checker is not supported"),
+    ("slime", "POST", "/post_process_weights", {"restore_weights_before_load": True, "post_process_quantization": False},
+     501, "/post_process_weights is not supported"),
+    ("slime", "POST", "/pull_weights", {"local_checkpoint_dir": "/c", "source_dir": "/s", "target_version": 1}, 501,
+     "/pull_weights is not supported"),
+    # AReaL: areal/engine/sglang_remote.py build_disk_weight_update_requests with use_lora
+    ("areal", "POST", "/load_lora_adapter", {"lora_name": "lora-v1", "lora_path": "/ckpt"}, 501, "LoRA adapters"),
+    ("areal", "POST", "/unload_lora_adapter", {"lora_name": "lora-v0"}, 501, "LoRA adapters"),
+    # verl: sglang_rollout.py update_weights with a served LoRA adapter; SGLang's include sections
+    ("verl", "POST", "/load_lora_adapter_from_tensors", {"lora_name": "l", "config_dict": {},
+                                                         "serialized_named_tensors": []}, 501, "LoRA adapters"),
+    ("slime", "GET", "/v1/loads?include=memory", None, 400, "include=memory is not reported"),
+    # SkyRL 01dc9de: skyrl_train/inference_engines/remote_inference_engine.py (vLLM's sleep API sent to SGLang too)
+    ("skyrl", "POST", "/sleep", {"level": 1}, 501, "vLLM's sleep mode"),
+    ("skyrl", "POST", "/wake_up", {"tags": 1}, 501, "vLLM's sleep mode"),
+]
 TRAINER = "TRAINER"
 TENSORS = "TENSORS"   # a trainer process pushes the new checkpoint with /update_weights_from_tensor
 
@@ -33,7 +65,15 @@ CALLS = {
         ("POST", "/generate", {"input_ids": "{partial}", "return_logprob": True,
                                "sampling_params": {"temperature": 1.0, "max_new_tokens": 3, "no_stop_trim": True}},
          GEN_READS),
+        # slime/rollout/sglang_streaming_rollout.py: the same body streamed, cumulative chunks read per
+        # line; with router_policy consistent_hashing the session goes in X-SMG-Routing-Key
+        ("POST", "/generate", {"input_ids": "{prompt}", "return_logprob": True, "stream": True, "sampling_params": {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "stop": None, "stop_token_ids": None,
+            "skip_special_tokens": True, "no_stop_trim": True, "spaces_between_special_tokens": False}}, GEN_READS,
+         {"X-SMG-Routing-Key": "session-7"}),
         ("POST", "/abort_request", {"abort_all": True}, {"success": bool}),
+        # slime/backends/sglang_utils/server_control.py: abort until idle, counting running + waiting
+        ("GET", "/v1/loads?include=core", None, {"loads": list}),
         ("GET", "/v1/loads", None, {"loads": list, "dp_rank_count": int}),
         ("POST", "/pause_generation", {"mode": "abort"}, {"success": bool}),
         ("GET", "/flush_cache", None, {"success": bool}),

@@ -10,6 +10,7 @@ replica with the fewest unfinished requests and stays there (its KV and prefix b
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 
@@ -101,8 +102,9 @@ class Engine(EngineOps):
         if isinstance(rid, str) and rid in self.replica_of:
             raise RequestError(f"request id {rid!r} is already running")
         if self.released:
-            raise RequestError(f"the engine's memory is released ({', '.join(sorted(self.released))}): "
-                               "/resume_memory_occupation first")
+            tags = sorted(self.released)
+            raise RequestError(f"the engine's memory is released: tag(s) {', '.join(tags)} still released; POST "
+                               f"/resume_memory_occupation {{\"tags\": {json.dumps(tags)}}} (or {{}} for all) first")
         r = min(range(len(self.schedulers)), key=lambda i: (len(self.schedulers[i].reqs), i))
         self.schedulers[r].submit(rid, input_ids, sampling, return_logprob, rollout_id, routes_from, priority)
         self.replica_of[rid] = r

@@ -1,8 +1,12 @@
 """Named tensors as SGLang's `/update_weights_from_tensor` carries them: each entry of
 `serialized_named_tensors` is base64 of a pickle written by torch's multiprocessing pickler
 (SGLang's MultiprocessingSerializer), so CUDA tensors travel as IPC handles; CPU tensors travel by
-value (a plain pickle: the data inline). CPU shared memory is refused: a file descriptor cannot
-cross process trees, and a shared-memory name would tie the server to the trainer's torch_shm_manager.
+value (a plain pickle: the data inline) or, pickled by torch's multiprocessing pickler with the
+`file_system` sharing strategy, as a shared-memory name this host's server opens (through the
+trainer's torch_shm_manager, while the trainer keeps the tensor). A CPU tensor shared by file
+descriptor (torch's default strategy) is refused with that advice: the descriptor comes from the
+trainer's multiprocessing resource sharer, which hands it only to a process holding the trainer's
+multiprocessing authkey, i.e. its own children (SGLang's server cannot take one either).
 
 Unpickling runs code, so `load_entry` is a restricted unpickler: it admits only torch's tensor and
 storage rebuild functions, dtypes, `torch.Size`, `OrderedDict`, and by name SGLang's two record
@@ -53,8 +57,9 @@ def _load_by_value(data: bytes):
 
 
 _REDUCTIONS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_empty", "rebuild_typed_storage",
-               "rebuild_typed_storage_child")
-_CPU_SHARED = ("rebuild_storage_fd", "rebuild_storage_filename")
+               "rebuild_typed_storage_child", "rebuild_storage_filename")
+_CPU_BY_FD = (("torch.multiprocessing.reductions", "rebuild_storage_fd"), ("multiprocessing.resource_sharer", "DupFd"),
+              ("multiprocessing.reduction", "DupFd"))
 _ALLOWED = {("torch.multiprocessing.reductions", n) for n in _REDUCTIONS} | {
     ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
     ("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch", "UntypedStorage"),
@@ -83,9 +88,12 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return _load_by_value
-        if module == "torch.multiprocessing.reductions" and name in _CPU_SHARED:
-            raise PayloadError("a CPU tensor in shared memory cannot be read by the server: send CPU tensors "
-                               "by value (pickle.dumps, base64) or CUDA tensors (IPC handles)")
+        if (module, name) in _CPU_BY_FD:
+            raise PayloadError("a CPU tensor shared by file descriptor (torch's default sharing strategy) can be "
+                               "taken only by a child of the trainer's process (its multiprocessing authkey): on "
+                               "this host call torch.multiprocessing.set_sharing_strategy('file_system') in the "
+                               "trainer before serializing, or send CPU tensors by value (pickle.dumps, base64), "
+                               "or CUDA tensors (IPC handles)")
         if name == "_rebuild_cuda_tensor_modified" and module.startswith("sglang."):
             return _rebuild_cuda_by_uuid
         if name in _RECORDS and module.startswith(_RECORD_MODULES):

@@ -5,9 +5,13 @@ back and taking it again. Rank 0 checks every argument before the op is broadcas
 reaches a rank is runnable (a request's tensors: every rank checks its own before any rank
 writes); each rank keeps its own ATP/EP shard of what arrives (model/weights.py).
 
-The update group is a process group of its own, over a store at the trainer's address (the
-trainer is rank 0 and hosts it; this engine's rank r is `rank_offset + r`): it never touches the
-engine's default group, so a trainer that forms it the way SGLang's clients do talks to it as is.
+The update group is a process group of its own, formed the way SGLang's engine forms it (its
+`init_custom_process_group`, which slime's and AReaL's trainers copy): torch's rendezvous at the
+trainer's `tcp://` address (the trainer is rank 0 and hosts the store; this engine's rank r is
+`rank_offset + r`), the store wrapped in `PrefixStore(group_name)`, then torch's group helper,
+which prefixes the name and the backend's device once more. Only that full key layout meets a
+trainer's; the engine's default group is never touched (the helper is called as for a default
+group: no ranks of the world, no split from it). The backend is a parameter: gloo on CPU, NCCL on GPUs.
 """
 from __future__ import annotations
 
@@ -28,34 +32,28 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 class UpdateGroup:
     def __init__(self, args: dict, rank: int, device: torch.device) -> None:
+        from torch.distributed.distributed_c10d import _new_process_group_helper, _world
         self.backend = args["backend"]
         self.rank = args["rank_offset"] + rank
         self.device = device if self.backend == "nccl" else torch.device("cpu")
-        self.store = dist.TCPStore(args["master_address"], args["master_port"], args["world_size"],
-                                   is_master=False, timeout=GROUP_TIMEOUT)
-        # The keys torch's own group helper uses (the group name, then the first device its
-        # backend serves: cpu for gloo, cuda for nccl), so a trainer that forms the group with
-        # torch's helper, as SGLang's clients do, meets this one on the same keys.
-        prefix = dist.PrefixStore(f"{args['group_name']}/", self.store)
-        size = args["world_size"]
-        if self.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = GROUP_TIMEOUT
-            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), self.rank, size, opts)
-        else:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), self.rank, size, GROUP_TIMEOUT)
+        size, name = args["world_size"], args["group_name"]
+        host = args["master_address"]
+        url = f"tcp://{'[' + host + ']' if ':' in host and not host.startswith('[') else host}:{args['master_port']}"
+        store, _, _ = next(dist.rendezvous(url, self.rank, size, timeout=GROUP_TIMEOUT))
+        store.set_timeout(GROUP_TIMEOUT)
+        self.pg, _ = _new_process_group_helper(size, self.rank, [], dist.Backend(self.backend),
+                                               dist.PrefixStore(name, store), group_name=name,
+                                               timeout=GROUP_TIMEOUT, group_desc=name)
+        _world.pg_group_ranks[self.pg] = {i: i for i in range(size)}   # group rank = its own rank
+        self.store = store
 
     def receive(self, shape, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        dist.broadcast(t, 0, group=self.pg)
         return t
 
     def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if shutdown is not None and self.backend == "nccl":
-            shutdown()
+        dist.destroy_process_group(self.pg)
         self.pg = self.store = None
 
 

@@ -100,6 +100,9 @@ class SamplingParams:
             v = d.pop("custom_params")
             if v is not None and not isinstance(v, dict):
                 raise RequestError(f"sampling_params.custom_params must be an object, got {v!r}")
+            if v and v.get("return_top_p_token_ids"):   # slime's top_p != 1 rollouts read meta_info.top_p_token_ids
+                raise RequestError("sampling_params.custom_params.return_top_p_token_ids is not supported: this "
+                                   "engine does not report the top-p kept token ids (roll out with top_p 1.0)")
         for key, neutral in _NEUTRAL.items():
             if key in d:
                 v = d.pop(key)

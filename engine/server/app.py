@@ -43,6 +43,8 @@ class ServerSettings:
     rollout_idle_s: float = 5.0
     incremental_streaming_output: bool = False   # SGLang's default: cumulative chunks
     health_generate_timeout_s: float = 20.0
+    enable_memory_saver: bool = False            # SGLang's flag: release/resume_memory_occupation are served
+    tool_call_parser: str = "qwen25"             # SGLang's flag: chat's tool calls out of Qwen's <tool_call>
     # required (Bearer) on the admin routes; None: they are open. Never returned or logged (server_info.py).
     admin_token: Optional[str] = field(default=None, repr=False)
     api_key: Optional[str] = field(default=None, repr=False)      # SGLang's --api-key (auth.py)

@@ -55,6 +55,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--admin-peers", default=None, metavar="CIDR[,CIDR...]",
                    help="requests from these peer addresses are admitted to every route without a key "
                         "(the RL trainer's pods); loopback is not trusted unless listed")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="SGLang's flag: /release_memory_occupation and /resume_memory_occupation free and "
+                        "take back the weights, KV cache and CUDA graphs (without it they are refused), "
+                        "and /get_server_info says enable_memory_saver true")
+    p.add_argument("--tool-call-parser", choices=("qwen25", "qwen", "none"), default="qwen25",
+                   help="SGLang's flag: chat completions with tools return Qwen's <tool_call> blocks as "
+                        "tool_calls (none: left in the text)")
     p.add_argument("--log-level", default="info")
     from ..runtime.options import add_layout_args, add_rank_args, add_spec_args
     add_layout_args(p)
@@ -137,7 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
                               rollout_idle_s=args.rollout_idle,
                               incremental_streaming_output=args.incremental_streaming_output,
                               admin_token=admin_token, api_key=api_key, admin_peers=admin_peers,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, enable_memory_saver=args.enable_memory_saver,
+                              tool_call_parser=args.tool_call_parser)
     if admin_peers:
         logging.getLogger("pdrollout.server").info(
             "admin peers (admitted without a key): %s", ", ".join(map(str, admin_peers)))

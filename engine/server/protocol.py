@@ -226,9 +226,13 @@ class InitGroupRequest(_Strict):
 
 
 class UpdateFromDistributedRequest(_Strict):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[StrictInt]]
+    names: list[str] = Field(default_factory=list)
+    dtypes: list[str] = Field(default_factory=list)
+    shapes: list[list[StrictInt]] = Field(default_factory=list)
+    # one tensor, SGLang's earlier singular fields (SkyRL's remote engine sends them)
+    name: Optional[str] = None
+    dtype: Optional[str] = None
+    shape: Optional[list[StrictInt]] = None
     group_name: str = "weight_update_group"
     flush_cache: StrictBool = True
     abort_all_requests: StrictBool = False
@@ -242,6 +246,13 @@ class UpdateFromDistributedRequest(_Strict):
     def _check(self):
         _only("load_format", self.load_format, (None,))
         _only("selector", self.selector, ("all", "target"))   # no draft model here
+        single = (self.name, self.dtype, self.shape)
+        if any(x is not None for x in single):
+            if any(x is None for x in single) or self.names or self.dtypes or self.shapes:
+                raise ValueError("give name, dtype and shape together (one tensor), or names, dtypes and shapes")
+            self.names, self.dtypes, self.shapes = [self.name], [self.dtype], [self.shape]
+        elif not self.names:
+            raise ValueError("names, dtypes and shapes are required (or name, dtype and shape for one tensor)")
         return self
 
 

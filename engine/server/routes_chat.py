@@ -1,8 +1,9 @@
 """OpenAI `/v1/chat/completions` (streaming too) for a model directory whose tokenizer has a chat
 template: the messages (and `tools`, as the template renders them) become the prompt exactly as
 transformers' `apply_chat_template(..., add_generation_prompt=True)` makes it, then generation runs
-as any other request. The answer is the assistant's text; tool calls stay in that text (no tool
-parser), which agent loops that parse their own format read as is."""
+as any other request. The answer is the assistant's text; with `tools` (and `tool_choice` auto)
+the calls Qwen 3 writes in its `<tool_call>` blocks come out as OpenAI `tool_calls` (tool_calls.py,
+SGLang's `--tool-call-parser qwen25`), streaming too; `--tool-call-parser none` leaves them in the text."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from .bridge import Tracked
 from .client_strings import header
 from .protocol import PRIORITY_MAX, BadRequest, GenerateItem, StreamOptions, _Strict, _neutral, openai_sampling_params, version_meta
 from .routes_native import sse, wait_finished
+from .tool_calls import ToolStream, parse as parse_tool_calls
 
 
 class ChatRequest(_Strict):
@@ -56,6 +58,9 @@ class ChatRequest(_Strict):
         _neutral("n", self.n, (1,))
         _neutral("top_logprobs", self.top_logprobs, (None, 0))
         _neutral("response_format", self.response_format, (None,))
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported (no constrained decoding here: "
+                             "only 'auto' or 'none')")
         if not self.messages:
             raise ValueError("messages is empty")
         for i, m in enumerate(self.messages):
@@ -99,8 +104,14 @@ def prompt_ids(server: Server, req: ChatRequest) -> list[int]:
     return ids
 
 
-def _finish(t: Tracked) -> Optional[str]:
-    return t.finish_reason["type"] if t.finished and t.finish_reason else None
+def _finish(t: Tracked, tool_calls: bool = False) -> Optional[str]:
+    """OpenAI's finish_reason; a natural stop after tool calls is `tool_calls` (as SGLang's)."""
+    kind = t.finish_reason["type"] if t.finished and t.finish_reason else None
+    return "tool_calls" if tool_calls and kind == "stop" else kind
+
+
+def _parses_tools(server: Server, req: ChatRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none" and server.settings.tool_call_parser != "none"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -116,16 +127,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _stream(request, server, t, queue, head, usage)
+            return await _stream(request, server, t, queue, head, usage,
+                                 ToolStream(req.tools) if _parses_tools(server, req) else None)
         await wait_finished(tracked, queue)
         if t.failure:
             return error_response(*t.failure)
-        text = t.text(server.tokenizer.decode)
+        text, calls = t.text(server.tokenizer.decode), []
+        if _parses_tools(server, req):
+            text, calls = parse_tool_calls(text, req.tools)
+        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         lps = {"content": [{"token": server.tokenizer.decode([i]), "logprob": lp}
                            for i, lp in zip(t.output_ids, t.logprobs)]} if req.logprobs else None
         return json_response({**head, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-            "finish_reason": _finish(t), "matched_stop": (t.finish_reason or {}).get("matched")}],
+            "index": 0, "message": message, "logprobs": lps,
+            "finish_reason": _finish(t, bool(calls)), "matched_stop": (t.finish_reason or {}).get("matched")}],
             "usage": _usage(t), "metadata": chat_metadata(t, server.weight_version)})
     finally:
         server.release(tracked, queue)
@@ -145,12 +160,12 @@ def _usage(t: Tracked) -> dict:
 
 
 async def _stream(request, server: Server, t: Tracked, queue: asyncio.Queue, head: dict,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, tools: Optional[ToolStream]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     chunk = lambda delta, finish=None: sse({**head, "object": "chat.completion.chunk", "choices": [
         {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
-    sent = ""
+    sent, called = "", False
     try:
         await resp.write(chunk({"role": "assistant", "content": ""}))
         while True:
@@ -158,10 +173,16 @@ async def _stream(request, server: Server, t: Tracked, queue: asyncio.Queue, hea
             while not queue.empty():
                 queue.get_nowait()
             text = t.text(server.tokenizer.decode)   # whole text: a split multi-byte char heals
-            if len(text) > len(sent) or t.finished:
-                await resp.write(chunk({"content": text[len(sent):]} if len(text) > len(sent) else {},
-                                       _finish(t)))
-                sent = text
+            new, sent = text[len(sent):], text if len(text) > len(sent) else sent
+            calls = []
+            if tools is not None:   # held from a <tool_call> on until its block closes
+                new, calls = tools.feed(new)
+                new += tools.finish() if t.finished else ""
+            for c in calls:
+                await resp.write(chunk({"tool_calls": [c]}))
+            called = called or bool(calls)
+            if new or t.finished:
+                await resp.write(chunk({"content": new} if new else {}, _finish(t, called)))
             if t.finished:
                 break
         if include_usage:

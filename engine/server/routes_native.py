@@ -217,7 +217,19 @@ def _loads(engine) -> list[dict]:
     return out
 
 
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")   # SGLang's `include=` names
+
+
 async def loads(request: web.Request) -> web.Response:
+    """`include=` (SGLang's comma-separated sections; slime asks for `core`): the core fields are all
+    this engine reports, so another section is refused by name rather than left out silently."""
+    include = [x.strip() for x in request.query.get("include", "").split(",") if x.strip()]
+    bad = [x for x in include if x not in LOAD_SECTIONS]
+    if bad:
+        raise BadRequest(f"include: unknown section(s) {bad}; valid: {', '.join(LOAD_SECTIONS)}")
+    missing = [x for x in include if x not in ("core", "all")]
+    if missing:
+        raise BadRequest(f"include={','.join(missing)} is not reported by this server (only core)")
     loads = await server_of(request).bridge.call(_loads)
     return json_response({"timestamp": time.time(), "dp_rank_count": len(loads), "loads": loads})
 

@@ -102,6 +102,10 @@ async def get_weight_version(request: web.Request) -> web.Response:
 async def _memory(request: web.Request, release: bool) -> web.Response:
     req = await read_json(request, MemoryRequest, allow_empty=True)
     server = server_of(request)
+    if not server.settings.enable_memory_saver:   # SGLang's memory saver off: a release there frees nothing
+        raise BadRequest(f"{request.path}: this server was started without --enable-memory-saver "
+                         "(/get_server_info: enable_memory_saver false), so it keeps its memory; "
+                         "start it with --enable-memory-saver to release and resume by tags")
 
     def apply(e):
         (e.release_memory if release else e.resume_memory)(req.tags)
@@ -123,8 +127,40 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return await _memory(request, release=False)
 
 
+# SGLang routes RL frameworks call that this engine does not serve: refused with what and why,
+# never a bare 404 (docs/SERVER.md, "What each framework calls").
+UNSUPPORTED = {
+    "/weights_checker": "slime's --check-weight-update-equal: no weight snapshot/compare here; compare greedy "
+                        "outputs against a fresh server on the same checkpoint instead",
+    "/post_process_weights": "slime's quantized (int4/fp4 compressed-tensors) weight post-processing: this engine "
+                             "loads bf16/fp8 checkpoints only",
+    "/pull_weights": "slime's disk-delta weight pull: push weights with /update_weights_from_disk, "
+                     "/update_weights_from_distributed or /update_weights_from_tensor",
+    "/load_lora_adapter": "LoRA adapters are not served: sync merged weights",
+    "/unload_lora_adapter": "LoRA adapters are not served: sync merged weights",
+    "/load_lora_adapter_from_tensors": "LoRA adapters are not served: sync merged weights",
+    "/sleep": "vLLM's sleep mode (SkyRL's remote engine calls it): use /release_memory_occupation with tags "
+              "(--enable-memory-saver)",
+    "/wake_up": "vLLM's sleep mode (SkyRL's remote engine calls it): use /resume_memory_occupation with tags "
+                "(--enable-memory-saver)",
+    "/update_weights_from_ipc": "SGLang's checkpoint-engine IPC update: use /update_weights_from_tensor",
+    "/init_weights_send_group_for_remote_instance": "remote-instance weight loading is not served",
+    "/send_weights_to_remote_instance": "remote-instance weight loading is not served",
+}
+
+
+async def unsupported(request: web.Request) -> web.Response:
+    why = UNSUPPORTED[request.path]
+    log.warning("%s %s refused: not served (%s)", request.method, request.path, why)
+    return json_response({"success": False, "message": f"{request.path} is not supported by pdrollout: {why}",
+                          "error": {"message": f"{request.path} is not supported by pdrollout: {why}",
+                                    "type": "not_implemented", "code": 501}}, 501)
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
+    for path in UNSUPPORTED:
+        r.add_route("*", path, unsupported)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/init_weights_update_group", init_weights_update_group)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)

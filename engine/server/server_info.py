@@ -1,8 +1,9 @@
 """What `GET /get_server_info` says about the server: an allow-list of public settings, never a dump.
 
 SGLang's route returns its whole `ServerArgs`; RL clients read a few of those names (slime's external
-engine mode checks `enable_memory_saver`, `enable_return_routed_experts` and sizes its weight-update
-group from `tp_size`/`dp_size`/`ep_size`). We answer with the same names and this engine's true values.
+engine mode asserts `enable_memory_saver` equals its --offload-rollout and, with routing replay,
+`enable_return_routed_experts` true; it sizes its weight-update group from `tp_size`/`dp_size`/`ep_size`).
+We answer with the same names and this engine's values as configured.
 Settings are named here one by one, so a secret added to `ServerSettings` later stays out by default.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 # ServerSettings fields a client may read; anything else (the admin token above all) is never returned.
 PUBLIC_SETTINGS = ("model", "served_model_name", "host", "port", "mode", "device", "max_body_bytes",
                    "drain_timeout_s", "rollout_idle_s", "incremental_streaming_output",
-                   "health_generate_timeout_s")
+                   "health_generate_timeout_s", "tool_call_parser")
 
 
 def public_settings(settings) -> dict:
@@ -44,8 +45,9 @@ def sglang_server_args(settings, facts: dict, tokenizer_path) -> dict:
         # this engine's own: how rank 0's KV cache was sized (kv_mem_fraction None: a size was given)
         "kv_cache_bytes": facts["kv_cache_bytes"], "kv_mem_fraction": facts["kv_mem_fraction"],
         "kv_free_bytes": facts["kv_free_bytes"],
-        # release/resume_memory_occupation are served (by tags), and /generate returns routed experts
-        "enable_memory_saver": True, "enable_return_routed_experts": True,
+        # as configured (--enable-memory-saver: release/resume_memory_occupation are served, by tags;
+        # slime's external-engine check compares it with its --offload-rollout); /generate returns routed experts
+        "enable_memory_saver": settings.enable_memory_saver, "enable_return_routed_experts": True,
         "speculative_algorithm": {"ngram": "NGRAM", "draft": "STANDALONE", "mtp": "EAGLE"}.get(spec) if spec else None,
         "speculative_num_draft_tokens": facts.get("speculative_k") or None,
         "skip_tokenizer_init": tokenizer_path is None,

@@ -117,7 +117,7 @@ def test_the_token_leaves_the_server_through_no_route(tiny_model, tmp_path):
     server's log. A dedicated server: the sweep pauses, releases and aborts."""
     f = tmp_path / "token"
     f.write_text(TOKEN)
-    s = ServerProcess(tiny_model, "--admin-token-file", str(f))
+    s = ServerProcess(tiny_model, "--admin-token-file", str(f), "--enable-memory-saver")
     try:
         seen = 0
 

@@ -26,7 +26,8 @@ def client(s: ServerProcess, source: str, **headers) -> httpx.Client:
 def deployed(tiny_model, tmp_path_factory):
     f = tmp_path_factory.mktemp("peers") / "token"
     f.write_text(TOKEN)
-    s = ServerProcess(tiny_model, "--admin-token-file", str(f), "--admin-peers", f"{TRAINER}/32,10.0.0.0/8")
+    s = ServerProcess(tiny_model, "--admin-token-file", str(f), "--admin-peers", f"{TRAINER}/32,10.0.0.0/8",
+                      "--enable-memory-saver")
     yield s
     assert s.stop() == 0, s.log
     assert TOKEN not in s.log

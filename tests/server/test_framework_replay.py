@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rl_common import ENGINE, TRAINER as TRAINER_SCRIPT, checkpoint
-from rl_framework_calls import CALLS, TENSORS, TRAINER
+import rl_clients
+from rl_common import ENGINE, checkpoint
+from rl_framework_calls import CALLS, REFUSED, SLIME_SERVER_CHECK, TENSORS, TRAINER
 from serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(1200)
@@ -47,7 +48,7 @@ def last_event(text: str) -> dict:
     return events[-1]
 
 
-TENSOR_TRAINER = str(Path(TRAINER_SCRIPT).with_name("rl_tensor_trainer.py"))
+TENSOR_TRAINER = str(Path(__file__).resolve().parent.parent / "rl_tensor_trainer.py")
 
 
 def push_tensors(url: str, model: str, ranks: int, fmt: dict) -> list[dict]:
@@ -67,9 +68,9 @@ def greedy(http: httpx.Client) -> list[int]:
 
 
 def push_weights(url: str, model: str, ranks: int, init_extra: dict) -> list[dict]:
-    r = subprocess.run([sys.executable, TRAINER_SCRIPT, "--url", url, "--model", model, "--engine-ranks", str(ranks),
-                        "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
-                        "--init-extra", json.dumps(init_extra)], capture_output=True, text=True, timeout=600)
+    r = rl_clients.run("rl_trainer.py", "--url", url, "--model", model, "--engine-ranks", str(ranks),
+                       "--version", "trainer-step", "--bucket-bytes", str(256 << 10), "--source", FRAMEWORK_ADDR,
+                       "--init-extra", json.dumps(init_extra), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(x) for x in r.stdout.splitlines()]
 
@@ -86,7 +87,8 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
     token.write_text(TOKEN)
     ranks = 4 if topo.startswith("4") else 1
     s = ServerProcess(ckpts["s0"], *TOPOLOGIES[topo], "--engine-config", ENGINE, "--admin-token-file", str(token),
-                      "--admin-peers", f"{FRAMEWORK_ADDR}/32")
+                      "--admin-peers", f"{FRAMEWORK_ADDR}/32",
+                      "--enable-memory-saver")   # slime's --offload-rollout, verl's default
     framework = httpx.Client(base_url=s.url, timeout=300, transport=httpx.HTTPTransport(local_address=FRAMEWORK_ADDR))
     try:
         s0_tokens = greedy(framework)
@@ -94,7 +96,7 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
         subs = {"{prompt}": PROMPT, "{model}": ckpts["s1"], "{partial}": PROMPT + first["output_ids"]}
         for name, calls in CALLS.items():
             at_start = greedy(framework)
-            for method, path, body, reads in calls:
+            for method, path, body, reads, *headers in calls:
                 where = f"{name}: {method} {path} {json.dumps(body)[:120]}"
                 if method == TRAINER:
                     lines = push_weights(s.url, ckpts["s1"], ranks, body)
@@ -107,12 +109,13 @@ def test_frameworks_drive_the_server_unchanged(ckpts, topo, tmp_path):
                     assert len(answers) > 1 and all(a["status"] == 200 and a["body"]["success"] for a in answers), \
                         (where, answers)
                     continue
-                r = framework.request(method, path, **({} if body is None else {"json": fill(body, subs)}))
+                r = framework.request(method, path, headers=headers[0] if headers else None,
+                                      **({} if body is None else {"json": fill(body, subs)}))
                 assert r.status_code == 200, (where, r.status_code, r.text[:500])
                 out = last_event(r.text) if (body or {}).get("stream") else r.json()
                 for path_read, kind in (reads or {}).items():
                     assert isinstance(field(out, path_read), kind), (where, path_read, kind)
-                if path == "/v1/loads":
+                if path.startswith("/v1/loads"):
                     assert out["dp_rank_count"] == (2 if ranks == 4 else 1) and \
                         all(isinstance(x["num_running_reqs"], int) for x in out["loads"])
             assert not s.http.get("/get_server_info").json()["paused"], name
@@ -135,3 +138,40 @@ def test_init_group_leniency_and_strictness(server):
                          ({"master_port": 29500, "pp_rank": 1}, "pp_rank=1 is not supported")):
         r = server.http.post("/init_weights_update_group", json={**base, **extra})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("flags", list(SLIME_SERVER_CHECK))
+def test_slime_server_args_check_passes(flags, tiny_model):
+    """slime's external-engine start-up check (its fields and expected values, data from its source): on the
+    server's default arguments, and with --enable-memory-saver where slime runs with --offload-rollout."""
+    s = ServerProcess(tiny_model, *(["--enable-memory-saver"] if flags == "--offload-rollout" else []))
+    try:
+        for endpoint in ("/server_info", "/get_server_info"):   # slime tries the first, then the second
+            info = s.http.get(endpoint).json()
+            for name, expected in SLIME_SERVER_CHECK[flags].items():
+                assert info.get(name) == expected, (endpoint, name, info.get(name), expected)
+        # and what the flag decides: memory is released only with it, else a 400 naming it
+        r = s.http.post("/release_memory_occupation", json={})
+        if info["enable_memory_saver"]:   # {} releases every tag; resuming two leaves the third, named
+            assert r.status_code == 200
+            for tags in (["weights"], ["kv_cache"]):
+                assert s.http.post("/resume_memory_occupation", json={"tags": tags}).status_code == 200
+            r = s.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400 and 'tag(s) cuda_graph still released' in r.text, r.text
+            assert s.http.post("/resume_memory_occupation", json={"tags": ["cuda_graph"]}).status_code == 200
+        else:
+            assert r.status_code == 400 and "--enable-memory-saver" in r.json()["error"]["message"], r.text
+        assert s.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+                           ).status_code == 200
+    finally:
+        assert s.stop() == 0, s.log[-3000:]
+
+
+def test_refused_calls_name_what_is_unsupported(server):
+    """Routes and fields the frameworks call that this engine does not serve: a status and a message that
+    names them (never a bare 404, never a silent ignore); the server keeps serving."""
+    for framework, method, path, body, status, words in REFUSED:
+        r = server.http.request(method, path, **({} if body is None else {"json": body}))
+        assert r.status_code == status and words in r.text, (framework, path, r.status_code, r.text[:300])
+    r = server.http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text

@@ -167,7 +167,7 @@ def test_flush_cache_health_and_info(server):
                                 "p_gather_ms", "p_burst_first"}
     # SGLang's server-args names, with this engine's values (slime's external-engine mode reads them)
     assert (si["tp_size"], si["dp_size"], si["ep_size"], si["pp_size"]) == (1, 1, 1, 1)
-    assert si["enable_memory_saver"] is True and si["enable_return_routed_experts"] is True
+    assert si["enable_memory_saver"] is False and si["enable_return_routed_experts"] is True   # no --enable-memory-saver
     assert si["dtype"] == info["dtype"] and si["context_length"] == info["max_context_len"]
     assert si["max_total_num_tokens"] == si["internal_states"][0]["kv_blocks_total"] * si["page_size"]
     assert si["num_gpus"] == 0 and si["model_path"] == info["model_path"]

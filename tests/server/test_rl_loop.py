@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +18,8 @@ import httpx
 import pytest
 
 from serverproc import ServerProcess
-from rl_common import ENGINE, TRAINER, checkpoint
+import rl_clients
+from rl_common import ENGINE, checkpoint
 
 pytestmark = pytest.mark.timeout(900)
 N = 200   # tokens per request: each stream still in flight once the last has its first tokens (40 were not, on a fast CPU)
@@ -180,9 +180,9 @@ def test_rl_step_replay_as_slime_drives_sglang(servers):
     rollouts (prompt + tokens so far) and finish; flush_cache; get_weight_version."""
     live, ref1 = servers["live"], servers["ref1"]
     update(live, servers["s0"], "0")
-    tr = subprocess.Popen([sys.executable, TRAINER, "--url", live.url, "--model", servers["s1"], "--engine-ranks", "1",
-                           "--version", "1", "--steps", "init,wait,update", "--bucket-bytes", str(256 << 10)],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tr = rl_clients.popen("rl_trainer.py", "--url", live.url, "--model", servers["s1"], "--engine-ranks", "1",
+                          "--version", "1", "--steps", "init,wait,update", "--bucket-bytes", str(256 << 10),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         init = json.loads(tr.stdout.readline())["init"]
         assert init["status"] == 200 and init["body"]["success"], init
@@ -213,7 +213,7 @@ def test_rl_step_replay_as_slime_drives_sglang(servers):
             assert spans(rest) == [("1", 0, N - k)] and len(rest["meta_info"]["output_token_logprobs"]) == N - k
         assert live.http.get("/flush_cache").status_code == 200
         assert live.http.get("/get_weight_version").json() == {"weight_version": "1"}
-        r = live.http.post("/destroy_weights_update_group", json={"group_name": "trainer-group"})
+        r = live.http.post("/destroy_weights_update_group", json={"group_name": "slime-pp_0"})
         assert r.status_code == 200 and r.json()["success"], r.text
     finally:
         if tr.poll() is None:

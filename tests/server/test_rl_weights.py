@@ -1,5 +1,5 @@
 """Issue 18, Must-show 1, 3 (CPU mechanics) and routing replay: real `pdrollout serve` processes on
-one rank and on 4 ranks (ATP2/ADP2), real HTTP, a real trainer process (tests/rl_trainer.py).
+one rank and on 4 ranks (ATP2/ADP2), real HTTP, a real trainer process (tests/rl_trainer.py: SGLang's helper forms the group).
 
 After /update_weights_from_distributed (a trainer holding the second checkpoint) and
 /update_weights_from_disk, greedy outputs equal a fresh engine started on that checkpoint; bad
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from rl_common import ENGINE, TRAINER, checkpoint
+import rl_clients
+from rl_common import ENGINE, checkpoint
 from serverproc import ServerProcess
 from pdrollout.engine.model.checkpoint import write_checkpoint
 from pdrollout.engine.protocol.config import load_preset
@@ -48,9 +47,8 @@ def ids(bodies) -> list[list[int]]:
 
 
 def trainer(url: str, model: str, ranks: int, version: str) -> list[dict]:
-    r = subprocess.run([sys.executable, TRAINER, "--url", url, "--model", model, "--engine-ranks", str(ranks),
-                        "--version", version, "--bucket-bytes", str(256 << 10)],
-                       capture_output=True, text=True, timeout=400)
+    r = rl_clients.run("rl_trainer.py", "--url", url, "--model", model, "--engine-ranks", str(ranks),
+                       "--version", version, "--bucket-bytes", str(256 << 10), timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert lines[-1] == {"done": True}
@@ -59,7 +57,7 @@ def trainer(url: str, model: str, ranks: int, version: str) -> list[dict]:
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
 def test_weight_updates_equal_a_fresh_engine(ckpts, topo):
-    args = [*TOPOLOGIES[topo], "--engine-config", ENGINE]
+    args = [*TOPOLOGIES[topo], "--engine-config", ENGINE, "--enable-memory-saver"]
     ranks = 4 if topo.startswith("4") else 1
     fresh = ServerProcess(ckpts["s1"], *args)
     try:
@@ -181,7 +179,7 @@ def test_release_gives_back_what_speculation_holds(tmp_path, proposer, ranks):
         target = plain.http.get("/get_server_info").json()["memory"]["bytes"]
     finally:
         assert plain.stop() == 0, plain.log[-3000:]
-    s = ServerProcess(model, "--engine-config", ENGINE, *spec, *ranks)
+    s = ServerProcess(model, "--engine-config", ENGINE, "--enable-memory-saver", *spec, *ranks)
     try:
         before = ids(greedy(s))
         held = s.http.get("/get_server_info").json()["memory"]["bytes"]

@@ -58,7 +58,8 @@ def _matches(sent: list, recorded: list) -> None:
 def test_verl_step_replayed_through_the_adapter(ckpts, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    s = ServerProcess(ckpts["s0"], "--engine-config", ENGINE, "--admin-token-file", str(token_file))
+    s = ServerProcess(ckpts["s0"], "--engine-config", ENGINE, "--admin-token-file", str(token_file),
+                      "--enable-memory-saver")   # verl starts SGLang with enable_memory_saver
     try:
         rollout = ObservedRollout(s.url, admin_token=TOKEN, bucket_megabytes=0.25)
         outs = []
