@@ -41,11 +41,14 @@ def topology(world: int) -> tuple[int, int]:
 
 
 class Decode:
-    """`rows` decode rows a replica, each a step further, a block appended every 16 tokens."""
+    """`rows` decode rows a replica, each a step further, a block appended every 16 tokens (block tables
+    as the scheduler keeps them)."""
 
     def __init__(self, adp: int, rows: int, seed: int = 0) -> None:
+        from pdrollout.engine.scheduler.kv_pool import BlockTable   # the scheduler's: one tuple until it changes
         rng = random.Random(seed)
-        self.reqs = [[[f"conv-{a}-{i}-turn-3", 2000 + rng.randrange(96), list(range((a * rows + i) * 400, (a * rows + i) * 400 + 126))]
+        self.reqs = [[[f"conv-{a}-{i}-turn-3", 2000 + rng.randrange(96),
+                       BlockTable(range((a * rows + i) * 400, (a * rows + i) * 400 + 126))]
                       for i in range(rows)] for a in range(adp)]
         self.rng = rng
 
@@ -60,7 +63,7 @@ class Decode:
                 q[1] += 1
                 if q[1] % 16 == 0:
                     q[2].append(q[2][-1] + 1)
-                rows.append(RowSpec(q[0], Phase.DECODE, q[1], (self.rng.randrange(151936),), tuple(q[2]), True))
+                rows.append(RowSpec(q[0], Phase.DECODE, q[1], (self.rng.randrange(151936),), q[2].frozen(), True))
             works.append(ReplicaWork(tuple(rows)))
         new = tuple(NewRequest(q[0], a, SamplingParams(temperature=0.0)) for a, reqs in enumerate(self.reqs)
                     for q in reqs) if step == 0 else ()

@@ -91,7 +91,7 @@ class Engine(EngineOps):
         self.channel = None                          # several ranks: plans out, reports back
         if self.topo.world > 1:
             from .plan_channel import PlanChannel
-            self.channel = PlanChannel(self.topo, 0)
+            self.channel = worker.channel = PlanChannel(self.topo, 0)
         self.closed = False
         self._init_ops()
         self._first_step()

@@ -113,7 +113,8 @@ class PlanChannel:
         ex.gather_s = time.monotonic() - t0
         ex.marks["gathered"] = time.monotonic()
         c0 = time.thread_time()
-        reports = [mine] + [decode_report(raws[r], lambda s, rep=self.topo.replica(r): self.enc.rid_of(rep, s))
+        tables = self.enc.tables
+        reports = [mine] + [decode_report(raws[r], tables[self.topo.replica(r)].rid_of.__getitem__)
                             for r in range(1, self.world)]
         ex.decode_s = time.thread_time() - c0
         ex.report_bytes = size + (max(rest.values()) - size if rest else 0)

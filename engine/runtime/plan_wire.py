@@ -22,8 +22,8 @@ import struct
 import sys
 from array import array
 from dataclasses import asdict
-from itertools import chain
-from operator import attrgetter, eq
+from itertools import chain, repeat
+from operator import attrgetter, is_
 
 from ..protocol.plan import NewRequest, ReplicaShape, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..protocol.plan import Phase
@@ -116,10 +116,6 @@ class PlanEncoder:
             return [blob] * len(self.tables), OPS, 0, 4096
         flags = (F_MULTIPLEXING * plan.multiplexing | F_P_SPAN * plan.p_span | F_P_COLLECT * plan.p_collect
                  | F_P_FLIGHT * (plan.p_flight is not None))
-        ws = plan.replicas
-        shape = b"".join((_arr("H", [w.decode_rows for w in ws]), _arr("H", [w.prefill_rows for w in ws]),
-                          _arr("I", [w.decode_tokens for w in ws]), _arr("I", [w.prefill_tokens for w in ws]),
-                          bytes(w.spec | w.routes << 1 for w in ws)))
         control = None
         if plan.control and plan.control != self._control:
             control = self._control = dict(plan.control)
@@ -131,22 +127,25 @@ class PlanEncoder:
             for r, t in enumerate(self.tables):
                 if rid in t.announced or rid in t.rows:
                     extras[r].setdefault("drop", []).append(rid)
-        bodies, bound = [], 64
-        for t, w, x in zip(self.tables, ws, extras):
-            rows, b = self._rows(t, w)
+        encoded = [self._rows(t, w) for t, w in zip(self.tables, plan.replicas)]
+        counts = list(zip(*(c for _, c, _ in encoded)))   # per replica: rows, rows, tokens, tokens, flags
+        shape = b"".join((_arr("H", counts[0]), _arr("H", counts[1]), _arr("I", counts[2]), _arr("I", counts[3]),
+                          bytes(counts[4])))
+        bodies = []
+        for t, (rows, _, _), x in zip(self.tables, encoded, extras):
             for rid in x.get("drop", ()):   # after the rows, as the decoder does
                 t.drop(rid)
             if control is not None:
                 x["control"] = control
             blob = json.dumps(x, separators=(",", ":")).encode() if x else b""
             bodies.append(b"".join((shape, rows, struct.pack("<I", len(blob)), blob)))
-            bound = max(bound, b)
-        return bodies, STEP, flags, bound
+        return bodies, STEP, flags, max(64, *(b for _, _, b in encoded))
 
-    def _rows(self, t: _Table, w: ReplicaWork) -> tuple[bytes, int]:
-        """The replica's rows, and the bound on its leader's report (its sampling rows' tokens)."""
+    def _rows(self, t: _Table, w: ReplicaWork) -> tuple[bytes, tuple, int]:
+        """The replica's rows, its rank-shared counts, and the bound on its leader's report (its
+        sampling rows' tokens)."""
         rows = w.decode + w.prefill
-        n = len(rows)
+        n, nd = len(rows), len(w.decode)
         rids = list(map(_rid, rows))
         ents = list(map(t.rows.get, rids))
         made = []   # (row, request id) of the slots made this step
@@ -158,31 +157,36 @@ class PlanEncoder:
                     made.append((i, rid))
                 ents[i] = e
         blocks = list(map(_blocks, rows))
+        # the scheduler hands an unchanged table as the same tuple (kv_pool.BlockTable): identity
+        # first, the blocks compared only where it is not
+        same = list(map(is_, blocks, [e[1] for e in ents]))
         changed = []   # (row, blocks kept, blocks appended)
-        for i, same in enumerate(map(eq, blocks, [e[1] for e in ents])):
-            if not same:
-                new, old = blocks[i], ents[i][1]
-                keep = len(old) if len(new) > len(old) and new[:len(old)] == old else 0
-                changed.append((i, keep, new[keep:]))
-                ents[i][1] = new
+        if False in same:
+            for i, ok in enumerate(same):
+                if not ok:
+                    new, old = blocks[i], ents[i][1]
+                    ents[i][1] = new
+                    if new == old:
+                        continue
+                    keep = len(old) if len(new) > len(old) and new[:len(old)] == old else 0
+                    changed.append((i, keep, new[keep:]))
         toks = list(map(_tokens, rows))
+        ntok = array("I", map(len, toks))
         drafts = bytes(map(_draft, rows))   # speculative_k is far below 256
-        samples = bytes(map(_samples, rows))
+        samples, routes = bytes(map(_samples, rows)), bytes(map(_routes, rows))
         names = [rid.encode() for _, rid in made]
         out = b"".join((
-            struct.pack("<HHIII", len(w.decode), len(w.prefill), len(made), len(changed),
-                        sum(len(c[2]) for c in changed)),
-            _arr("I", [e[0] for e in ents]), _arr("i", map(_start, rows)), _arr("I", map(len, toks)),
-            samples, bytes(map(_logprob, rows)), bytes(map(_routes, rows)), drafts,
+            struct.pack("<HHIII", nd, n - nd, len(made), len(changed), sum(len(c[2]) for c in changed)),
+            _arr("I", [e[0] for e in ents]), _arr("i", map(_start, rows)), ntok.tobytes(),
+            samples, bytes(map(_logprob, rows)), routes, drafts,
             _arr("i", chain.from_iterable(toks)),
             _arr("I", [c[0] for c in changed]), _arr("I", [c[1] for c in changed]),
             _arr("I", [len(c[2]) for c in changed]), _arr("i", chain.from_iterable(c[2] for c in changed)),
             _arr("I", [i for i, _ in made]), _arr("H", map(len, names)), b"".join(names)))
-        sampled = sum(samples)   # a leader's report row: slot, count, flag; an emitted token: id, logprob
-        return out, REPORT.size + 8 + 7 * sampled + 12 * (sampled + sum(drafts))
-
-    def rid_of(self, replica: int, slot: int) -> str:
-        return self.tables[replica].rid_of[slot]
+        d_tok = sum(ntok[:nd])
+        counts = (nd, n - nd, d_tok, sum(ntok) - d_tok, (drafts[:nd].count(0) < nd) | (routes.count(0) < n) << 1)
+        sampled = samples.count(1)   # a leader's report row: slot, count, flag; an emitted token: id, logprob
+        return out, counts, REPORT.size + 8 + 7 * sampled + 12 * (sampled + sum(drafts))
 
 
 class PlanDecoder:
@@ -231,12 +235,17 @@ class PlanDecoder:
             e = self.rows[slots[i]]
             e[1] = e[1][:keep] + cblk[off:off + m]
             off += m
-        out, off = [], 0
-        for i in range(n):
-            e, c = self.rows[slots[i]], ntok[i]
-            out.append(RowSpec(e[0], Phase.DECODE if i < nd else Phase.PREFILL, starts[i], toks[off:off + c], e[1],
-                               bool(samples[i]), bool(logprob[i]), bool(routes[i]), drafts[i]))
-            off += c
+        ents = list(map(self.rows.__getitem__, slots))
+        if len(toks) == n:   # one token a row (decode): no offsets to walk
+            tk = [(t,) for t in toks]
+        else:
+            tk, off = [], 0
+            for c in ntok:
+                tk.append(toks[off:off + c])
+                off += c
+        kinds = [Phase.DECODE] * nd + [Phase.PREFILL] * np_
+        out = list(map(_row, [e[0] for e in ents], kinds, starts, tk, [e[1] for e in ents], map(bool, samples),
+                       map(bool, logprob), map(bool, routes), drafts))
         drop = tuple(x.get("drop", ()))
         for rid in drop:
             s = self.slot_of.pop(rid, None)
@@ -250,6 +259,17 @@ class PlanDecoder:
         return StepPlan(step, self.control, reps, new, drop, bool(flags & F_MULTIPLEXING),
                         p_span=bool(flags & F_P_SPAN), p_flight=p_flight if flags & F_P_FLIGHT else None,
                         p_collect=bool(flags & F_P_COLLECT))
+
+
+_new = object.__new__
+
+
+def _row(rid, kind, start, tokens, blocks, samples, logprob, routes, draft) -> RowSpec:
+    """RowSpec(...) without its frozen __init__ (a third of its cost, per row per step on every rank)."""
+    r = _new(RowSpec)
+    r.__dict__.update(rid=rid, kind=kind, start=start, tokens=tokens, blocks=blocks, samples=samples,
+                      logprob=logprob, routes=routes, draft=draft)
+    return r
 
 
 def _sampling(d: dict) -> SamplingParams:
@@ -328,6 +348,10 @@ def decode_report(buf, rid_of) -> StepReport:
     rd.off = REPORT.size
     k = rd.one("I")
     slots, counts, has_lp = rd.take("I", k), rd.take("H", k), rd.raw(k)
+    if counts.count(SCALAR) == k and has_lp.count(0) == k:   # one token a row, no logprobs (decode)
+        flat = rd.take("i", k)
+        tokens = dict(zip(map(rid_of, slots), zip(flat, repeat(None))))
+        return _report_rest(rd, flags, rank, step, done, tokens)
     flat = rd.take("i", sum(1 if c == SCALAR else c for c in counts))
     lps = rd.take("d", sum(1 if c == SCALAR else c for c, h in zip(counts, has_lp) if h))
     tokens, ti, li = {}, 0, 0
@@ -336,6 +360,10 @@ def decode_report(buf, rid_of) -> StepReport:
         tok, lp = flat[ti:ti + m], lps[li:li + m] if h else None
         ti, li = ti + m, li + (m if h else 0)
         tokens[rid_of(s)] = (tok[0], lp[0] if h else None) if c == SCALAR else (tok, lp)
+    return _report_rest(rd, flags, rank, step, done, tokens)
+
+
+def _report_rest(rd: _Reader, flags: int, rank: int, step: int, done: int, tokens: dict) -> StepReport:
     r = StepReport(rank, step, tokens, p_pending=bool(flags & R_PENDING), p_ready=bool(flags & R_READY),
                    p_done=done if flags & R_DONE else None, graph=bool(flags & R_GRAPH),
                    multiplexed=bool(flags & R_MULTIPLEXED))

@@ -102,6 +102,7 @@ class Worker:
         self.d_end = None   # CUDA: an event after a D that returned before its kernels ended
         self.graphs = None
         self.pd = None
+        self.channel = None   # several ranks: the plan channel (plan_channel.py), for the step log
         self._log = StepLog(options.step_log, rank) if options.step_log else None
         self._capture_forward = None
         self.p_graphs = None   # piecewise graphs of forwards that carry P (one rank)
@@ -218,9 +219,12 @@ class Worker:
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
+            fields = self.group.log_fields(mark) if self.multi else {}
+            if self.channel is not None:   # this step's plan as this rank got it (rank 0: sent)
+                ex = self.channel.last
+                fields.update(plan_bytes=ex.plan_bytes, plan_cpu_s=ex.encode_s if self.rank == 0 else ex.decode_s)
             self._log.step(plan, report, mine, time.monotonic() - t_start,
-                           self.p_graphs.replays if self.p_graphs is not None else None,
-                           self.group.log_fields(mark) if self.multi else {})
+                           self.p_graphs.replays if self.p_graphs is not None else None, fields)
         return report
 
     # ---- forwards ------------------------------------------------------------------------

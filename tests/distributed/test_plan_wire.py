@@ -211,3 +211,21 @@ def test_the_channel_over_gloo_ranks(world, adp):
     assert [c for _, c, _ in transfers] == [i == 3 for i in range(12)]   # the routes past the report's size
     assert transfers[5][0] >= 3 and transfers[5][2] > 3000 * 4            # the long prompt: a second scatter
     assert transfers[10][0] == 2 and transfers[10][2] < transfers[5][2]      # a steady step: one scatter, one gather
+
+
+def test_a_block_table_is_one_tuple_until_it_changes():
+    """The encoder takes an unchanged table by identity (kv_pool.BlockTable): every way to change it
+    must give a new tuple, else a row would keep a stale table on the other ranks."""
+    from pdrollout.engine.scheduler.kv_pool import BlockTable
+    changes = [lambda b: b.append(9), lambda b: b.extend([9]), lambda b: b.__iadd__([9]), lambda b: b.__delitem__(slice(1, None)),
+               lambda b: b.__setitem__(0, 9), lambda b: b.insert(0, 9), lambda b: b.pop(), lambda b: b.remove(2),
+               lambda b: b.clear(), lambda b: b.sort(reverse=True), lambda b: b.reverse(), lambda b: b.__imul__(2)]
+    for change in changes:
+        b = BlockTable([1, 2, 3])
+        first = b.frozen()
+        assert b.frozen() is first == (1, 2, 3)
+        change(b)
+        assert b.frozen() is not first and b.frozen() == tuple(b)
+    b = BlockTable([1])
+    b += [2]                     # the scheduler's own spelling
+    assert b.frozen() == (1, 2) and isinstance(b, BlockTable)
