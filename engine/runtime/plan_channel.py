@@ -51,11 +51,17 @@ class PlanChannel:
         self.topo, self.rank, self.world, self.group = topo, rank, topo.world, group
         self.cap, self.report_cap = FIRST_CAP, 64
         self.last = Exchange()
+        self._bufs: dict = {}
         if rank == 0:
             self.enc = PlanEncoder(topo.adp)
         else:
             self.dec = PlanDecoder(topo.replica(rank), topo.adp)
             self._rest = b""   # a report's part past its gather's size, until rank 0 collects it
+
+    def log_fields(self) -> dict:
+        """The step log's: this step's plan as this rank got it (rank 0: sent) and its CPU to make it."""
+        ex = self.last
+        return {"plan_bytes": ex.plan_bytes, "plan_cpu_s": ex.encode_s if self.rank == 0 else ex.decode_s}
 
     # ---- rank 0 ----------------------------------------------------------------------------
     def send(self, plan: StepPlan) -> None:
@@ -78,44 +84,59 @@ class PlanChannel:
         self._scatter(payloads, self.cap, over, ex)
         self.cap = next_cap
 
+    def _buffer(self, size: int, rows: int) -> tuple[torch.Tensor, memoryview]:
+        """A [rows, size] byte buffer kept per shape (steady steps reuse one), and a flat view of it."""
+        key = (rows, size)
+        if key not in self._bufs:
+            if len(self._bufs) > 8:   # capacities move with the rows: keep the last few shapes
+                self._bufs.pop(next(iter(self._bufs)))
+            t = torch.empty(rows, size, dtype=torch.uint8)
+            self._bufs[key] = (t, memoryview(t.numpy()).cast("B"))
+        return self._bufs[key]
+
     def _scatter(self, payloads: list[bytes], cap: int, over: int, ex: Exchange) -> None:
         t0 = time.monotonic()
         for lo, size in ((0, cap), (cap, over)) if over else ((0, cap),):
-            buf = bytearray(self.world * size)
+            t, flat = self._buffer(size, self.world)
             for r, p in enumerate(payloads):
                 part = p[lo:lo + size]
-                buf[r * size:r * size + len(part)] = part
-            t = torch.frombuffer(buf, dtype=torch.uint8).view(self.world, size)
-            dist.scatter(t[0].clone(), list(t), src=0, group=self.group)
+                flat[r * size:r * size + len(part)] = part
+            dist.scatter(self._buffer(size, 1)[0][0], list(t), src=0, group=self.group)
             ex.transfers += 1
         ex.scatter_s += time.monotonic() - t0
+
+    def _gather_all(self, size: int) -> bytes:
+        t, _ = self._buffer(size, self.world)
+        dist.gather(self._buffer(size, 1)[0][0], list(t), dst=0, group=self.group)
+        return t.numpy().tobytes()
 
     def gather(self, mine: StepReport) -> list[StepReport]:
         """Every rank's report (rank 0's own is `mine`), once every rank executed the step."""
         ex = self.last
         size = self.report_cap
         t0 = time.monotonic()
-        parts = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
-        dist.gather(torch.zeros(size, dtype=torch.uint8), parts, dst=0, group=self.group)
+        whole = memoryview(self._gather_all(size))
         ex.transfers += 1
-        raws = [bytes(p.numpy()) for p in parts]
-        rest = {r: report_head(raw)[2] for r, raw in enumerate(raws) if r and report_head(raw)[2]}
+        raws = [whole[r * size:(r + 1) * size] for r in range(self.world)]
+        rest = {}
+        for r in range(1, self.world):
+            n = report_head(raws[r])[2]
+            if n:
+                rest[r] = n
         if rest:   # the rest of the reports that did not fit: a COLLECT plan, then a second gather
             ex.collected = True
             more = _align(max(n - size for n in rest.values()))
             head = HEAD.pack(MAGIC, COLLECT, 0, HEAD.size, 0, self.cap, more, mine.step, -1, self.topo.adp)
             self._scatter([head] * self.world, self.cap, 0, ex)
-            extra = [torch.empty(more, dtype=torch.uint8) for _ in range(self.world)]
-            dist.gather(torch.zeros(more, dtype=torch.uint8), extra, dst=0, group=self.group)
+            extra = self._gather_all(more)
             ex.transfers += 1
             for r in rest:
-                raws[r] = raws[r] + bytes(extra[r].numpy())
+                raws[r] = bytes(raws[r]) + extra[r * more:(r + 1) * more]
         ex.gather_s = time.monotonic() - t0
         ex.marks["gathered"] = time.monotonic()
         c0 = time.thread_time()
-        tables = self.enc.tables
-        reports = [mine] + [decode_report(raws[r], tables[self.topo.replica(r)].rid_of.__getitem__)
-                            for r in range(1, self.world)]
+        tables, replica = self.enc.tables, self.topo.replica
+        reports = [mine] + [decode_report(raws[r], tables[replica(r)].rid_of.__getitem__) for r in range(1, self.world)]
         ex.decode_s = time.thread_time() - c0
         ex.report_bytes = size + (max(rest.values()) - size if rest else 0)
         return reports
@@ -139,19 +160,16 @@ class PlanChannel:
             if kind != COLLECT:
                 break
             rest, self._rest = self._rest, b""
-            out = torch.zeros(report_cap, dtype=torch.uint8)
-            if rest:
-                out[:len(rest)] = torch.frombuffer(bytearray(rest), dtype=torch.uint8)
-            dist.gather(out, None, dst=0, group=self.group)
+            self._send_report(rest, report_cap)
         c0 = time.thread_time()
         plan = self.dec.decode(kind, flags, step, p_flight, memoryview(buf)[HEAD.size:n])
         ex.decode_s = time.thread_time() - c0
         return plan
 
     def _recv(self, size: int) -> bytes:
-        t = torch.empty(size, dtype=torch.uint8)
+        t = self._buffer(size, 1)[0][0]
         dist.scatter(t, None, src=0, group=self.group)
-        return bytes(t.numpy())
+        return t.numpy().tobytes()
 
     def report(self, report: StepReport) -> None:
         ex = self.last
@@ -166,8 +184,11 @@ class PlanChannel:
         ex.report_bytes = size
         ex.marks["report"] = time.monotonic()
         t0 = time.monotonic()
-        out = torch.zeros(size, dtype=torch.uint8)
-        out[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        dist.gather(out, None, dst=0, group=self.group)
+        self._send_report(raw, size)
         ex.gather_s = time.monotonic() - t0
         ex.transfers += 1
+
+    def _send_report(self, raw: bytes, size: int) -> None:
+        t, flat = self._buffer(size, 1)
+        flat[:len(raw)] = raw
+        dist.gather(t[0], None, dst=0, group=self.group)

@@ -101,8 +101,7 @@ class Worker:
         self.streams: dict = {}
         self.d_end = None   # CUDA: an event after a D that returned before its kernels ended
         self.graphs = None
-        self.pd = None
-        self.channel = None   # several ranks: the plan channel (plan_channel.py), for the step log
+        self.pd = self.channel = None   # several ranks: the pd step; the plan channel (for the step log)
         self._log = StepLog(options.step_log, rank) if options.step_log else None
         self._capture_forward = None
         self.p_graphs = None   # piecewise graphs of forwards that carry P (one rank)
@@ -219,24 +218,19 @@ class Worker:
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
-            fields = self.group.log_fields(mark) if self.multi else {}
-            if self.channel is not None:   # this step's plan as this rank got it (rank 0: sent)
-                ex = self.channel.last
-                fields.update(plan_bytes=ex.plan_bytes, plan_cpu_s=ex.encode_s if self.rank == 0 else ex.decode_s)
+            fields = {**(self.group.log_fields(mark) if self.multi else {}), **(self.channel.log_fields() if self.channel else {})}
             self._log.step(plan, report, mine, time.monotonic() - t_start,
                            self.p_graphs.replays if self.p_graphs is not None else None, fields)
         return report
 
     # ---- forwards ------------------------------------------------------------------------
     def forward(self, phase: Phase, plan: StepPlan, parts: str, boundary=None, wait: bool = True) -> torch.Tensor:
-        """One eager forward of this replica's `parts` rows ("decode", "prefill" or "both") on `phase`'s
-        path; logits of sampling rows."""
+        """One eager forward of this replica's "decode", "prefill" or "both" rows; logits of sampling rows."""
         own = plan.replicas[self.replica]
         mine = own.decode if parts == "decode" else own.prefill if parts == "prefill" else own.decode + own.prefill
         shared = None   # several ranks: the largest replica's rows when P's pieces may take them
         if self.multi:   # every replica's tokens: rank-shared counts (other replicas are shapes here)
-            counts = [(w.decode_tokens if parts != "prefill" else 0) + (w.prefill_tokens if parts != "decode" else 0)
-                      for w in plan.replicas]
+            counts = [w.decode_tokens * (parts != "prefill") + w.prefill_tokens * (parts != "decode") for w in plan.replicas]
             self.group.begin(phase.path, plan.step, counts, boundary)
             if not plan.routes_any and (boundary is None or not self.cuda):   # rank-shared facts only
                 shared = max(counts)
