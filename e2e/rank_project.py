@@ -7,12 +7,13 @@ model of the multi-rank engine"). A model, with a low and a high end:
 A decode step on a rank = its graph's GPU time + its D collectives + the host's per-step work + the
 control plane:
   GPU time   the rank's HBM floor (rank_cost.d_floor_bytes, at the copy rate of the --gpu run) times
-             a replay/floor ratio measured on one GPU: one GPU's own step (low end) and the EP2-rank
-             stand-in's, e2e/gpu/ep2_rank.py (high end, or low if it is the better);
+             a replay/floor ratio measured in that run (e2e/gpu/ep2_rank.py): one GPU its own step's,
+             2 GPUs the EP2-rank stand-in's, 16 GPUs (no stand-in) between the two;
   collectives  rank_cost.d_wire (what the code sends, as the step log counts it) over
              rank_cost.Fabric: NVLink in a node, RDMA between nodes, each a latency range;
   host       one GPU's engine step less its replay (planning, sampling), from bench_engine;
-  control    the plan channel's per-step critical path at that many CPU ranks (bench_plan_channel.py).
+  control    the plan channel's per-step critical path at that many CPU ranks (bench_plan_channel.py),
+             p50 at the low end, p90 at the high.
 Beside a P epoch a D step also stretches by the one-GPU interference (D steps beside P forwards,
 1.66-1.94x at batch 64: docs/perf/HISTORY.md, "The GIL is not what slows D beside P") and, where P
 and D groups cross (ATP2), pays a turnstile round (1.73 ms at 16 ranks, dissemination: DISTRIBUTED.md).
@@ -72,14 +73,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     one = json.loads(Path(a.one_gpu).read_text())
     host_s = (one["decode_step_ms"] - one["decode_replay_ms"]) / 1e3
-    if a.gpu:
+    if a.gpu:   # one GPU's own ratio; 2 GPUs the EP2 stand-in's; 16 GPUs between the two (no stand-in)
         g = json.loads(Path(a.gpu).read_text())
-        bw = g["meta"]["copy_bw_tbs"] * 1e12
-        ratios = sorted([g["one_gpu"]["replay_over_floor"], g["ep2_rank"]["replay_over_floor"]])
-        chip = g["meta"]["gpu"]
+        bw, chip = g["meta"]["copy_bw_tbs"] * 1e12, g["meta"]["gpu"]
+        r1, r2 = g["one_gpu"]["replay_over_floor"], g["ep2_rank"]["replay_over_floor"]
     else:
         bw, chip = one["copy_bw_tbs"] * 1e12, one["gpu"]
-        ratios = [one["decode_replay_over_floor"]] * 2
+        r1 = r2 = one["decode_replay_over_floor"]
+    ratios = {1: (r1, r1), 2: (r2, r2), 16: (min(r1, r2), max(r1, r2))}
     control = {1: (0.0, 0.0)}
     if a.control:
         c = json.loads(Path(a.control).read_text())
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     rows = []
     for name, (world, adp, ep, per_node) in configs().items():
         lo, hi = control.get(world, (0.0, 0.0))
-        for end, ratio, ctl in (("low", ratios[0], lo), ("high", ratios[1], hi)):
+        for end, ratio, ctl in (("low", ratios[world][0], lo), ("high", ratios[world][1], hi)):
             rows.append(step(name, world, adp, ep, per_node, bw, ratio, host_s, ctl if world > 1 else 0.0, end))
     base = {r["end"]: r["tokens_s_per_gpu"] for r in rows if r["config"] == "1 GPU"}
     for r in rows:
