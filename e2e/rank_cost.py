@@ -1,4 +1,4 @@
-"""The multi-rank engine's costs (docs/PERF.md, "The cost model of the multi-rank engine").
+"""The multi-rank engine's costs (docs/PERF.md, "D's bytes and the cost model").
 
 What the code sends (`d_wire`, `p_wire`): per rank and step, the collectives an eager forward issues
 and the bytes they send to peers, counted as the step log counts them (`d_collectives`, `d_bytes`;

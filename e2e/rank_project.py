@@ -1,6 +1,6 @@
 """Decode tokens/s per GPU of today's multi-rank engine at 48 layers and 64 rows a replica: 2 GPUs
-(EP2/ADP2) and 16 (EP16/ADP8, two nodes of 8) against one GPU at batch 64 (docs/PERF.md, "The cost
-model of the multi-rank engine"). A model, with a low and a high end:
+(EP2/ADP2) and 16 (EP16/ADP8, two nodes of 8) against one GPU at batch 64 (docs/PERF.md, "D's bytes and
+the cost model"). A model, with a low and a high end:
 
     python e2e/rank_project.py --gpu EP2_RANK.json --control PLAN_CHANNEL.json --out FILE
 
@@ -15,7 +15,7 @@ control plane:
   control    the plan channel's per-step critical path at that many CPU ranks (bench_plan_channel.py),
              p50 at the low end, p90 at the high.
 Beside a P epoch a D step also stretches by the one-GPU interference (D steps beside P forwards,
-1.66-1.94x at batch 64: docs/perf/HISTORY.md, "The GIL is not what slows D beside P") and, where P
+1.66-1.94x at batch 64: docs/perf/HISTORY.md, "One H200: the GIL ruled out") and, where P
 and D groups cross (ATP2), pays a turnstile round (1.73 ms at 16 ranks, dissemination: DISTRIBUTED.md).
 """
 from __future__ import annotations

@@ -57,8 +57,8 @@ def test_overlap_lets_d_go_on_while_a_p_epoch_is_in_flight():
     assert overlap["makespan_s"] == pytest.approx(0.05 + 5 * 0.01)
 
 
-# ---- the multi-rank engine's cost model (e2e/rank_cost.py, e2e/rank_sim.py; docs/PERF.md, "The cost
-# model of the multi-rank engine") --------------------------------------------------------------
+# ---- the multi-rank engine's cost model (e2e/rank_cost.py, e2e/rank_sim.py; docs/PERF.md, "D's
+# bytes and the cost model") --------------------------------------------------------------
 sys.path.insert(0, str(Path(__file__).parents[2] / "e2e"))
 import rank_cost  # noqa: E402
 import rank_sim  # noqa: E402
