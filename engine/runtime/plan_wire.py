@@ -25,8 +25,7 @@ from dataclasses import asdict
 from itertools import chain, repeat
 from operator import attrgetter, is_
 
-from ..protocol.plan import NewRequest, ReplicaShape, ReplicaWork, RowSpec, StepPlan, StepReport
-from ..protocol.plan import Phase
+from ..protocol.plan import NewRequest, Phase, ReplicaShape, ReplicaWork, RowSpec, StepPlan, StepReport
 from ..scheduler.request import SamplingParams
 
 if sys.byteorder != "little":   # array writes native order; every rank of a group shares the host's
