@@ -174,6 +174,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("PDROLLOUT_COMMIT"):   # a copy of the tree (the device machine) may sit in another checkout
+        return os.environ["PDROLLOUT_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -184,7 +186,7 @@ def commit() -> str:
             return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("PDROLLOUT_COMMIT", "unknown")   # a copy without .git (the device machine)
+    return "unknown"
 
 
 def _spin(seconds: float, q) -> None:

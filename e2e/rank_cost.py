@@ -1,8 +1,16 @@
-"""A step's cost on the multi-rank engine (docs/PERF.md, "The cost model of the multi-rank engine"):
-compute from the one-GPU fit (plan_sim.Cost), plus each collective's latency by bytes and rank count,
-plus what the code's structure adds per layer (host reads, turnstile rounds), plus P beside D on
-separate streams with an interference factor. `fit_old` fits the old code's collective floor and
-per-layer overheads to the two-GPU step logs; `Structure` says what the code does per step.
+"""The multi-rank engine's costs (docs/PERF.md, "D's bytes and the cost model").
+
+What the code sends (`d_wire`, `p_wire`): per rank and step, the collectives an eager forward issues
+and the bytes they send to peers, counted as the step log counts them (`d_collectives`, `d_bytes`;
+runtime/collectives.py and token_slots.py): tests/distributed/test_mp_engine.py compares them with
+gloo runs' logs. What a collective costs (`Fabric`): latency plus bytes over the slowest link a rank's
+share crosses, NVLink between GPUs of a node and RDMA between nodes kept apart. What a rank reads
+(`d_floor_bytes`): its decode step's HBM floor. e2e/rank_project.py puts these together.
+
+The old code's fit (`RankModel`, `fit_old`, `OLD`): compute from the one-GPU fit (plan_sim.Cost), each
+collective's latency by bytes and rank count, what its structure added per layer (host reads,
+turnstile rounds); fitted to the old code's two-GPU step logs and validated against their makespans
+(e2e/rank_sim.py). It describes the code before issue 48's rebuild, not today's.
 """
 from __future__ import annotations
 
@@ -157,13 +165,6 @@ class RankModel:
 OLD = Structure("old", d_colls=5, p_colls=6, turnstile=True)
 
 
-def new_structure(atp: int) -> Structure:
-    """2 expert all-to-alls a D layer, one ATP all-reduce more above ATP1; P the same through the
-    token slots, no host reads; the turnstile only where groups cross (ATP > 1)."""
-    extra = 1 if atp > 1 else 0
-    return Structure("new", d_colls=2 + extra, p_colls=2 + extra, turnstile=atp > 1, overlap=True, token_slots=True)
-
-
 def joint_steps(run_dir: str | Path) -> list[dict]:
     """One record a step of a 2-rank run: both ranks' rows and P tokens, the slower rank's wall."""
     logs = []
@@ -207,3 +208,135 @@ def fit_old(cost: Cost, runs: dict[str, list[dict]], layers: int, exchange_s: fl
     return replace(base, links=replace(links, round_s=round_s, exchange_s=exchange_s),
                    meta={"exchange_ms": exchange_s * 1e3, "alpha_us": alpha * 1e6, "p_layer_host_us": host * 1e6,
                          "round_ms": round_s * 1e3, "d_steps": len(d), "p_steps": len(p), "pd_p_steps": len(pd)})
+
+
+# ---- what the code sends (the step log's d_collectives and d_bytes) ----------------------------
+@dataclass(frozen=True)
+class Shape:
+    """What a forward's collectives depend on: the topology, the model's widths, the rows' dtype."""
+    world: int
+    adp: int
+    ep: int
+    hidden: int
+    topk: int
+    layers: int
+    moe_layers: int
+    elem: int = 2                 # bytes of the rows' dtype (bf16 on GPUs; the CPU tests run fp32)
+
+    @property
+    def atp(self) -> int:
+        return self.world // self.adp
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def d_wire(s: Shape, rank: int, rows: list[int]) -> list[tuple[str, int, int]]:
+    """One eager D forward on `rank` with `rows` decode rows a replica: (collective, its group's size,
+    bytes this rank sends to peers) in issue order, every layer. A ring all-reduce sends 2(g-1)/g of
+    its buffer; an all-gather or reduce-scatter (g-1) parts; the token slots' all-to-alls (ep-1) of
+    their ep slices (each peer `m` slots of the token, its k ids and k weights; back, the partial sums)."""
+    a, d, ep, H, k, e = s.atp, s.adp, s.ep, s.hidden, s.topk, s.elem
+    own, m = rows[rank // a], _ceil(max(rows), a)
+    layer = []
+    if a > 1:
+        layer.append(("atp-allreduce", a, 2 * (a - 1) * own * H * e // a))
+    moe = [("dispatch", ep, (ep - 1) * m * (H + 2 * k) * e), ("combine", ep, (ep - 1) * m * H * e)]
+    if a == 1:
+        moe_layer = moe
+    elif d > 1:   # the DP gather's pack is fp32: the rows, k ids, k weights, a validity flag
+        moe_layer = [("dp-allgather", d, (d - 1) * m * (H + 2 * k + 1) * 4), *moe,
+                     ("dp-reducescatter", d, (d - 1) * m * H * e), ("atp-allgather", a, (a - 1) * m * H * e)]
+    else:
+        moe_layer = [*moe, ("atp-allgather", a, (a - 1) * m * H * e)]
+    return (layer + moe_layer) * s.moe_layers + layer * (s.layers - s.moe_layers)
+
+
+def p_wire(s: Shape, rank: int, tokens: list[int]) -> list[tuple[str, int, int]]:
+    """One eager P forward (one pass a layer) with `tokens` P tokens a replica, as d_wire: at ATP > 1
+    the model-wide all-reduces of the zero-padded buffer of every replica's rows, around the token slots
+    of each rank's chunk."""
+    a, n, ep, H, k, e = s.atp, s.world, s.ep, s.hidden, s.topk, s.elem
+    total, m = sum(tokens), _ceil(max(tokens), a)
+    world = [("attn-allreduce", n, 2 * (n - 1) * total * H * e // n)] if a > 1 else []
+    moe = [("dispatch", ep, (ep - 1) * m * (H + 2 * k) * e), ("combine", ep, (ep - 1) * m * H * e)]
+    back = [("moe-allreduce", n, 2 * (n - 1) * total * H * e // n)] if a > 1 else []
+    return (world + moe + back) * s.moe_layers + world * (s.layers - s.moe_layers)
+
+
+def counted(wire: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """(collectives, bytes): what the step log's d_collectives and d_bytes hold for one forward."""
+    return len(wire), sum(b for _, _, b in wire)
+
+
+# ---- what a collective costs: NVLink in a node, RDMA between nodes ---------------------------
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float                # a collective's fixed cost on this link (launch, synchronization)
+    bytes_s: float                # a rank's bandwidth a direction
+
+
+@dataclass(frozen=True)
+class Fabric:
+    gpus_per_node: int
+    nvlink: Link
+    rdma: Link
+
+    def coll_s(self, rank: int, group: list[int], sent: int, kind: str) -> float:
+        """A rank's time in one collective over `group` that sends `sent` bytes to peers. An all-to-all
+        sends each peer its share at once: the node's peers over NVLink, the others over the rank's
+        RDMA link, the slower decides. A ring's steps each cross one hop: any hop between nodes makes
+        every step wait for RDMA."""
+        node = rank // self.gpus_per_node
+        inter = [p for p in group if p != rank and p // self.gpus_per_node != node]
+        peers = len(group) - 1
+        if not peers:
+            return 0.0
+        if kind in ("dispatch", "combine"):
+            share = sent / peers
+            t_nvl = (peers - len(inter)) * share / self.nvlink.bytes_s
+            t_rdma = len(inter) * share / self.rdma.bytes_s
+            alpha = self.rdma.alpha_s if inter else self.nvlink.alpha_s
+            return alpha + max(t_nvl, t_rdma)
+        link = self.rdma if inter else self.nvlink
+        return link.alpha_s + sent / link.bytes_s
+
+
+def group_of(s: Shape, rank: int, name: str) -> list[int]:
+    """The ranks of the group `name` runs over for `rank` (protocol/topology.py's groups)."""
+    a = s.atp
+    if name in ("atp-allreduce", "atp-allgather"):
+        lo = rank // a * a
+        return list(range(lo, lo + a))
+    if name in ("dp-allgather", "dp-reducescatter"):
+        return list(range(rank % a, s.world, a))
+    if name in ("dispatch", "combine"):
+        lo = rank // s.ep * s.ep
+        return list(range(lo, lo + s.ep))
+    return list(range(s.world))
+
+
+def wire_s(s: Shape, fabric: Fabric, rank: int, wire: list[tuple[str, int, int]]) -> float:
+    return sum(fabric.coll_s(rank, group_of(s, rank, name), sent, name) for name, _, sent in wire)
+
+
+# ---- what a rank reads: a decode step's HBM floor ------------------------------------------
+VOCAB, KV_HEADS, HEAD_DIM = 151936, 4, 128
+
+
+def touched(experts: int, pairs: float) -> float:
+    """Distinct experts among `pairs` uniform draws from `experts` (random weights route near uniform)."""
+    return experts * (1 - (1 - 1 / experts) ** pairs)
+
+
+def d_floor_bytes(world: int, adp: int, ep: int, rows: int, ctx: int, layers: int = 48) -> float:
+    """Bytes a rank reads in a decode step with `rows` rows a replica at `ctx` tokens of context: its
+    attention shard (ATP), the local experts its pairs touch (every replica's rows reach the EP group's
+    experts), its KV shard of its replica's rows, the embedding row gather aside, the LM head."""
+    atp = world // adp
+    pairs_local = TOPK * rows * adp / ep            # pairs landing on this rank's experts
+    local = EXPERTS // ep
+    kv = rows * ctx * 2 * (KV_HEADS // atp if KV_HEADS >= atp else 1) * HEAD_DIM * 2
+    per_layer = 2 * ATTN_PARAMS / atp + touched(local, pairs_local) * EXPERT_PARAMS * 2 + kv
+    return layers * per_layer + VOCAB * HIDDEN * 2

@@ -1,29 +1,27 @@
 """The multi-rank engine on a virtual clock: one engine Scheduler per attention replica (requests to
 the replica with the fewest, as engine.py routes them), the closed loop of a trace, and each step's
 cost from `rank_cost.RankModel`. Validates the old code's structure against the two-GPU runs of
-docs/perf/one-stack/small-x2 (each seed's overheads fitted on the other seeds' logs), then projects
-the new code's structure on 2 GPUs and on 16 (EP16/ADP8, H20-class), the interference swept:
+docs/perf/one-stack/small-x2 (each seed's overheads fitted on the other seeds' logs). Today's code is
+projected from what it sends (rank_cost.d_wire) in e2e/rank_project.py:
 
     python e2e/rank_sim.py --out results/cost-model.json
 
-A model, not a measurement: the projection holds as far as the validation rows say it does.
+A model of the old code, not a measurement, and not today's code.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plan_sim   # noqa: E402
 from plan_sim import fit, read_steps   # noqa: E402
-from rank_cost import H20, Links, RankModel, fit_old, joint_steps, new_structure   # noqa: E402
+from rank_cost import RankModel, fit_old, joint_steps   # noqa: E402
 
 from pdrollout.engine.protocol.config import ControlSettings, EngineConfig, ModelConfig, load_preset   # noqa: E402
 from pdrollout.engine.scheduler.request import SamplingParams   # noqa: E402
@@ -33,16 +31,8 @@ from pdrollout.engine.workload.trace import generate   # noqa: E402
 RUNS = "docs/perf/one-stack/small-x2"
 MODES = ("normal", "mixed", "pd")
 LAYERS = 12                      # the `small` preset
-# Two H200s, NVLink 4: 450 GB/s a direction (NVIDIA H200 datasheet); a gloo gather: 0.184 ms p50
-# (docs/perf/HISTORY.md, "Rendezvous latency", two H200s, bench), the part of a step's exchange that grows
-# with the rank count.
-NVLINK_B_S, GATHER2_S = 450e9, 0.184e-3
-# 16 ranks over two nodes: DeepEP's low-latency kernels at EP16 on H800 + CX7 400 Gb/s, 128 tokens,
-# 7168 hidden, top-8: dispatch 118 us at 63 GB/s, combine 195 us at 74 GB/s (deepseek-ai/DeepEP,
-# docs/legacy.md, "Low-latency kernels with pure RDMA"): the slower, 63 GB/s, per byte. The gather and
-# a crossed round at 16 ranks, 25 us between nodes: 1.32 ms a gather call, 1.73 ms of D wait a round
-# (dissemination) (docs/DISTRIBUTED.md, "EP16 over two nodes").
-RDMA16_B_S, GATHER16_S, ROUND16_S = 63e9, 1.32e-3, 1.73e-3
+# Two H200s, NVLink 4: 450 GB/s a direction (NVIDIA H200 datasheet)
+NVLINK_B_S = 450e9
 
 
 def simulate(rows: list[dict], mode: str, model: RankModel, *, seed: int, pressure: str = "P1",
@@ -127,37 +117,10 @@ def validate(root: str, seeds: list[int], held_out: bool = True) -> dict:
     return out
 
 
-def project(old: RankModel, seeds: list[int], interference: list[float], preset16: str) -> dict:
-    """The new code's structure: 2 GPUs (ADP2/EP2, ATP1, H200) and 16 (EP16/ADP8, ATP2, H20-class)."""
-    two = replace(old, structure=new_structure(1), links=replace(old.links, round_s=0.0))
-    sixteen = replace(old, n=16, adp=8, chip=H20, structure=new_structure(2),
-                      links=Links(16, old.links.alpha_s, RDMA16_B_S,
-                                  old.links.exchange_s - GATHER2_S + GATHER16_S, ROUND16_S))
-    out = {}
-    for name, model, preset in (("2gpu", two, "small"), ("16gpu", sixteen, preset16)):
-        per = out[name] = {"preset": preset, "nproc": model.n, "adp": model.adp, "chip": model.chip.name,
-                           "structure": model.structure.__dict__, "links": model.links.__dict__, "rows": []}
-        for seed in seeds:
-            rows = generate(preset, seed)
-            base = {m: simulate(rows, m, model, seed=seed) for m in ("normal", "mixed")}
-            if name == "2gpu":   # beside it: the old code on 2 GPUs and one GPU (plan_sim), same model
-                for m in MODES:
-                    base[f"old_{m}"] = simulate(rows, m, old, seed=seed)
-                    base[f"1gpu_{m}"] = plan_sim.simulate(rows, m, old.cost, seed=seed)
-            for f in interference:
-                pd = simulate(rows, "pd", replace(model, interference=f), seed=seed)
-                per["rows"].append({"seed": seed, "interference": f, "pd": pd, **base,
-                                    "pd/normal": pd["makespan_s"] / base["normal"]["makespan_s"],
-                                    "pd/mixed": pd["makespan_s"] / base["mixed"]["makespan_s"]})
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", default=RUNS, help="the two-GPU runs' folder (small-sS.json, steplog-*)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--interference", default="0,0.1,0.2,0.3,0.4,0.5")
-    ap.add_argument("--preset16", default="gpu", help="the trace for 16 GPUs (8 replicas)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -167,11 +130,9 @@ def main(argv=None) -> int:
     old = fitted(a.runs, seeds)
     result = {"meta": {"command": " ".join(["python", "e2e/rank_sim.py", *(argv or sys.argv[1:])]), "commit": head,
                        "machine": f"{platform.node()} (CPU)", "seeds": seeds, "pressure": "P1",
-                       "nproc": [2, 16], "topology": "validation: ADP2/EP2 on 2 H200s (old code); projection: "
-                       "ADP2/EP2 on 2 H200s, EP16/ADP8 (ATP2) on 16 H20-class GPUs (new code)",
+                       "nproc": 2, "topology": "ADP2/EP2 on 2 H200s (the old code)",
                        "layers": LAYERS, "fit_all_seeds": old.meta, "cost_1gpu": old.cost.__dict__},
-              "validation": val, "projection": project(old, seeds, [float(x) for x in a.interference.split(",")],
-                                                       a.preset16)}
+              "validation": val}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print("| seed | mode | measured s | simulated s (fit: all seeds) | error | held out: simulated s | error |")
@@ -181,16 +142,6 @@ def main(argv=None) -> int:
             r, h = val["all_seeds"][seed][m], val["held_out"][seed][m]
             print(f"| {seed} | {m} | {r['measured_makespan_s']:.2f} | {r['makespan_s']:.2f} | {100 * r['error']:+.1f} % "
                   f"| {h['makespan_s']:.2f} | {100 * h['error']:+.1f} % |")
-    for name, per in result["projection"].items():
-        print(f"\n{name} ({per['chip']}, {per['preset']}): | interference | normal s | mixed s | pd s | pd/normal | pd/mixed |")
-        for f in sorted({r["interference"] for r in per["rows"]}):
-            rs = [r for r in per["rows"] if r["interference"] == f]
-            med = lambda k: statistics.median(r[k]["makespan_s"] if isinstance(r[k], dict) else r[k] for r in rs)
-            print(f"| {f:.1f} | {med('normal'):.2f} | {med('mixed'):.2f} | {med('pd'):.2f} | "
-                  f"{med('pd/normal'):.3f} | {med('pd/mixed'):.3f} |")
-        if name == "2gpu":
-            print("old code / 1 GPU (median s): " + ", ".join(f"{m}: {med('old_' + m):.2f} / {med('1gpu_' + m):.2f}"
-                                                      for m in MODES))
     return 0
 
 

@@ -3,6 +3,7 @@
     python e2e/rdv_sim.py --bench BENCH.json [--steplogs DIR ...] [--gpu RENDEZVOUS2.json
                           [--gpu-steplogs DIR ...]] [--skew-from DIR] [--engine-figures FIG.json]
                           [--out DIR] [--quick]
+    python e2e/rdv_sim.py --spin-from SIM.json [--out DIR]     # spin-then-wait at 256 ranks (issue 64)
 
 --bench     e2e/bench_rendezvous.py --calib output (this machine): the calibration and the
             measured 2/4/8-process figures the simulator is validated against (core pool = the
@@ -261,6 +262,50 @@ def ep16(cal: Calibration, steps, sweep_us, quick) -> list[dict]:
     return rows
 
 
+SPINS = [("none", 0.0, False), ("last", 1e-3, False), ("all", 300e-6, False), ("last", 1e-3, True),
+         ("all", 300e-6, True), ("all", 1e-3, True)]
+
+
+def spin_rows(scenarios: dict, inter_s: float, n: int, quick: bool, log) -> list[dict]:
+    """Dissemination at `n` ranks, back to back, with its waits spinning before they sleep: none, the
+    last hop's or every hop's, on gloo (the waiter skips its wake-up; gloo's loop thread still wakes
+    for each message) or on a polled transport (the spinning thread reads its socket: no wake-up at
+    all while it spins)."""
+    rows = []
+    for name, cal in scenarios.items():
+        for spin, spin_s, polled in SPINS:
+            c = Calibration(**{**cal.__dict__, "spin": spin, "spin_s": spin_s, "polled": polled})
+            t0 = time.monotonic()
+            q = sim_q("dissemination", n, c, 50 if quick else 200, net=Net(8, inter_s), seeds=(1,) if quick else (1, 2))
+            rows.append({"scenario": name, "ranks": n, "spin": spin, "spin_s": spin_s, "polled": polled, **q})
+            log(f"  {name} spin {spin} {spin_s * 1e6:.0f} us {'polled' if polled else 'gloo'}: "
+                f"p50 {q['p50_s'] * MS:.3f} p99 {q['p99_s'] * MS:.3f} ms ({time.monotonic() - t0:.0f} s)")
+    return rows
+
+
+def spin_main(args, log) -> None:
+    """--spin-from: the calibrations of an earlier run's sim.json, spin variants at 256 ranks."""
+    prev = json.load(open(args.spin_from))
+    keep = set(Calibration.__dataclass_fields__)
+    names = {"h200-bench": "gpu", "h200-tail-fitted": "gpu_tail_fitted", "h200-engine-fitted": "gpu_engine_fitted"}
+    scenarios = {k: Calibration(**{f: v for f, v in prev["calibration"][c].items() if f in keep})
+                 for k, c in names.items() if c in prev["calibration"]}
+    rows = spin_rows(scenarios, args.inter_us * 1e-6, 256, args.quick, log)
+    out = {"meta": {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "machine": machine(),
+                    "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "nproc": 256,
+                    "topology": "256 ranks, 8 a node", "inter_us_assumed": args.inter_us, "seeds": [1, 2],
+                    "calibrations_from": args.spin_from, "calibrations_from_meta": prev["meta"]},
+           "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "spin.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    print("| scenario | spin | window us | transport | p50 ms | p99 ms |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scenario']} | {r['spin']} | {r['spin_s'] * 1e6:.0f} | {'polled' if r['polled'] else 'gloo'} | "
+              f"{r['p50_s'] * MS:.3f} | {r['p99_s'] * MS:.3f} |")
+
+
 def plots(out: str, result: dict) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -362,7 +407,8 @@ def fmt(q) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bench", required=True)
+    ap.add_argument("--bench")
+    ap.add_argument("--spin-from", help="an earlier run's sim.json: only its calibrations' spin variants at 256 ranks")
     ap.add_argument("--steplogs", nargs="*", default=[])
     ap.add_argument("--gpu")
     ap.add_argument("--gpu-steplogs", nargs="*", default=[],
@@ -378,6 +424,11 @@ def main() -> None:
     if args.gpu_steplogs and not args.gpu:
         ap.error("--gpu-steplogs needs --gpu (their host's calibration)")
     log = lambda s: print(s, flush=True)
+    if args.spin_from:
+        spin_main(args, log)
+        return
+    if not args.bench:
+        ap.error("--bench is required (or --spin-from)")
     if args.replot:
         print(plots(args.out, json.load(open(os.path.join(args.out, "sim.json")))))
         return

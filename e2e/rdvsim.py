@@ -8,7 +8,9 @@ message over a model of gloo's TCP point-to-point protocol (as gloo's transport 
   max(send posted, receive posted + one crossing) + one crossing;
 * a crossing is one message's latency L (sampled per message); posting costs `post` of CPU;
   a woken thread (the receiver's loop thread, then the waiting one) runs late with probability
-  `wake_p` (preemption, OS noise), by a sampled delay;
+  `wake_p` (preemption, OS noise), by a sampled delay; a waiter that spins (`spin`, `spin_s`)
+  needs no wake-up for data that arrives while it spins (gloo's loop thread still does, unless
+  the transport is `polled`: the spinning thread reads its socket itself);
 * (seq, tag) channels are FIFO, as gloo's are.
 
 `gather` is gloo's allgather ring (2(n-1) pipelined sends of half a row each, every send after the
@@ -47,6 +49,9 @@ class Calibration:
     cxx_post_s: float = 0.0           # a post inside gloo's C++ ring (not measurable from Python; in L)
     wake_p: float = 0.0               # a thread's wake-up is late (preempted, OS noise) with this probability ...
     wake_s: list[float] = field(default_factory=list)   # ... by one of these delays
+    spin: str = "none"                # dissemination's waits that spin before they sleep: none | last | all
+    spin_s: float = 0.0               # how long: data arriving within it finds the waiter awake
+    polled: bool = False              # the spinning thread polls the socket itself (no loop thread to wake)
     source: str = ""
 
     @classmethod
@@ -90,11 +95,12 @@ class Net:
 
 
 class _Handle:
-    __slots__ = ("done", "waiter")
+    __slots__ = ("done", "waiter", "awake_until")
 
     def __init__(self) -> None:
         self.done: float | None = None
         self.waiter: int | None = None
+        self.awake_until = -1.0       # a spinning waiter needs no wake-up until then
 
 
 class _Sim:
@@ -116,6 +122,7 @@ class _Sim:
         self.progs: list = [None] * n
         self.late = np.asarray(cal.wake_s) if cal.wake_p > 0 and cal.wake_s else None
         self.notices = notices        # model the send-ready notice's CPU too (only matters with cores)
+        self.awake = [-1.0] * n       # polled transports: a rank spins (reads its socket) until then
 
     # -- time and CPU
     def at(self, t: float, fn, *args) -> None:
@@ -154,7 +161,7 @@ class _Sim:
         """A message's arrival at `rank`: its loop thread wakes (maybe late); with a core pool
         the handler also waits for a free core, which it then holds for rx (CPU that delays
         other work; the crossing's own latency is in L)."""
-        if not woken:
+        if not woken and not (self.cal.polled and self.now <= self.awake[rank]):
             d = self.wake()
             if d > 0:
                 self.at(self.now + d, lambda: self.handle(rank, fn, *args, woken=True))
@@ -203,9 +210,9 @@ class _Sim:
 
     def _complete(self, h: _Handle) -> None:
         h.done = self.now
-        if h.waiter is not None:      # the waiting thread wakes (maybe late)
+        if h.waiter is not None:      # the waiting thread wakes (maybe late), unless it still spins
             w, h.waiter = h.waiter, None
-            self.at(self.now + self.wake(), self.step, w, None)
+            self.at(self.now + (0.0 if self.now <= h.awake_until else self.wake()), self.step, w, None)
 
     # -- rank programs
     def step(self, rank: int, value) -> None:
@@ -232,6 +239,8 @@ class _Sim:
                     value = None
                     continue
                 h.waiter = rank
+                if len(op) > 2 and op[2] > 0:
+                    h.awake_until = self.awake[rank] = self.now + op[2]
                 return
             elif kind == "now":
                 value = self.now
@@ -288,7 +297,8 @@ def _dissemination(me: int, n: int, cal: Calibration):
             for j in range(1, len(ds)):
                 yield ("cpu", cal.post_s)
                 recvs.append((yield ("recv", (me - ds[j]) % n, j)))
-        yield ("wait", recvs[k])
+        spin = cal.spin == "all" or (cal.spin == "last" and k == len(ds) - 1)
+        yield ("wait", recvs[k], cal.spin_s if spin else 0.0)
     for h in sends:
         yield ("wait", h)
 

@@ -29,6 +29,7 @@ COMMANDS: dict[str, dict[str, str]] = {
         "seeds": "bench_seeds",            # the modes' makespans over seeds (the one mode bench)
         "plan": "plan.sh",                 # a named set of bench/kernel runs in one device call
         "engine": "bench_engine",          # engine-level decode/prefill steps beside their floors
+        "ep2-rank": "ep2_rank",            # one EP2 rank's decode graph on one GPU, against its floor
         "variants": "bench_kernels.sh",    # bench_engine once per kernel variant, one table
         "decode-ab": "decode_ab",
         "d-beside-p": "d_beside_p",

@@ -1,6 +1,6 @@
 """The rank-shared step plan: what rank 0's planner hands every rank (one rank included) to execute.
 
-Plain picklable data. Rank 0 owns intake, the per-replica schedulers and the KV block pools, so a
+Plain data; between ranks it travels in a fixed binary layout (runtime/plan_wire.py). Rank 0 owns intake, the per-replica schedulers and the KV block pools, so a
 row carries its block table: workers keep no scheduling state and cannot diverge. A request is
 pinned to one attention replica for its life (its KV and prefix blocks live there).
 """
@@ -56,8 +56,38 @@ class ReplicaWork:
         return len(self.decode)
 
     @property
+    def prefill_rows(self) -> int:
+        return len(self.prefill)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(r.length for r in self.decode)
+
+    @property
     def prefill_tokens(self) -> int:
         return sum(r.length for r in self.prefill)
+
+    @property
+    def spec(self) -> bool:
+        """A decode row verifies drafts."""
+        return any(r.draft for r in self.decode)
+
+    @property
+    def routes(self) -> bool:
+        """A row wants its routing reported."""
+        return any(r.routes for r in self.decode + self.prefill)
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """Another replica's rank-shared facts, all a rank needs of it (runtime/plan_wire.py): its row and
+    token counts size the collectives both take part in; no rows."""
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    spec: bool = False
+    routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +109,7 @@ class EngineOp:
 class StepPlan:
     step: int
     control: dict                               # ControlSettings.model_dump() in force this step
-    replicas: tuple[ReplicaWork, ...] = ()
+    replicas: tuple[ReplicaWork, ...] = ()     # on a rank other than 0: its own, ReplicaShape for the others
     new: tuple[NewRequest, ...] = ()
     drop: tuple[str, ...] = ()                  # finished or aborted: forget the generator
     multiplexing: bool = False                  # the pd policy put P and D in this step
@@ -93,11 +123,11 @@ class StepPlan:
 
     @property
     def d_any(self) -> bool:
-        return any(w.decode for w in self.replicas)
+        return any(w.decode_rows for w in self.replicas)
 
     @property
     def p_any(self) -> bool:
-        return any(w.prefill for w in self.replicas)
+        return any(w.prefill_rows for w in self.replicas)
 
     @property
     def prefill_tokens(self) -> int:
@@ -111,12 +141,12 @@ class StepPlan:
     @property
     def spec_any(self) -> bool:
         """A decode row verifies drafts: D runs eagerly this step (a graph is one token per row)."""
-        return any(r.draft for w in self.replicas for r in w.decode)
+        return any(w.spec for w in self.replicas)
 
     @property
     def routes_any(self) -> bool:
         """A row wants its routing: every rank runs this step eagerly (no graph holds the ids)."""
-        return any(r.routes for w in self.replicas for r in w.decode + w.prefill)
+        return any(w.routes for w in self.replicas)
 
 
 @dataclass

@@ -20,9 +20,10 @@ D path (decode rows; phase "decode"):
      gathered valid rows, so the fixed-capacity LL buffers see the mean, not the largest replica.
      With fixed slots (torch backend) the share is strided over the valid-first order, m rows
      with a validity mask, so no count is read back to the host.
-  3. LL dispatch / experts / LL combine on the D-owned expert communicator. Torch backend: the
-     receive keeps its [ep * cap] slot layout and the experts run as grouped GEMMs over it: the
-     D iteration reads nothing back to the host and can be enqueued ahead of the GPU.
+  3. LL dispatch / experts / LL combine on the D-owned expert communicator. Torch backend: D's
+     own token slots (token_slots.py: each token once to every peer holding one of its experts,
+     [ep, rows] slots a rank, the receiver's weighted partial sums back): the D iteration reads
+     nothing back to the host and can be enqueued ahead of the GPU.
   4. DP scatter: ReduceScatter on the DP group returns each chunk's output to its owner (d>1).
   5. AllGather on the ATP group restores the replica's full rows (a>1 only).
 Every collective is enqueued on the device model (a lane of CpuDevice) and waited for with the
@@ -105,6 +106,15 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _ring(t: torch.Tensor, g: int) -> int:
+    """A rank's bytes to peers in an all-reduce of `t` over g ranks (ring: reduce-scatter, all-gather)."""
+    return 2 * (g - 1) * _nbytes(t) // g
+
+
 class RankCollectives(Collectives):
     def __init__(self, topo: Topology, rank: int, groups: Groups, comm, device, check: Callable[[], None],
                  hidden: int, topk: int, p_max_rows: int) -> None:
@@ -120,6 +130,7 @@ class RankCollectives(Collectives):
         self.issued: dict[str, str] = {}   # CUDA: last collective issued per stream (the watchdog's view)
         self.in_capture = False            # a D graph is being captured (graphs.py): check it stays valid
         self._issued = {"p": 0, "d": 0}    # collectives issued per path, the expert comm's aside
+        self._sent = {"p": 0, "d": 0}      # bytes they sent to peers (ring all-reduce: 2(g-1)/g of the buffer)
         # D's compact shares need a count on the host, only for backends without fixed slots
         self.reader = None if comm.fixed_slots else HostReader(comm.device, ("decode",))
 
@@ -132,13 +143,20 @@ class RankCollectives(Collectives):
         phase = Phase.DECODE if path == "d" else Phase.PREFILL
         return self._issued[path] + (self.comm.state(phase).issued if self.comm.counts_issued else 0)
 
+    def bytes_sent(self, path: str) -> int:
+        """Bytes `path`'s collectives sent to peers so far, the expert comm's included (the step log's)."""
+        phase = Phase.DECODE if path == "d" else Phase.PREFILL
+        return self._sent[path] + (self.comm.state(phase).sent if self.comm.counts_issued else 0)
+
     @staticmethod
     def path(phase) -> str:
         return Phase(phase).path
 
-    def _run(self, path: str, name: str, group: tuple, fn: Callable[[], object]):
-        """Enqueue `fn` (one blocking collective) on the path's lane; wait, polling the watchdog."""
+    def _run(self, path: str, name: str, group: tuple, fn: Callable[[], object], sent: int = 0):
+        """Enqueue `fn` (one blocking collective, `sent` bytes to peers) on the path's lane; wait,
+        polling the watchdog."""
         ctx = self.ctx[path]
+        self._sent[path] += sent
         box: list = []
         key = f"{path.upper()}:{ctx.step}:{ctx.enqueued}:{name}"
         if name not in ("dispatch", "combine") or not self.comm.counts_issued:
@@ -217,7 +235,7 @@ class RankCollectives(Collectives):
         if path == "d":
             out = x.clone()
             self._run("d", "atp-allreduce", self.topo.atp_group(self.rank),
-                      lambda: dist.all_reduce(out, group=self.g.atp))
+                      lambda: dist.all_reduce(out, group=self.g.atp), _ring(out, self.a))
             return out
         return self._world_gather("attn-allreduce", x, 0, x.shape[0])
 
@@ -227,7 +245,8 @@ class RankCollectives(Collectives):
         off, total = self._segment(self.ctx["p"].rows)
         buf = torch.zeros(total, self.hidden, dtype=part.dtype, device=part.device)
         buf[off + lo:off + lo + part.shape[0]] = part
-        self._run("p", name, self.topo.world_group, lambda: dist.all_reduce(buf, group=self.g.p_world))
+        self._run("p", name, self.topo.world_group, lambda: dist.all_reduce(buf, group=self.g.p_world),
+                  _ring(buf, self.topo.world))
         return buf[off:off + n]
 
     # ---- experts -----------------------------------------------------------------------
@@ -240,7 +259,7 @@ class RankCollectives(Collectives):
         """This rank's experts over what the all-to-all delivered: the routed rows through the
         layer's expert backend (grouped GEMMs on CUDA, no host read); DeepEP's per-expert layout
         through its own per-expert loop."""
-        if meta.layout in ("rows", "slots"):
+        if meta.layout == "rows":
             return layer.routed_experts(recv, meta.expert_ids)
         if meta.layout == "tokens":   # weighted partial sums over this rank's experts
             return layer.local_experts(recv, meta.expert_ids, meta.weights)
@@ -311,7 +330,7 @@ class RankCollectives(Collectives):
             pack[:valid, -1] = 1.0
             parts = [torch.empty_like(pack) for _ in range(self.d)]
             self._run("d", "dp-allgather", self.topo.dp_group(self.rank),
-                      lambda: dist.all_gather(parts, pack, group=self.g.dp))
+                      lambda: dist.all_gather(parts, pack, group=self.g.dp), _nbytes(pack) * (self.d - 1))
             gathered = torch.cat(parts)
             real = gathered[:, -1] > 0
             # The real rows first, in order; every member dispatches an even share of them.
@@ -341,14 +360,14 @@ class RankCollectives(Collectives):
             buf[mine] = y
             own = torch.empty(m, H, dtype=y.dtype, device=y.device)
             self._run("d", "dp-reducescatter", self.topo.dp_group(self.rank),
-                      lambda: dist.reduce_scatter_tensor(own, buf, group=self.g.dp))
+                      lambda: dist.reduce_scatter_tensor(own, buf, group=self.g.dp), _nbytes(own) * (self.d - 1))
         else:
             own = torch.zeros(m, H, dtype=y.dtype, device=y.device)
             own[:valid] = y
         if self.a > 1:
             parts = [torch.empty_like(own) for _ in range(self.a)]
             self._run("d", "atp-allgather", self.topo.atp_group(self.rank),
-                      lambda: dist.all_gather(parts, own, group=self.g.atp))
+                      lambda: dist.all_gather(parts, own, group=self.g.atp), _nbytes(own) * (self.a - 1))
             own = torch.cat(parts)
         return own[:n].to(x.dtype)
 

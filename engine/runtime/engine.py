@@ -89,6 +89,10 @@ class Engine(EngineOps):
         self._flight: tuple[int, list] | None = None
         self._p_ready = False
         self.ranks = None                            # launcher.RankGroup of a multi-rank group
+        self.channel = None                          # several ranks: plans out, reports back
+        if self.topo.world > 1:
+            from .plan_channel import PlanChannel
+            self.channel = worker.channel = PlanChannel(self.topo, 0)
         self.closed = False
         self._init_ops()
         self._first_step()
@@ -315,12 +319,10 @@ class Engine(EngineOps):
         if self.topo.world == 1:
             mine = self.worker.execute(plan)
             reports = [mine]
-        else:
-            import torch.distributed as dist
-            dist.broadcast_object_list([plan], src=0)
+        else:   # each rank its replica's share, in a binary layout (plan_channel.py)
+            self.channel.send(plan)
             mine = self.worker.execute(plan)
-            reports: list[StepReport] = [None] * self.topo.world
-            dist.gather_object(mine, reports, dst=0)
+            reports = self.channel.gather(mine)
         if self.mtps:   # rank 0 leads replica 0; the other leaders' states came in their reports
             self.mtps[0].add(self.worker.hidden.take())
             for r in reports:
@@ -339,7 +341,7 @@ class Engine(EngineOps):
                 self.drain()
             except Exception:   # a failed group: the stop plan below is all that is left to send
                 pass
-            dist.broadcast_object_list([StepPlan(self.step_id, self.control.model_dump(), stop=True)], src=0)
+            self.channel.send(StepPlan(self.step_id, self.control.model_dump(), stop=True))
             dist.barrier()
         self.worker.close()
 

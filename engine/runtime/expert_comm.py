@@ -10,7 +10,8 @@ P uses the normal path, split at the safe boundary:
   wait for counts AND the turnstile permit -> move routed data.
 At most one pending dispatch per P buffer; a cancelled dispatch retires its buffer until a
 quiescent cleanup point (`quiesce`), because peers already acted on its notification.
-D uses the low-latency path: one fixed-capacity exchange into stable, double-buffered slots.
+D uses the low-latency path: one fixed-capacity exchange into stable, double-buffered slots (the
+torch backend: token slots, as P's, token_slots.py).
 """
 from __future__ import annotations
 
@@ -41,11 +42,10 @@ class PermitMissingError(ExpertCommError):
 @dataclass
 class RecvMeta:
     layout: str                 # "rows": one (token, expert) pair per row; "ll": [E_local, cap, H] slots;
-                                # "tokens": [ep * rows] tokens with their k global ids (token_slots.py);
-                                # "slots": [ep * cap] rows in the sender's slot order, id -1 = empty
-    expert_ids: Any             # rows: local expert id per row; slots: per slot, -1 = empty; ll: None
-    counts: Any                 # rows: rows received per source rank (host); slots: the same on the
-                                # device; ll: [E_local] valid rows per expert
+                                # "tokens": [ep * rows] tokens with their k global ids (token_slots.py)
+    expert_ids: Any             # rows: local expert id per row; tokens: [N, k] global ids, -1 = none; ll: None
+    counts: Any                 # rows: rows received per source rank (host); ll: [E_local] valid rows
+                                # per expert; tokens: None
     phase: "Phase | None" = None   # whose rows (a backend may keep per-phase host buffers)
     weights: Any = None            # tokens: [N, k] routing weights, applied by the receiver
 
@@ -72,6 +72,7 @@ class PhaseState:
     status: list[str] = field(default_factory=list)   # per buffer: free | pending | moved | retired
     ll_index: int = 0             # D only: double-buffer index
     issued: int = 0               # collectives this phase issued (the step log's count)
+    sent: int = 0                 # bytes its exchanges sent to peers (the step log's d_bytes/p_bytes)
     slots: dict = field(default_factory=dict)   # P: the token slots' buffers (token_slots.py)
 
     def claim(self) -> int:
@@ -137,8 +138,8 @@ def disjoint(a: PhaseState, b: PhaseState) -> list[str]:
 
 class ExpertComm:
     """Interface both backends implement."""
-    # D's dispatch takes a row-validity mask and returns fixed [ep * cap] slots (layout "slots"):
-    # the D iteration needs no host read (TorchExpertComm); DeepEP's LL layout is [E_local, cap].
+    # D's dispatch takes a row-validity mask and returns fixed [ep * rows] token slots (layout
+    # "tokens"): the D iteration needs no host read (TorchExpertComm); DeepEP's LL layout is [E_local, cap].
     fixed_slots = False
     counts_issued = False   # PhaseState.issued counts each collective the backend issues
 
@@ -203,19 +204,18 @@ class TorchExpertComm(ExpertComm):
             counters=[z(2, self.ep, dt=torch.int64) for _ in range(p_buffers)],
             workspace=z(max_tokens * topk, dt=torch.int64), status=["free"] * p_buffers,
             slots=self.slots_p.buffers)
-        # LL slots per peer: worst case every pair goes to one peer; at most d_max_tokens rows a
-        # dispatch. A dispatch uses the first rows * topk slots of each peer (`rows`: the step's
-        # rank-shared bound, a graph's bucket), packed contiguously: [ep (+1 spare), slots, H + 1], the
-        # last column the slot's local expert id in the bits of an integer of the rows' width.
-        cap = (d_max_tokens or max_tokens) * topk
+        # D: the token slots too (a token once to each peer holding one of its experts, no host read),
+        # double-buffered: `rows` a peer, the step's rank-shared bound (a graph's bucket); at most
+        # d_max_tokens rows a dispatch
+        d_rows = d_max_tokens or max_tokens
+        self.slots_d = [TokenSlots(self.ep, self.e_local, hidden, topk, d_rows, self.dtype, self.device) for _ in range(2)]
         self._d = PhaseState(
             Phase.DECODE, groups[Phase.DECODE], self.qps.decode, "d-expert",
-            buffers=[{"send": z((self.ep + 1) * cap * (hidden + 1)), "recv": z(self.ep * cap * (hidden + 1)),
-                      "back": z((self.ep + 1) * cap * hidden)} for _ in range(2)],
+            buffers=[ts.buffers for ts in self.slots_d],
             counters=[z(self.ep, dt=torch.int64) for _ in range(2)],
-            workspace=z(cap, dt=torch.int64), status=["free", "free"])
+            workspace=z(d_rows * topk, dt=torch.int64), status=["free", "free"])
         self._lock = threading.Lock()
-        self.cap = cap
+        self.cap = d_rows   # D's rows a peer
         from .host_read import HostReader
         self.reader = HostReader(self.device)   # per-phase pinned buffers for the host reads
 
@@ -303,55 +303,32 @@ class TorchExpertComm(ExpertComm):
         return st.free_retired()
 
     def _exchange_p(self, out, inp) -> None:
-        self.dist.all_to_all_single(out, inp, group=self._p.group)
-        self._p.issued += 1
+        self._exchange(self._p, out, inp)
+
+    def _exchange_d(self, out, inp) -> None:
+        self._exchange(self._d, out, inp)
+
+    def _exchange(self, st: PhaseState, out, inp) -> None:
+        self.dist.all_to_all_single(out, inp, group=st.group)
+        st.issued += 1
+        st.sent += inp.numel() * inp.element_size() * (self.ep - 1) // self.ep   # its own slice stays
 
     # ---- D: low-latency path ---------------------------------------------------------
-    def _packed(self, flat, peers: int, slots: int, width: int):   # contiguous for any slot count
-        return flat[:peers * slots * width].view(peers, slots, width)
-
-    def _ids(self, packed):
-        """The id column of a packed buffer, as integers of the rows' width (-1 = empty slot)."""
-        int_of = {2: self.torch.int16, 4: self.torch.int32, 8: self.torch.int64}[packed.element_size()]
-        return packed[..., self.hidden:].view(int_of)
-
     def _dispatch_ll(self, hidden, topk_ids, topk_weights, valid=None, rows=None):
-        """One fixed-shape exchange with no host read: the rows and their expert ids packed in one
-        all-to-all; the receive side keeps the [ep, slots] layout (empty slots carry expert id -1), so
-        D's whole iteration can be enqueued without waiting for the GPU. `valid` ([T] bool): rows that
-        are padding route to the spare row `ep` of the send buffer, which is never sent. `rows`: the
-        rank-shared bound on any member's rows this step (every member sends the same shape)."""
-        torch, st, H = self.torch, self._d, self.hidden
-        rows = self.cap // self.topk if rows is None else rows
-        # The slots per peer hold every pair of `rows` tokens (all could route to one peer):
-        # checked on the shape, without reading the counts back before the exchange.
-        if max(rows, hidden.shape[0]) * self.topk > self.cap or hidden.shape[0] > rows:
+        """One fixed-shape exchange with no host read into D's token slots (double-buffered): each token
+        once to every peer holding one of its experts, `rows` slots a peer (the rank-shared bound on any
+        member's rows this step, so every member sends the same shape). `valid` ([T] bool): padding rows
+        go to no peer. The receiver keeps the [ep, rows] layout, so D's whole iteration can be enqueued
+        without waiting for the GPU."""
+        st = self._d
+        rows = self.cap if rows is None else rows
+        if max(rows, hidden.shape[0]) > self.cap or hidden.shape[0] > rows:
             raise ExpertCommError(f"LL dispatch of {hidden.shape[0]} tokens (bound {rows}) exceeds the D buffers' "
-                                  f"capacity of {self.cap // self.topk} tokens or the bound")
-        slots = rows * self.topk
+                                  f"capacity of {self.cap} tokens or the bound")
         b = st.ll_index
         st.ll_index ^= 1                              # D-owned double-buffer index
-        buf = st.buffers[b]
-        send = self._packed(buf["send"], self.ep + 1, slots, H + 1)
-        recv = self._packed(buf["recv"], self.ep, slots, H + 1)
-        flat, dest, order, per_peer, token_of = self._route(topk_ids, valid)
-        starts = torch.cumsum(per_peer, 0) - per_peer
-        dest_sorted = dest[order]
-        slot = torch.arange(order.numel(), device=self.device) - starts[dest_sorted]
-        send.zero_(), self._ids(send).fill_(-1)
-        send[dest_sorted, slot, :H] = hidden.index_select(0, token_of).to(self.dtype)
-        self._ids(send)[dest_sorted, slot, 0] = (flat[order] % self.e_local).to(self._ids(send).dtype)
-        self.dist.all_to_all_single(recv, send[:self.ep], group=st.group)
-        st.issued += 1
-        ids = self._ids(recv).reshape(-1).long()
-        cnt = (ids.view(self.ep, slots) >= 0).sum(1)  # rows per source (stays on the device)
-        weights = topk_weights.reshape(-1)[order]
-        if valid is not None:                         # padding pairs add nothing in combine
-            weights = torch.where(dest_sorted < self.ep, weights, torch.zeros_like(weights))
-        state = {"order": order, "token_of": token_of, "weights": weights, "dest_sorted": dest_sorted,
-                 "slot": slot, "slots": slots}
-        return recv[..., :H].reshape(-1, H), RecvMeta("slots", ids, cnt, Phase.DECODE), \
-            Handle(Phase.DECODE, b, hidden.shape[0], state)
+        x, ids, w, state = self.slots_d[b].dispatch(self._exchange_d, hidden, topk_ids, topk_weights, rows, valid)
+        return x, RecvMeta("tokens", ids, None, Phase.DECODE, w), Handle(Phase.DECODE, b, hidden.shape[0], state)
 
     # ---- both -------------------------------------------------------------------------
     def dispatch(self, phase, hidden, topk_ids, topk_weights, valid=None, rows=None):
@@ -374,22 +351,16 @@ class TorchExpertComm(ExpertComm):
         if Phase(phase) is not handle.phase:
             raise ExpertCommError(f"combine({Phase(phase).value}) of a {handle.phase.value} handle")
         if s.get("kind") == "tokens":
+            if handle.phase is Phase.DECODE:
+                return self.slots_d[handle.buffer].combine(self._exchange_d, expert_out, s)
             return self.slots_p.combine(self._exchange_p, expert_out, s)
-        if handle.phase is Phase.PREFILL:
+        if handle.phase is Phase.PREFILL:   # the counted path
             st = self._p
             back = st.buffers[handle.buffer]["back"][:s["order"].numel()]
             self.dist.all_to_all_single(back, expert_out.to(self.dtype).contiguous(), s["send_counts"],
                                         s["recv_counts"], group=st.group)
             st.issued += 1
             st.status[handle.buffer] = "free"
-        else:
-            st = self._d
-            back = self._packed(st.buffers[handle.buffer]["back"], self.ep + 1, s["slots"], self.hidden)
-            back[self.ep].zero_()   # the spare row padding pairs read (weight 0): finite
-            self.dist.all_to_all_single(back[:self.ep], expert_out.to(self.dtype).reshape(back[:self.ep].shape).contiguous(),
-                                        group=st.group)   # slot layout, as dispatched
-            st.issued += 1
-            back = back[s["dest_sorted"], s["slot"]]
         # weight and sum in fp32, round once (as DeepEP's combine does); unchanged for fp32 rows
         out = torch.zeros(handle.tokens, self.hidden, dtype=torch.float32, device=self.device)
         out.index_add_(0, s["token_of"], back.float() * s["weights"].float()[:, None])
@@ -401,6 +372,15 @@ class TorchExpertComm(ExpertComm):
         order) and one host read of the per-expert counts. The engine's D path does not come here:
         it runs the slots through grouped GEMMs (`RankCollectives`), with no host read."""
         torch, ids = self.torch, meta.expert_ids
+        if meta.layout == "tokens":   # k global ids a slot: the weighted partial sum over this rank's experts
+            lo = self.rank_in_ep * self.e_local
+            out = torch.zeros_like(recv_hidden)
+            for e in range(self.e_local):
+                w = torch.where(ids == lo + e, meta.weights, torch.zeros_like(meta.weights)).sum(1)
+                rows = (w != 0).nonzero()[:, 0]
+                if rows.numel():
+                    out[rows] += w[rows, None].to(out.dtype) * fn(e, recv_hidden[rows])
+            return out
         key = torch.where(ids >= 0, ids, self.e_local)
         order = torch.argsort(key, stable=True)
         per_expert = torch.zeros(self.e_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(

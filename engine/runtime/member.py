@@ -83,8 +83,7 @@ class GroupMember:
         w.pd = self.pd = (BesideStep if self.uncrossed else TurnstileStep)(w)
         if cuda:
             rows = max(p_rows, d_tokens)
-            slots = comm.ep * comm.cap if comm.fixed_slots else 0
-            warm_kernels(w.model, w.streams["d"], rows, topo.ep, slots, w.device, w.rank)
+            warm_kernels(w.model, w.streams["d"], rows, topo.ep, w.device, w.rank)
             if w.backends.attention.prefill == "hybrid":   # auto in bf16
                 with torch.cuda.stream(w.streams["d"]):
                     warm_fresh_attention(w.model, p_rows, w.device, w.rank)
@@ -115,8 +114,9 @@ class GroupMember:
             return contextlib.nullcontext()
         return self.timeline.span(name, stream, phase=path.upper(), step=step)
 
-    def mark(self) -> tuple[int, int, int, int]:
-        return len(self.ctl.results), len(self.rdv.latencies), self.ctl.boundaries, self.col.collectives_issued("d")
+    def mark(self) -> tuple:
+        return (len(self.ctl.results), len(self.rdv.latencies), self.ctl.boundaries, self.col.collectives_issued("d"),
+                self.col.bytes_sent("d"), self.col.bytes_sent("p"))
 
     def report(self, report, mark) -> None:
         rs = self.ctl.results[mark[0]:]
@@ -135,6 +135,8 @@ class GroupMember:
         return {"rendezvous": self.rdv.kind, "rendezvous_s": self.rdv.latencies[mark[1]:],
                 "permits": self.ctl.boundaries - mark[2],   # P boundaries that asked for a permit
                 "d_collectives": self.col.collectives_issued("d") - mark[3],   # D's collectives this step
+                "d_bytes": self.col.bytes_sent("d") - mark[4],   # what they sent to peers (eager D; a replay: 0)
+                "p_bytes": self.col.bytes_sent("p") - mark[5],   # P's this step (an epoch spans steps)
                 "skew_ms": list(pd.skew_applied) if pd is not None else [],
                 "round_t": [[r.t_start, r.p_wait_s, r.pre_s, r.enq_s, r.post_s] for r in rs if r.rendezvous]}
 

@@ -148,12 +148,12 @@ class TurnstileStep:
             plan, epoch = self._pq.get()
             try:
                 if epoch is None:   # the start-up warm-up: no turnstile
-                    self._p_done.put(w.forward(Phase.PREFILL, plan, lambda r: r.prefill))
+                    self._p_done.put(w.forward(Phase.PREFILL, plan, "prefill"))
                     continue
 
                 def boundary(i: int) -> None:
                     w.group.ctl.boundary(epoch, i)
-                logits = w.forward(Phase.PREFILL, plan, lambda r: r.prefill, boundary=boundary)
+                logits = w.forward(Phase.PREFILL, plan, "prefill", boundary=boundary)
                 w.group.ctl.finish(epoch)
                 self._p_done.put(logits)
             except BaseException as e:   # fail fast: peers see the closed connections and stop too
@@ -185,4 +185,4 @@ class TurnstileStep:
             w.group.col.p_lane = lane
             self._pq.put((plan, None))
             self.wait_p()
-        w.forward(Phase.DECODE, plan, lambda r: r.decode)
+        w.forward(Phase.DECODE, plan, "decode")

@@ -30,7 +30,7 @@ class SoloEpochs:
         """On the P thread: the forward, then its stream drained, timed (PEpoch)."""
         w = self.w
         t0, c0 = time.monotonic(), time.thread_time()
-        logits = w.forward(Phase.PREFILL, plan, lambda r: r.prefill, wait=False)
+        logits = w.forward(Phase.PREFILL, plan, "prefill", wait=False)
         t1, c1 = time.monotonic(), time.thread_time()
         if w.cuda:
             w.streams["p"].synchronize()

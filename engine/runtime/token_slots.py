@@ -1,6 +1,6 @@
-"""P's expert exchange with no host read: each token sent once to every peer that holds one of its
-experts, into fixed per-peer slots sized by the pass's rank-shared row bound (docs/DISTRIBUTED.md,
-"P's expert exchange").
+"""The expert exchange with no host read, P's and D's (each phase its own slots): each token sent once
+to every peer that holds one of its experts, into fixed per-peer slots sized by the pass's rank-shared
+row bound (docs/DISTRIBUTED.md, "P's expert exchange", "D's expert exchange").
 
 The counted path (notify -> counts on the host -> variable all-to-all) made P's thread wait for
 the GPU at every MoE layer, so it could never run ahead of its kernels nor be captured as a graph.
@@ -22,7 +22,7 @@ _INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class TokenSlots:
-    """One rank's P slots over its EP group; `exchange(out, inp)`: the group's all-to-all."""
+    """One rank's slots of one phase over its EP group; `exchange(out, inp)`: the group's all-to-all."""
 
     def __init__(self, ep: int, e_local: int, hidden: int, topk: int, max_rows: int, dtype, device) -> None:
         self.ep, self.e_local, self.hidden, self.topk, self.max_rows = ep, e_local, hidden, topk, max_rows

@@ -50,27 +50,11 @@ def warm_gemms(model: torch.nn.Module, rows: int, expert_rows: int, device: torc
     return n
 
 
-def warm_routed_experts(layer, slots: int, device: torch.device) -> int:
-    """The routed-expert GEMMs (`MoEBlock.routed_experts`: D's fixed receive slots, P's received
-    rows) for every row count of `warm_rows(slots)`, rows spread over the local experts."""
-    e_local = layer.experts.gate_up_proj.shape[0]
-    h = layer.experts.gate_up_proj.shape[-1]
-    x = torch.zeros(slots, h, dtype=layer.experts.gate_up_proj.dtype, device=device)
-    ids = torch.arange(slots, device=device) % e_local
-    ms = warm_rows(slots)
-    for m in ms:
-        layer.routed_experts(x[:m], ids[:m])
-    return len(ms)
-
-
-def warm_kernels(model, stream, rows: int, ep: int, routed_slots: int, device: torch.device, rank: int) -> None:
+def warm_kernels(model, stream, rows: int, ep: int, device: torch.device, rank: int) -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.monotonic()
     with torch.cuda.stream(stream):
         n = warm_gemms(model, rows, rows * ep, device)
-        layer = next((mod for mod in model.modules() if hasattr(mod, "routed_experts")), None)
-        if layer is not None and routed_slots:
-            n += warm_routed_experts(layer, routed_slots, device)
     torch.cuda.synchronize(device)
     print(f"[rank {rank}] kernel warm-up: {n} GEMMs, M up to {rows} ({rows * ep} for experts), "
           f"{time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)

@@ -101,7 +101,7 @@ class Worker:
         self.streams: dict = {}
         self.d_end = None   # CUDA: an event after a D that returned before its kernels ended
         self.graphs = None
-        self.pd = None
+        self.pd = self.channel = None   # several ranks: the pd step; the plan channel (for the step log)
         self._log = StepLog(options.step_log, rank) if options.step_log else None
         self._capture_forward = None
         self.p_graphs = None   # piecewise graphs of forwards that carry P (one rank)
@@ -196,7 +196,7 @@ class Worker:
             (logits_d, report.graph), logits_p = self.forward_d(plan), None
         else:   # one forward of everything: P and D fused (one rank), or the normal/mixed policies
             phase = Phase.MIXED if plan.d_any else Phase.PREFILL
-            logits_d, logits_p = None, self.forward(phase, plan, lambda w: w.decode + w.prefill)
+            logits_d, logits_p = None, self.forward(phase, plan, "both")
         if self.multi:
             self.group.report(report, mark)
         if self.leader:
@@ -218,22 +218,22 @@ class Worker:
                               rendezvous_s=sum(report.rendezvous_s), decode_rows=mine.decode_rows,
                               prefill_tokens=mine.prefill_tokens)
         if self._log:
+            fields = {**(self.group.log_fields(mark) if self.multi else {}), **(self.channel.log_fields() if self.channel else {})}
             self._log.step(plan, report, mine, time.monotonic() - t_start,
-                           self.p_graphs.replays if self.p_graphs is not None else None,
-                           self.group.log_fields(mark) if self.multi else {})
+                           self.p_graphs.replays if self.p_graphs is not None else None, fields)
         return report
 
     # ---- forwards ------------------------------------------------------------------------
-    def forward(self, phase: Phase, plan: StepPlan, pick, boundary=None, wait: bool = True) -> torch.Tensor:
-        """One eager forward of `pick(replica work)` rows on `phase`'s path; logits of sampling rows."""
-        rows_all = [pick(w) for w in plan.replicas]
+    def forward(self, phase: Phase, plan: StepPlan, parts: str, boundary=None, wait: bool = True) -> torch.Tensor:
+        """One eager forward of this replica's "decode", "prefill" or "both" rows; logits of sampling rows."""
+        own = plan.replicas[self.replica]
+        mine = own.decode if parts == "decode" else own.prefill if parts == "prefill" else own.decode + own.prefill
         shared = None   # several ranks: the largest replica's rows when P's pieces may take them
-        if self.multi:
-            counts = [sum(r.length for r in rs) for rs in rows_all]
+        if self.multi:   # every replica's tokens: rank-shared counts (other replicas are shapes here)
+            counts = [w.decode_tokens * (parts != "prefill") + w.prefill_tokens * (parts != "decode") for w in plan.replicas]
             self.group.begin(phase.path, plan.step, counts, boundary)
             if not plan.routes_any and (boundary is None or not self.cuda):   # rank-shared facts only
                 shared = max(counts)
-        mine = rows_all[self.replica]
         if not self.cuda:
             batch = self.batches.build(mine, phase)
             self._want_routes(batch, mine)
@@ -292,12 +292,12 @@ class Worker:
         rank replays it, rows or not: its collectives need every rank), else an eager forward."""
         n = max(w.decode_rows for w in plan.replicas)
         if plan.spec_any:   # a graph row is a token: verify rows take k + 1 (graphs.py)
-            n = max(sum(r.length for r in w.decode) for w in plan.replicas)
+            n = max(w.decode_tokens for w in plan.replicas)
         # A graph keeps no routing ids. On several ranks the graphs' collectives are sized for one
         # token per row, so verify steps run eagerly there.
         if self.graphs is None or not self.graphs.fits(n) or plan.routes_any or self.eager_d \
                 or (plan.spec_any and self.multi):
-            logits, graph = self.forward(Phase.DECODE, plan, lambda w: w.decode, wait=wait), False
+            logits, graph = self.forward(Phase.DECODE, plan, "decode", wait=wait), False
         else:
             s, graph = self.streams.get("d") or torch.cuda.current_stream(), True
             rows = list(plan.replicas[self.replica].decode)
@@ -396,23 +396,23 @@ class Worker:
 
 
 def worker_loop(worker: Worker) -> int:
-    """Ranks other than 0: execute broadcast plans until the stop plan."""
+    """Ranks other than 0: execute rank 0's plans until the stop plan."""
     import torch.distributed as dist
     import traceback
+    from .plan_channel import PlanChannel
+    channel = worker.channel = PlanChannel(worker.topo, worker.rank)
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        plan: StepPlan = box[0]
+        plan = channel.recv()
         if plan.stop:
             worker.close()
-            dist.barrier()   # rank 0's broadcast has completed everywhere before anyone leaves
+            dist.barrier()   # rank 0's stop plan has reached every rank before anyone leaves
             return 0
         try:
             report = worker.execute(plan)
         except BaseException as e:
             traceback.print_exc()
             worker.exit_now(e)
-        dist.gather_object(report, None, dst=0)
+        channel.report(report)
 
 
 def single_worker(a, cfg, layout):

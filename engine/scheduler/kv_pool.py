@@ -139,13 +139,41 @@ class BlockPool:
         return n
 
 
+class BlockTable(list):
+    """A reservation's block ids. `frozen()` is one tuple until the table next changes: a step's rows
+    carry it, and the step plan's encoder (runtime/plan_wire.py) sees an unchanged table by identity
+    instead of comparing every block id of every row every step."""
+    __slots__ = ("_frozen",)
+
+    def frozen(self) -> tuple:
+        t = getattr(self, "_frozen", None)
+        if t is None:
+            t = self._frozen = tuple(self)
+        return t
+
+
+def _changes(name: str):
+    base = getattr(list, name)
+
+    def change(self, *args, **kw):
+        self._frozen = None
+        return base(self, *args, **kw)
+    change.__name__ = name
+    return change
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
+              "remove", "clear", "sort", "reverse"):
+    setattr(BlockTable, _name, _changes(_name))
+
+
 @dataclass
 class Reservation:
     """KV held by one request lifetime. Blocks go back to the pool only when no submitted work for
     this lifetime is in flight, so a cancelled reservation is never reused under running work."""
     rid: str
     lifetime: int
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockTable = field(default_factory=BlockTable)
     chain: list[int] = field(default_factory=list)    # prefix hashes of the committed full blocks
     inflight: int = 0
     cancelled: bool = False
@@ -194,6 +222,6 @@ class Reservations:
             return
         r.released = True
         self.pool.release(r.blocks)
-        r.blocks = []
+        r.blocks = BlockTable()
         if r in self.draining:
             self.draining.remove(r)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..protocol.config import ControlSettings, EngineConfig, ModelConfig
 from ..protocol.plan import Phase, ReplicaWork, RowSpec
-from .kv_pool import BlockPool, Reservation, Reservations
+from .kv_pool import BlockPool, BlockTable, Reservation, Reservations
 from .policy import Plan, Snapshot, make_policy
 from .request import Req, RequestError, RequestOutput, SamplingParams, Status
 from .spec import propose_ngram
@@ -181,7 +181,7 @@ class Scheduler:
 
     @staticmethod
     def _spec(r: Req, kind: Phase, start: int, n: int, samples: bool) -> RowSpec:
-        return RowSpec(r.rid, kind, start, tuple(r.tokens[start:start + n]), tuple(r.reservation.blocks),
+        return RowSpec(r.rid, kind, start, tuple(r.tokens[start:start + n]), r.reservation.blocks.frozen(),
                        samples, r.return_logprob, r.routes_from is not None)
 
     def apply_result(self, launched: Launched, tokens: dict, now: float, routes: dict | None = None) -> None:
@@ -241,7 +241,7 @@ class Scheduler:
                 adopted = self.proposer.adopt(rid, list(r.tokens))   # it keeps them: a snapshot
                 if self.head_caps_prefix:
                     limit = min(limit, adopted)
-            res.blocks = [] if r.routes_from is not None else self.pool.match_prefix(r.tokens, limit, res.chain)
+            res.blocks = BlockTable([] if r.routes_from is not None else self.pool.match_prefix(r.tokens, limit, res.chain))
             hit = len(res.blocks) * self.pool.block_size
             fresh = self.pool.allocate(self.pool.blocks_for(target) - len(res.blocks))
             if fresh is None:

@@ -1,14 +1,14 @@
-"""Rank-side body of the P token-slot tests (importable by spawned ranks)."""
+"""Rank-side body of the token-slot tests, P's and D's (importable by spawned ranks)."""
 
 
-def slots_rank(ctx, dtype_name: str = "float32"):
+def slots_rank(ctx, dtype_name: str = "float32", phase_name: str = "prefill"):
     import torch
     from pdrollout.engine.model import ops
     from pdrollout.engine.runtime.expert_comm import ExpertCommError, Phase, TorchExpertComm
-    dtype = getattr(torch, dtype_name)
+    dtype, phase = getattr(torch, dtype_name), Phase(phase_name)
     E, H, I, K, BOUND = 8, 16, 12, 3, 10
     comm = TorchExpertComm([list(range(ctx.world))], ctx.rank, num_experts=E, hidden=H, max_tokens=BOUND,
-                           topk=K, dtype=dtype)
+                           topk=K, dtype=dtype, d_max_tokens=BOUND)
     g = torch.Generator().manual_seed(7)
     gate_up = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)   # every rank knows all
     down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
@@ -27,17 +27,18 @@ def slots_rank(ctx, dtype_name: str = "float32"):
         if t > 2:
             valid[2] = False                                   # padding: routed nowhere
         ref = ops.experts_reference(x, ids, w, gate_up, down) * valid[:, None]
-        before = comm.state(Phase.PREFILL).issued
-        recv, meta, handle = comm.dispatch(Phase.PREFILL, x, ids, w, rows=BOUND, valid=valid)
+        before, sent = comm.state(phase).issued, comm.state(phase).sent
+        recv, meta, handle = comm.dispatch(phase, x, ids, w, rows=BOUND, valid=valid)
         part = ops.experts_reference(recv, meta.expert_ids, meta.weights, gate_up[lo:lo + el], down[lo:lo + el], lo)
-        y = comm.combine(Phase.PREFILL, part, handle)
-        out["issued"].append(comm.state(Phase.PREFILL).issued - before)
+        y = comm.combine(phase, part, handle)
+        out["issued"].append(comm.state(phase).issued - before)
+        out.setdefault("sent", []).append(comm.state(phase).sent - sent)
         out["err"].append(float((y.float() - ref.float()).abs().max()) if t else 0.0)
         if t > 2:
             out["zero_rows"].append(float(y[2].abs().max()))
     out["reads"] = dict(comm.reader.reads)
     try:
-        comm.dispatch(Phase.PREFILL, torch.zeros(BOUND + 1, H, dtype=dtype),
+        comm.dispatch(phase, torch.zeros(BOUND + 1, H, dtype=dtype),
                       torch.zeros(BOUND + 1, K, dtype=torch.long), torch.zeros(BOUND + 1, K, dtype=dtype),
                       rows=BOUND + 1)
         out["over"] = None

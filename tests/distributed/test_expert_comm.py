@@ -22,7 +22,7 @@ def test_concurrent_p_and_d_match_single_rank_reference():
         assert not r["alive"] and r["failures"] == [], r["failures"]
         assert r["errs"]["P"] < 1e-4 and r["errs"]["D"] < 1e-4, r["errs"]
         assert r["errs"]["D_valid"] < 1e-4 and r["errs"]["D_padding"] == 0.0, r["errs"]
-        assert r["errs"]["D_reads"] == (0, "slots", (4 * 12 * 2, 16))   # ep * cap slots, no host read
+        assert r["errs"]["D_reads"] == (0, "tokens", (4 * 12, 16))   # ep * rows token slots, no host read
         assert r["disjoint"] == []                             # buffers, counters, QPs, lanes, groups
         assert r["qp"] == ([2, 3], [0, 1])                      # P [s,2s), D [0,s), s = 2 local experts
         retired, freed, after = r["errs"]["cancel"]

@@ -310,23 +310,40 @@ def test_a_p_epoch_spans_d_steps_only_under_fine_grained(setup, ordering):
 D_PER_LAYER = {(4, 4, 4): 2, (2, 2, 2): 2, (4, 2, 4): 6}
 
 
+def _cost_model():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "e2e"))
+    import rank_cost
+    return rank_cost
+
+
 @pytest.mark.parametrize("ranks", [(4, 4, 4), (2, 2, 2), (4, 2, 4)], ids=lambda r: "-".join(map(str, r)))
 def test_turnstile_and_d_collectives_from_the_step_log(setup, ranks):
     """ATP1 (uncrossed): P epochs beside D with no permit and no rendezvous, their end learnt from the
     step reports; D at two collectives a MoE layer. ATP2/ADP2 (crossed): the turnstile still orders
-    every P epoch. Outputs equal one rank's either way."""
+    every P epoch. Outputs equal one rank's either way. Every rank's D collectives and the bytes they
+    sent, step by step, equal the cost model's (e2e/rank_cost.py) for that step's rows a replica."""
     model, _, d = setup
     log = d / f"collectives-{'-'.join(map(str, ranks))}"
     got = _outputs(_generate(setup, "pd", FINE, ranks, ["--step-log", str(log)]))
     assert got == _reference(setup, "pd")
-    layers = json.loads((d / "tiny" / "config.json").read_text())["num_hidden_layers"]
+    cfg = json.loads((d / "tiny" / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
     crossed = ranks[0] // ranks[1] > 1
-    beside = []
+    rc = _cost_model()
+    shape = rc.Shape(*ranks, cfg["hidden_size"], cfg["num_experts_per_tok"], layers, layers, elem=4)   # fp32
+    logs = [_steps(log, r) for r in range(ranks[0])]
+    atp = ranks[0] // ranks[1]
+    beside, checked = [], 0
     for rank in range(ranks[0]):
-        steps = _steps(log, rank)
+        steps = logs[rank]
         with_d = [s for s in steps if s["decode_rows"] > 0]
         assert with_d and all(s["d_collectives"] == D_PER_LAYER[ranks] * layers for s in with_d), \
             [s["d_collectives"] for s in with_d]
+        for i, s in enumerate(steps):   # the model from the step's rows a replica (its leaders' logs)
+            rows = [logs[r * atp][i]["decode_rows"] for r in range(ranks[1])]
+            want = rc.counted(rc.d_wire(shape, rank, rows)) if max(rows) else (0, 0)
+            assert (s["d_collectives"], s["d_bytes"]) == want, (rank, s["step"], rows)
+            checked += bool(max(rows))
         beside += [s for s in steps if s["p_flight"] is not None]
         if not crossed:
             assert all(s["rounds"] == 0 and not s["rendezvous_s"] and s["permits"] == 0 for s in steps)
@@ -334,6 +351,7 @@ def test_turnstile_and_d_collectives_from_the_step_log(setup, ranks):
             assert sum(s["rounds"] for s in steps) > 0 and sum(s["permits"] for s in steps) > 0
             assert all(s["rounds"] > 0 for s in with_d)         # every D step went through a round
     assert any(s["decode_rows"] > 0 for s in beside)   # an epoch spanned a step in which D ran
+    assert checked >= 3 * ranks[0]   # several D steps a rank
     # the epoch's end lands at the same step on every rank
     firsts = [[(s["step"], s["p_flight"], s["p_done"]) for s in _steps(log, r)] for r in range(ranks[0])]
     assert all(f == firsts[0] for f in firsts)

@@ -81,6 +81,23 @@ def test_late_wakeups_from_a_ping_pong_and_their_effect():
     assert 0.01 < late < 0.06 and np.percentile(noisy.latency, 50) < 0.2e-3
 
 
+def test_a_spinning_waiter_skips_its_own_wake_up_and_a_polled_one_every_wake_up():
+    """Every wake-up late by 2 ms (p = 1): at 2 ranks a call's one round wakes three threads on its path
+    (the sender's loop thread for the receiver's ready notice, the receiver's loop thread for the data,
+    then its waiter). A waiter that spins past the arrival skips the last (2 ms less); a polled
+    transport, read by the spinning threads themselves, skips all three; a window too short for the data
+    to arrive in skips none."""
+    base = Calibration(hop_s=[50e-6], post_s=5e-6, rx_s=0.0, wake_p=1.0, wake_s=[2e-3])
+    p50 = lambda **kw: float(np.percentile(simulate("dissemination", 2, Calibration(**{**base.__dict__, **kw}),
+                                                    calls=20, seed=1).latency[2:], 50))
+    none = p50()
+    waiter = p50(spin="all", spin_s=5e-3)
+    polled = p50(spin="all", spin_s=5e-3, polled=True)
+    assert none > 6e-3 and waiter == pytest.approx(none - 2e-3, abs=1e-4) and polled < 0.2e-3
+    assert p50(spin="all", spin_s=10e-6, polled=True) == pytest.approx(none, abs=1e-4)
+    assert p50(spin="last", spin_s=5e-3) == pytest.approx(waiter, abs=1e-4)   # one round: the last is the only
+
+
 def _log(d, ranks, rounds, skew):
     d.mkdir()
     rng = np.random.default_rng(3)

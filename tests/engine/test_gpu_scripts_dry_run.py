@@ -771,3 +771,17 @@ def test_bench_seeds_passes_no_kv_size_unless_asked(tmp_path):
         assert m, log.read_text()[-2000:]
         blocks, kv_bytes = int(m[1]), int(m[2])
         assert blocks == (8 << 20) // (kv_bytes // (blocks + 1))   # the cache holds one null block beyond
+
+
+def test_ep2_rank_dry_run_runs_the_shard_and_the_whole_model_through_the_d_path(tmp_path):
+    """`bench ep2-rank`: EP rank 0 of 2 (half the experts) and the whole model, each through the multi-rank
+    D path over a one-rank group; the other half's pairs go to no peer, so the shard issues the same two
+    collectives a layer and its floor counts half the expert bytes."""
+    out = tmp_path / "ep2.json"
+    _dry_run("bench", "ep2-rank", str(out), "--rows", "8", "--ctx", "40", "--one-rows", "4", "--one-ctx", "40")
+    r = json.loads(out.read_text())
+    shard, whole = r["ep2_rank"], r["one_gpu"]
+    assert shard["local_experts"] * 2 == whole["local_experts"] and shard["finite"] and whole["finite"]
+    assert shard["d_collectives"] == whole["d_collectives"] == 2 * r["meta"]["layers"]
+    assert shard["kv_bytes"] == 2 * whole["kv_bytes"]   # twice the rows at the same context
+    assert whole["max_abs_diff_vs_one_rank"] <= 1e-5 * whole["ref_scale"]   # the D path is one rank's forward
