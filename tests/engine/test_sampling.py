@@ -60,8 +60,11 @@ def test_stop_token_ids_and_min_new_tokens(tiny_model):
 def test_slime_custom_params_accepted_and_checked():
     import pytest
     from pdrollout.engine.scheduler.request import RequestError
-    sp = SamplingParams.from_dict({"top_p": 0.9, "temperature": 1.0, "custom_params": {"return_top_p_token_ids": True}})
+    sp = SamplingParams.from_dict({"top_p": 0.9, "temperature": 1.0, "custom_params": {"other": 1}})
     assert sp.top_p == 0.9
+    # slime's top_p != 1 rollouts read meta_info.top_p_token_ids, which this engine does not report
+    with pytest.raises(RequestError, match="return_top_p_token_ids is not supported"):
+        SamplingParams.from_dict({"top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}})
     with pytest.raises(RequestError, match="custom_params must be an object"):
         SamplingParams.from_dict({"custom_params": 3})
 

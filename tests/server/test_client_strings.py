@@ -29,9 +29,9 @@ pytestmark = pytest.mark.timeout(600)
 SURROGATE, NUL, LONG = "\ud800", "\x00", "x" * (STRING_MAX_CHARS + 1)
 MODEL = "served-name"
 SP = {"max_new_tokens": 4, "temperature": 0, "stop": ["zz"], "ignore_eos": True}
-# (method, path) -> (its body's model, a valid body with every string field set; a field that takes only
-# None is None); None: a raw JSON object
-SAMPLES: dict[tuple[str, str], tuple[Any, dict]] = {
+# (method, path) -> (its body's model, valid bodies that together set every string field; a field that
+# takes only None is None); None: a raw JSON object
+SAMPLES: dict[tuple[str, str], tuple] = {
     ("POST", "/generate"): (P.GenerateRequest, {
         "text": "ab ce", "sampling_params": SP, "rid": "r-1", "rollout_id": "roll-1", "model": MODEL,
         "input_ids": None, "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None,
@@ -60,7 +60,8 @@ SAMPLES: dict[tuple[str, str], tuple[Any, dict]] = {
         "group_name": "g", "backend": "gloo", "rid": "r"}),
     ("POST", "/update_weights_from_distributed"): (P.UpdateFromDistributedRequest, {
         "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[1]], "group_name": "g", "weight_version": "v",
-        "load_format": None, "selector": "all", "rid": "r"}),
+        "load_format": None, "selector": "all", "rid": "r"}, {   # SkyRL's one tensor a request
+        "name": "w", "dtype": "bfloat16", "shape": [1], "group_name": "g"}),
     ("POST", "/update_weights_from_tensor"): (P.UpdateFromTensorRequest, {
         "serialized_named_tensors": ["QUJD"], "load_format": "direct", "weight_version": "v", "rid": "r"}),
     ("POST", "/destroy_weights_update_group"): (P.DestroyGroupRequest, {"group_name": "g", "rid": "r"}),
@@ -192,9 +193,10 @@ class Beside:
 
 def test_every_route_that_reads_a_body_has_a_full_sample():
     assert body_routes() - NO_BODY == set(SAMPLES), body_routes() - NO_BODY ^ set(SAMPLES)
-    for route, (model, body) in SAMPLES.items():
+    for route, (model, *bodies) in SAMPLES.items():
         if model is not None:
-            assert string_fields(model) <= set(body), (route, string_fields(model) - set(body))
+            given = set().union(*bodies)
+            assert string_fields(model) <= given, (route, string_fields(model) - given)
 
 
 def test_poisoned_strings_get_a_400_naming_the_field_and_harm_no_one(text_server, capsys):
@@ -202,8 +204,8 @@ def test_poisoned_strings_get_a_400_naming_the_field_and_harm_no_one(text_server
     beside = Beside(s)
     tried = served = 0
     try:
-        for (method, path), (_, body) in SAMPLES.items():
-            for where, kind in list(leaves(body)):
+        for (method, path), (_, *bodies) in SAMPLES.items():
+            for body, (where, kind) in [(b, leaf) for b in bodies for leaf in leaves(b)]:
                 key = kind == "key"
                 for poison in (SURROGATE, NUL, LONG):
                     r = s.http.request(method, path, json=None, content=json.dumps(poisoned(body, where, poison, key)),
@@ -233,7 +235,8 @@ def test_poisoned_strings_get_a_400_naming_the_field_and_harm_no_one(text_server
                 assert r.status_code == 400 and f"query parameter {q}" in r.text, (path, bad[:9], r.text[:300])
     finally:
         beside.stop()
-    content = sum(kind is True for (_, p), (_, b) in SAMPLES.items() if p in GENERATION for _, kind in leaves(b))
+    content = sum(kind is True for (_, p), (_, *bs) in SAMPLES.items() if p in GENERATION
+                  for b in bs for _, kind in leaves(b))
     assert served == content >= 3, (served, content)   # the content cases reached the engine
     assert s.proc.poll() is None and s.http.get("/health").status_code == 200
     stats = s.stats()
