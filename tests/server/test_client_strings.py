@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import shutil
 import threading
 from typing import Any, Literal, get_args, get_origin
 
@@ -23,6 +21,7 @@ from pdrollout.engine.server.app import Server, ServerSettings
 from pdrollout.engine.server.client_strings import CONTENT_KEYS, STRING_MAX_CHARS
 from pdrollout.engine.server.routes import build_app
 from pdrollout.engine.server.routes_chat import ChatRequest
+from server.piece_tokenizer import piece_model
 from serverproc import ServerProcess, iter_sse
 
 pytestmark = pytest.mark.timeout(600)
@@ -141,22 +140,8 @@ def poisoned(body, path, poison, key: bool):
 @pytest.fixture(scope="module")
 def text_server(tiny_model, tmp_path_factory):
     """The tiny model with a tokenizer and a chat template (text, prompt and chat content are tokenized)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
     d = tmp_path_factory.mktemp("strings")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, d / f.name)
-    vocab_size = json.loads((d / "config.json").read_text())["vocab_size"]
-    rng, pieces = random.Random(0), list("abcdef \x00")
-    while len(pieces) < vocab_size:
-        p = "".join(rng.choice("abcdef ") for _ in range(rng.randint(2, 4)))
-        if p not in pieces:
-            pieces.append(p)
-    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token=None))
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    fast.save_pretrained(d)
+    fast = piece_model(tiny_model, d, extra="\x00", chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
     s = ServerProcess(d, "--served-model-name", MODEL)
     yield s, fast
     assert s.stop() == 0, s.log[-5000:]

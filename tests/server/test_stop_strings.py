@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
 
 from hf_reference import hf_model
+from server.piece_tokenizer import piece_model
 from serverproc import ServerProcess
 
-ALPHABET = "abcdef "
 PROMPTS = [[3, 5, 7, 9, 11], list(range(40, 52)), [401, 17, 99]]
 HELD_OUT = [["dd"], ["ae", "fb"], "ce", ["cc", "b f"], ["fffff"], ["aea"], ["e e"], "ba"]
 MAX_NEW = 24
@@ -25,21 +24,8 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def text_model(tiny_model, tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
     d = tmp_path_factory.mktemp("stops")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, d / f.name)
-    vocab_size = json.loads((d / "config.json").read_text())["vocab_size"]
-    rng, pieces = random.Random(0), list(ALPHABET)
-    while len(pieces) < vocab_size:
-        p = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(2, 4)))
-        if p not in pieces:
-            pieces.append(p)
-    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token=None))
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.save_pretrained(d)
+    fast = piece_model(tiny_model, d)
     s = ServerProcess(d)
     yield d, fast, s
     assert s.stop() == 0, s.log
